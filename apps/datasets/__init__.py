@@ -1,0 +1,1 @@
+"""Datasets and data nodes: per-job slice states AVAILABLE → ASSIGNED → USED (built with DiLoCo training)."""

@@ -1,0 +1,1 @@
+"""Datasets, data nodes and per-job slice states arrive with DiLoCo training end to end."""

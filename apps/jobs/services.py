@@ -1,0 +1,321 @@
+"""Job workflows: the one place that knows every role of a DiLoCo job and drives the market and leases.
+
+The gateway consumer, the REST API and the Celery tasks call these functions; they hold no logic of
+their own. Messages to daemons and follow-up tasks are sent after commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.jobs import tasks
+from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job
+from apps.leases import services as lease_services
+from apps.leases.exceptions import LeaseTransitionRefused
+from apps.leases.models import Lease
+from apps.market import services as market
+from apps.market.models import Advertisement
+from apps.workers import services as worker_services
+from apps.workers.models import Worker
+from hypha_site.runtime import enqueue_on_commit
+from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
+
+ALLOCATING_STATES = (Job.Status.PENDING, Job.Status.ALLOCATING, Job.Status.ALLOCATED, Job.Status.RUNNING)
+
+
+# --- jobs ---------------------------------------------------------------------------------------------------
+
+
+def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec: dict | None = None) -> Job:
+    """Create a job (PENDING) and queue its allocation. ``requirements`` must already be validated."""
+    with transaction.atomic():
+        job = Job.objects.create(
+            owner=owner, name=name, num_trainers=num_trainers, requirements=requirements, spec=spec or {},
+            status=Job.Status.PENDING, status_reason="PENDING: waiting to be advertised",
+        )
+        enqueue_on_commit(tasks.allocate_job, str(job.pk))
+    return job
+
+
+def allocate(job_id) -> None:
+    """Advertise every role that is short of ACTIVE leases; cancel adverts that are no longer needed."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or job.status not in ALLOCATING_STATES:
+            return
+        for role in ROLES:
+            requirement = job.requirement(role)
+            missing = requirement.count - _active_count(job, role)
+            ad = job.advertisements.filter(role=role, status=Advertisement.Status.OPEN).first()
+            if ad is not None:
+                if missing <= 0:
+                    market.cancel(ad, reason="role no longer needs workers")
+                else:
+                    market.set_wanted(ad, missing)
+            elif missing > 0:
+                market.advertise(
+                    job=job, role=role, wanted=missing, resources=requirement.resources,
+                    executor=requirement.executor, bid=requirement.bid, max_price=requirement.max_price,
+                )
+        refresh_status(job)
+
+
+def refresh_status(job: Job, *, note: str = "") -> None:
+    """Recompute the job's allocation status and its visible reason from its leases and adverts."""
+    if job.status not in ALLOCATING_STATES:
+        return
+    counts = {role: (_active_count(job, role), job.requirement(role).count) for role in ROLES}
+    summary = ", ".join(
+        f"{have} of {want} {ROLE_LABELS[role][1] if want != 1 else ROLE_LABELS[role][0]}"
+        for role, (have, want) in counts.items()
+    )
+    if all(have >= want for have, want in counts.values()):
+        total = sum(want for _, want in counts.values())
+        target = Job.Status.RUNNING if job.status == Job.Status.RUNNING else Job.Status.ALLOCATED
+        reason = f"{target.upper()}: all {total} leases active ({summary})"
+    else:
+        target = Job.Status.ALLOCATING
+        reason = f"ALLOCATING: {summary} leased"
+        waiting = _waiting_note(job)
+        if waiting:
+            reason += f"; {waiting}"
+    if note:
+        reason += f" — {note}"
+    try:
+        job.transition(target, reason=reason)
+    except JobTransitionRefused:
+        logger.info("job %s: status not refreshed (%s)", job.pk, job.status)
+
+
+def cancel_job(job: Job, *, reason: str = "cancelled by its owner") -> Job:
+    """Cancel a job: close its adverts and release every lease it holds."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        if job.is_final:
+            raise JobNotCancellable(f"job {job.pk} is already {job.status}")
+        job.transition(Job.Status.CANCELLED, reason=f"CANCELLED: {reason}")
+        for ad in job.advertisements.filter(status=Advertisement.Status.OPEN):
+            market.cancel(ad, reason="job cancelled")
+        for lease in job.leases.filter(status__in=Lease.LIVE).select_related("worker"):
+            _end_lease(lease, reason="job cancelled", notify_job=False)
+    return job
+
+
+# --- the gateway: what daemons say -------------------------------------------------------------------------
+
+
+def worker_connected(*, worker: Worker, channel_name: str, hello: protocol.Hello, info: dict) -> protocol.Welcome:
+    """Record a (re)connection and reconcile leases: keep what both sides hold, end the rest."""
+    with transaction.atomic():
+        worker = worker_services.record_connection(worker=worker, channel_name=channel_name, hello=hello, info=info)
+        claimed = set(hello.leases)
+        kept: list[protocol.LeaseInfo] = []
+        now = timezone.now()
+        for lease in lease_services.live_leases(worker.pk, now=now).select_related("worker"):
+            if lease.status == Lease.Status.ACTIVE and lease.id in claimed:
+                kept.append(_lease_info(lease, now))
+            else:
+                _end_lease(lease, reason="the worker's daemon no longer holds it (reconnected without it)")
+        return protocol.Welcome(
+            worker_id=worker.pk, worker_name=worker.name,
+            lease_ttl=lease_services.lease_ttl().total_seconds(),
+            offer_ttl=lease_services.offer_ttl().total_seconds(),
+            leases=kept, advertisements=market.open_advertisements(),
+        )
+
+
+def worker_disconnected(*, worker: Worker, channel_name: str) -> None:
+    """The connection closed: the worker is offline; its open offers are void. ACTIVE leases run on to expiry."""
+    with transaction.atomic():
+        if not worker_services.record_disconnection(worker=worker, channel_name=channel_name):
+            return
+        for lease in Lease.objects.filter(worker=worker, status=Lease.Status.TEMPORARY).select_related("worker"):
+            _end_lease(lease, reason="the worker disconnected while its offer was open", tell_worker=False)
+
+
+def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferReceived | protocol.OfferDeclined:
+    """A daemon offers on an advert: the reply to send back (raises OfferRefused when it is not considered)."""
+    with transaction.atomic():
+        # Re-read: the consumer's copy predates the resources and executors its hello just reported.
+        worker = Worker.objects.get(pk=worker.pk)
+        outcome = market.record_offer(worker=worker, message=message)
+        offer = outcome.offer
+        if offer.lease_id is None:
+            return protocol.OfferDeclined(advertisement_id=message.advertisement_id, reason=offer.reason)
+        if outcome.ready:
+            enqueue_on_commit(tasks.settle_advertisement, str(offer.advertisement_id), False)
+        return protocol.OfferReceived(
+            advertisement_id=offer.advertisement_id, offer_id=offer.pk, lease_id=offer.lease_id,
+            expires_in=(offer.expires_at - timezone.now()).total_seconds(),
+        )
+
+
+def settle_advertisement(advertisement_id, *, closing: bool) -> None:
+    """Settle an advert (enough offers, or window closed) and update its job."""
+    with transaction.atomic():
+        result = market.settle(advertisement_id, closing=closing)
+        ad = result.advertisement
+        if ad is None or not (result.accepted or result.filled or result.readvertise_in is not None):
+            return
+        refresh_status(Job.objects.get(pk=ad.job_id))
+
+
+def renewal_confirmed(*, worker: Worker, lease_id) -> bool:
+    """The daemon confirmed it holds the lease: extend it. False (and the daemon told) if it cannot be."""
+    lease = Lease.objects.filter(pk=lease_id, worker=worker).first()
+    if lease is None:
+        return False
+    try:
+        lease.renew(ttl=lease_services.lease_ttl())
+    except LeaseTransitionRefused:
+        with transaction.atomic():
+            lease.refresh_from_db()
+            if lease.is_live:  # past expires_at, not yet expired by the clock: expire it now
+                _end_lease(lease, reason="renewal confirmed after the lease ran out", expired=True)
+            else:
+                _tell_lease_ended(lease)
+        return False
+    return True
+
+
+def lease_given_back(*, worker: Worker, lease_id, reason: str) -> bool:
+    """The daemon releases a lease (shutdown, or it does not hold it). False if it is not this worker's."""
+    with transaction.atomic():
+        lease = Lease.objects.select_related("worker").filter(pk=lease_id, worker=worker).first()
+        if lease is None:
+            return False
+        if lease.is_live:
+            _end_lease(lease, reason=f"released by the worker: {reason or 'no reason given'}")
+        else:
+            _tell_lease_ended(lease)
+    return True
+
+
+def revoke_worker(worker: Worker) -> None:
+    """Revoke a worker's token: its connection is closed and its leases end now."""
+    with transaction.atomic():
+        worker_services.revoke_token(worker)
+        for lease in Lease.objects.filter(worker=worker, status__in=Lease.LIVE).select_related("worker"):
+            _end_lease(lease, reason="the worker's token was revoked", tell_worker=False)
+
+
+# --- clocks ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LeaseTick:
+    expired: int = 0
+    renewals_requested: int = 0
+
+
+def tick_leases() -> LeaseTick:
+    """Expire leases that ran out and ask daemons to confirm leases that are due for renewal."""
+    result = LeaseTick()
+    for lease in lease_services.due_for_expiry():
+        with transaction.atomic():
+            try:
+                _end_lease(lease, reason="not renewed before it ran out", expired=True)
+                result.expired += 1
+            except LeaseTransitionRefused:
+                pass  # renewed or released concurrently: nothing to do
+    ttl = lease_services.lease_ttl()
+    for lease in lease_services.claim_due_renewals():
+        expires_in = ttl.total_seconds()
+        worker_services.send_to_worker(lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in))
+        result.renewals_requested += 1
+    return result
+
+
+def tick_market() -> None:
+    """Settle adverts whose window closed, and re-advertise those whose backoff passed."""
+    for advertisement_id in market.due_windows():
+        settle_advertisement(advertisement_id, closing=True)
+    for advertisement_id in market.due_readvertisements():
+        with transaction.atomic():
+            ad = market.readvertise(advertisement_id)
+            if ad is not None:
+                refresh_status(Job.objects.get(pk=ad.job_id))
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _active_count(job: Job, role: str) -> int:
+    return job.leases.filter(role=role, status=Lease.Status.ACTIVE).count()
+
+
+def _waiting_note(job: Job) -> str:
+    notes = []
+    for ad in job.advertisements.filter(status=Advertisement.Status.OPEN).order_by("role"):
+        label = ROLE_LABELS.get(ad.role, (ad.role, ad.role))[1 if ad.wanted != 1 else 0]
+        if ad.next_attempt_at is not None:
+            # An absolute time keeps the reason stable between refreshes (one JobEvent per attempt).
+            notes.append(
+                f"not enough offers for {ad.wanted} {label} after attempt {ad.attempt + 1}; "
+                f"re-advertising at {ad.next_attempt_at:%H:%M:%S} UTC"
+            )
+        else:
+            notes.append(f"advertising {ad.wanted} {label} (attempt {ad.attempt + 1})")
+    return "; ".join(notes)
+
+
+def _lease_info(lease: Lease, now) -> protocol.LeaseInfo:
+    return protocol.LeaseInfo(
+        lease_id=lease.id, job_id=lease.job_id, role=lease.role, status=lease.status,
+        resources=lease.resources, expires_in=max(0.0, (lease.expires_at - now).total_seconds()),
+    )
+
+
+def _tell_lease_ended(lease: Lease) -> None:
+    worker_services.send_to_worker(
+        lease.worker_id,
+        protocol.LeaseEnded(lease_id=lease.id, status=lease.status, reason=lease.status_reason),
+    )
+
+
+def _end_lease(lease: Lease, *, reason: str, expired: bool = False, tell_worker: bool = True,
+               notify_job: bool = True) -> None:
+    """End a live lease (expire or release), tell its daemon, void its offer, and let the job react."""
+    was_active = lease.status == Lease.Status.ACTIVE
+    if expired:
+        lease.expire(reason=reason)
+    else:
+        lease.release(reason=reason)
+    if tell_worker:
+        _tell_lease_ended(lease)
+    market.offer_lease_ended(lease)
+    if not (was_active and notify_job):
+        return
+    job = Job.objects.get(pk=lease.job_id)
+    if job.status not in ALLOCATING_STATES:
+        return
+    label = ROLE_LABELS.get(lease.role, (lease.role,))[0]
+    note = f"{label} lease on {lease.worker.name} {lease.status}: {reason}"
+    refresh_status(job, note=note)
+    enqueue_on_commit(tasks.allocate_job, str(job.pk))
+
+
+__all__ = [
+    "PARAMETER_SERVER",
+    "TRAINER",
+    "allocate",
+    "cancel_job",
+    "create_job",
+    "lease_given_back",
+    "offer_made",
+    "refresh_status",
+    "renewal_confirmed",
+    "revoke_worker",
+    "settle_advertisement",
+    "tick_leases",
+    "tick_market",
+    "worker_connected",
+    "worker_disconnected",
+]

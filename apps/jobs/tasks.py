@@ -1,0 +1,32 @@
+"""Celery tasks of the market and lease clocks. Thin: each takes ids, is idempotent, and calls a service.
+
+Beat runs ``tick_leases`` and ``tick_market`` every ``HYPHA_TICK_INTERVAL`` seconds (in the embedded
+default the in-process runner does, with the same functions).
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from apps.jobs import services
+
+
+@shared_task(name="apps.jobs.tasks.allocate_job")
+def allocate_job(job_id: str) -> None:
+    services.allocate(job_id)
+
+
+@shared_task(name="apps.jobs.tasks.settle_advertisement")
+def settle_advertisement(advertisement_id: str, closing: bool) -> None:
+    services.settle_advertisement(advertisement_id, closing=closing)
+
+
+@shared_task(name="apps.jobs.tasks.tick_leases")
+def tick_leases() -> dict:
+    result = services.tick_leases()
+    return {"expired": result.expired, "renewals_requested": result.renewals_requested}
+
+
+@shared_task(name="apps.jobs.tasks.tick_market")
+def tick_market() -> None:
+    services.tick_market()

@@ -1,0 +1,110 @@
+"""The market: advertisements (a job role asking for workers) and the offers daemons answer with.
+
+Advertisement::
+
+    OPEN ──(enough offers accepted)──▶ FILLED
+      │ └─(window closed short)──▶ OPEN again, attempt + 1, after a bounded backoff
+      └──(job cancelled / role no longer needed)──▶ CANCELLED
+
+Offer::
+
+    OPEN ──▶ ACCEPTED     chosen; its TEMPORARY lease became ACTIVE
+      ├───▶ DECLINED     lost to better offers, price above the private max, or the advert closed
+      └───▶ EXPIRED      its temporary lease ran out before a decision
+
+The ``max_price`` of an advertisement is private to the job owner and the control plane; daemons only see
+``bid``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+from worker_daemon.protocol import ExecutorDescriptor, Resources
+
+
+class Advertisement(models.Model):
+    class Status(models.TextChoices):
+        OPEN = "open", "open"
+        FILLED = "filled", "filled"
+        CANCELLED = "cancelled", "cancelled"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="advertisements")
+    role = models.CharField(max_length=32)
+    wanted = models.PositiveIntegerField(help_text="Workers still needed for the role.")
+    cpu = models.FloatField(default=0)
+    memory = models.FloatField(default=0)
+    storage = models.FloatField(default=0)
+    gpu = models.FloatField(default=0)
+    executors = models.JSONField(default=list)
+    bid = models.FloatField(help_text="Public price per worker, broadcast to daemons.")
+    max_price = models.FloatField(help_text="Private maximum; offers above it are declined.")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
+    attempt = models.PositiveIntegerField(default=0)
+    window_closes_at = models.DateTimeField(help_text="When the current attempt stops collecting offers.")
+    next_attempt_at = models.DateTimeField(null=True, blank=True, help_text="When to re-advertise, if short.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["status", "window_closes_at"]), models.Index(fields=["job", "role"])]
+
+    def __str__(self) -> str:
+        return f"{self.role} advert for job {self.job_id} ({self.status}, {self.wanted} wanted)"
+
+    @property
+    def resources(self) -> Resources:
+        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)
+
+    @property
+    def executor_descriptors(self) -> list[ExecutorDescriptor]:
+        return [ExecutorDescriptor.model_validate(item) for item in self.executors]
+
+
+class Offer(models.Model):
+    class Status(models.TextChoices):
+        OPEN = "open", "open"
+        ACCEPTED = "accepted", "accepted"
+        DECLINED = "declined", "declined"
+        EXPIRED = "expired", "expired"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    advertisement = models.ForeignKey(Advertisement, on_delete=models.CASCADE, related_name="offers")
+    worker = models.ForeignKey("workers.Worker", on_delete=models.CASCADE, related_name="offers")
+    attempt = models.PositiveIntegerField()
+    price = models.FloatField()
+    cpu = models.FloatField(default=0)
+    memory = models.FloatField(default=0)
+    storage = models.FloatField(default=0)
+    gpu = models.FloatField(default=0)
+    score = models.FloatField(help_text="price per weighted capacity; lower wins")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
+    reason = models.CharField(max_length=300, blank=True)
+    lease = models.OneToOneField(
+        "leases.Lease", on_delete=models.SET_NULL, null=True, blank=True, related_name="offer"
+    )
+    expires_at = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["score", "created_at"]
+        constraints = [
+            # A worker has at most one open offer per advertisement: a retried or duplicated frame
+            # cannot reserve the same worker twice.
+            models.UniqueConstraint(
+                fields=["advertisement", "worker"], condition=Q(status="open"), name="one_open_offer_per_worker"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"offer {self.price} by {self.worker_id} ({self.status})"
+
+    @property
+    def resources(self) -> Resources:
+        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)

@@ -1,0 +1,285 @@
+"""Market workflows: advertising a role, taking offers, and choosing the winners.
+
+Selection (reference §3.4, improved): offers above the advertisement's private ``max_price`` are declined
+on arrival; the rest are ranked by *price per weighted capacity* (lower wins), at most one offer per worker
+per advertisement (a database constraint), and the best ``wanted`` ones have their TEMPORARY leases
+activated. An advertisement settles as soon as it has as many open offers as it wants, or when its
+window closes; if it is still short it re-advertises after a bounded exponential backoff.
+
+These functions decide and record; they tell daemons what happened (after commit) but leave the job's
+status to :mod:`apps.jobs.services`, which calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from apps.leases import services as lease_services
+from apps.leases.exceptions import CapacityExceeded, LeaseTransitionRefused
+from apps.leases.models import Lease
+from apps.market.exceptions import AdvertisementClosed, OfferRefused, UnknownAdvertisement
+from apps.market.models import Advertisement, Offer
+from apps.workers import services as worker_services
+from apps.workers.models import Worker
+from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
+
+
+def offer_score(*, price: float, resources: protocol.Resources) -> float:
+    """Price per weighted capacity; lower is better. An offer of no capacity never wins."""
+    weighted = resources.weighted()
+    return price / weighted if weighted > 0 else math.inf
+
+
+def readvertise_delay(attempt: int) -> float:
+    """Bounded exponential backoff before attempt ``attempt + 1``."""
+    return min(settings.HYPHA_READVERTISE_MAX, settings.HYPHA_READVERTISE_BASE * 2 ** min(attempt, 30))
+
+
+def advertisement_message(ad: Advertisement) -> protocol.Advertisement:
+    return protocol.Advertisement(
+        advertisement_id=ad.id, attempt=ad.attempt, job_id=ad.job_id, role=ad.role, resources=ad.resources,
+        executors=ad.executor_descriptors, bid=ad.bid, wanted=ad.wanted,
+    )
+
+
+def advertise(*, job, role: str, wanted: int, resources: protocol.Resources,
+              executor: protocol.ExecutorDescriptor, bid: float, max_price: float) -> Advertisement:
+    """Open an advertisement for ``wanted`` workers of ``role`` and broadcast it to connected daemons."""
+    now = timezone.now()
+    ad = Advertisement.objects.create(
+        job=job, role=role, wanted=wanted, cpu=resources.cpu, memory=resources.memory,
+        storage=resources.storage, gpu=resources.gpu, executors=[executor.model_dump(by_alias=True)],
+        bid=bid, max_price=max_price, window_closes_at=now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW),
+    )
+    worker_services.broadcast(advertisement_message(ad))
+    return ad
+
+
+def open_advertisements() -> list[protocol.Advertisement]:
+    """Adverts currently collecting offers, for a daemon that just connected."""
+    now = timezone.now()
+    ads = Advertisement.objects.filter(status=Advertisement.Status.OPEN, window_closes_at__gt=now)
+    return [advertisement_message(ad) for ad in ads.order_by("created_at")[:200]]
+
+
+def set_wanted(ad: Advertisement, wanted: int) -> None:
+    if ad.wanted != wanted:
+        Advertisement.objects.filter(pk=ad.pk).update(wanted=wanted)
+        ad.wanted = wanted
+
+
+@dataclass
+class OfferOutcome:
+    offer: Offer
+    #: True when the advertisement now has enough open offers to settle at once.
+    ready: bool
+
+
+def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
+    """Take a daemon's offer: decline it (recorded) or hold the worker with a TEMPORARY lease.
+
+    Raises :class:`OfferRefused` (nothing recorded) when the offer cannot be considered at all: unknown or
+    closed advertisement, a stale attempt, a duplicate, or resources that do not meet the advert.
+    """
+    with transaction.atomic():
+        ad = (
+            Advertisement.objects.select_for_update().select_related("job")
+            .filter(pk=message.advertisement_id).first()
+        )
+        if ad is None:
+            raise UnknownAdvertisement(f"no advertisement {message.advertisement_id}")
+        now = timezone.now()
+        if ad.status != Advertisement.Status.OPEN or ad.job.is_final:
+            raise AdvertisementClosed(f"advertisement {ad.id} is {ad.status}")
+        if message.attempt != ad.attempt or ad.window_closes_at <= now or ad.next_attempt_at is not None:
+            raise AdvertisementClosed(f"the offer window of attempt {message.attempt} is closed")
+        missing = {tuple(d.key()) for d in ad.executor_descriptors} - worker.executor_keys()
+        if missing:
+            raise OfferRefused(f"worker does not offer executor(s) {sorted(missing)}")
+        if not ad.resources.fits_within(message.resources):
+            raise OfferRefused("offered resources are below the advertised minimum")
+        if not message.resources.fits_within(worker.capacity):
+            raise OfferRefused("offered resources exceed the worker's declared capacity")
+        fields = {
+            "advertisement": ad, "worker": worker, "attempt": ad.attempt, "price": message.price,
+            "cpu": message.resources.cpu, "memory": message.resources.memory,
+            "storage": message.resources.storage, "gpu": message.resources.gpu,
+            "score": offer_score(price=message.price, resources=message.resources),
+        }
+        if message.price > ad.max_price:
+            # Recorded (it is market activity) but never held: the daemon is free at once.
+            offer = Offer.objects.create(
+                **fields, status=Offer.Status.DECLINED, reason="price above what the job pays",
+                expires_at=now, decided_at=now,
+            )
+            return OfferOutcome(offer=offer, ready=False)
+        try:
+            with transaction.atomic():
+                lease = lease_services.reserve(
+                    worker_id=worker.pk, job=ad.job, role=ad.role, resources=message.resources, price=message.price
+                )
+                offer = Offer.objects.create(**fields, lease=lease, expires_at=lease.expires_at)
+        except CapacityExceeded as error:
+            raise OfferRefused(f"worker is leased to capacity: {error}") from None
+        except IntegrityError:
+            raise OfferRefused("this worker already has an open offer on the advertisement") from None
+        open_offers = ad.offers.filter(status=Offer.Status.OPEN, price__lte=ad.max_price).count()
+        return OfferOutcome(offer=offer, ready=open_offers >= ad.wanted)
+
+
+@dataclass
+class Settlement:
+    advertisement: Advertisement | None
+    accepted: list[Offer] = field(default_factory=list)
+    declined: list[Offer] = field(default_factory=list)
+    filled: bool = False
+    #: Seconds until the next attempt, when the window closed short.
+    readvertise_in: float | None = None
+
+
+def settle(advertisement_id, *, closing: bool) -> Settlement:
+    """Choose winners among the advert's open offers.
+
+    ``closing=False`` (enough offers arrived) settles only if there are at least ``wanted`` candidates;
+    ``closing=True`` (the window ran out) takes what there is, declines the rest and schedules the next
+    attempt if still short. Idempotent: a settled or closed advertisement is left alone.
+    """
+    with transaction.atomic():
+        ad = Advertisement.objects.select_for_update().filter(pk=advertisement_id).first()
+        if ad is None or ad.status != Advertisement.Status.OPEN or ad.next_attempt_at is not None:
+            return Settlement(advertisement=ad)
+        now = timezone.now()
+        candidates = list(
+            ad.offers.filter(status=Offer.Status.OPEN, lease__status=Lease.Status.TEMPORARY, lease__expires_at__gt=now)
+            .select_related("lease", "worker")
+            .order_by("score", "created_at")
+        )
+        if not closing and len(candidates) < ad.wanted:
+            return Settlement(advertisement=ad)
+        result = Settlement(advertisement=ad)
+        for offer in candidates:
+            if len(result.accepted) < ad.wanted:
+                try:
+                    offer.lease.activate(ttl=lease_services.lease_ttl())
+                except LeaseTransitionRefused:
+                    _decide(offer, Offer.Status.EXPIRED, "its temporary lease ran out before the decision", now)
+                    continue
+                _decide(offer, Offer.Status.ACCEPTED, "", now)
+                result.accepted.append(offer)
+            else:
+                result.declined.append(offer)
+        for offer in result.declined:
+            _decline_and_release(offer, "another offer won", now)
+        set_wanted(ad, ad.wanted - len(result.accepted))
+        if ad.wanted == 0:
+            _close(ad, Advertisement.Status.FILLED, "filled", now)
+            result.filled = True
+        elif closing:
+            # Anything still open lost its window; free those workers and try again later.
+            for offer in ad.offers.filter(status=Offer.Status.OPEN).select_related("lease"):
+                _decline_and_release(offer, "the offer window closed", now)
+                result.declined.append(offer)
+            delay = readvertise_delay(ad.attempt)
+            ad.next_attempt_at = now + timedelta(seconds=delay)
+            ad.save(update_fields=["next_attempt_at"])
+            result.readvertise_in = delay
+        for offer in result.accepted:
+            lease = offer.lease
+            worker_services.send_to_worker(
+                offer.worker_id,
+                protocol.LeaseGranted(
+                    lease_id=lease.id, advertisement_id=ad.id, job_id=ad.job_id, role=ad.role,
+                    resources=lease.resources, price=lease.price,
+                    expires_in=(lease.expires_at - now).total_seconds(),
+                ),
+            )
+    return result
+
+
+def readvertise(advertisement_id) -> Advertisement | None:
+    """Start the next attempt of a short advertisement whose backoff has passed."""
+    with transaction.atomic():
+        ad = Advertisement.objects.select_for_update().filter(pk=advertisement_id).first()
+        now = timezone.now()
+        if ad is None or ad.status != Advertisement.Status.OPEN or ad.next_attempt_at is None:
+            return None
+        if ad.next_attempt_at > now:
+            return None
+        ad.attempt += 1
+        ad.next_attempt_at = None
+        ad.window_closes_at = now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW)
+        ad.save(update_fields=["attempt", "next_attempt_at", "window_closes_at"])
+        worker_services.broadcast(advertisement_message(ad))
+    return ad
+
+
+def cancel(ad: Advertisement, *, reason: str) -> None:
+    """Close an open advertisement without filling it; its open offers are declined and their workers freed."""
+    with transaction.atomic():
+        ad = Advertisement.objects.select_for_update().get(pk=ad.pk)
+        if ad.status != Advertisement.Status.OPEN:
+            return
+        now = timezone.now()
+        for offer in ad.offers.filter(status=Offer.Status.OPEN).select_related("lease"):
+            _decline_and_release(offer, reason, now)
+        _close(ad, Advertisement.Status.CANCELLED, reason, now)
+
+
+def due_windows(*, limit: int = 200) -> list:
+    """Ids of open adverts whose offer window has closed and that have not settled it yet."""
+    return list(
+        Advertisement.objects.filter(
+            status=Advertisement.Status.OPEN, next_attempt_at__isnull=True, window_closes_at__lte=timezone.now()
+        ).values_list("pk", flat=True)[:limit]
+    )
+
+
+def due_readvertisements(*, limit: int = 200) -> list:
+    return list(
+        Advertisement.objects.filter(
+            status=Advertisement.Status.OPEN, next_attempt_at__lte=timezone.now()
+        ).values_list("pk", flat=True)[:limit]
+    )
+
+
+def offer_lease_ended(lease: Lease) -> None:
+    """A TEMPORARY lease ended outside a settlement (expired, or its daemon left): its offer is over."""
+    now = timezone.now()
+    status = Offer.Status.EXPIRED if lease.status == Lease.Status.EXPIRED else Offer.Status.DECLINED
+    Offer.objects.filter(lease=lease, status=Offer.Status.OPEN).update(
+        status=status, reason=(lease.status_reason or status)[:300], decided_at=now
+    )
+
+
+def _decide(offer: Offer, status: str, reason: str, now) -> None:
+    offer.status, offer.reason, offer.decided_at = status, reason[:300], now
+    offer.save(update_fields=["status", "reason", "decided_at"])
+
+
+def _decline_and_release(offer: Offer, reason: str, now) -> None:
+    _decide(offer, Offer.Status.DECLINED, reason, now)
+    lease = offer.lease
+    if lease is not None and lease.is_live:
+        try:
+            lease.release(reason=f"offer declined: {reason}")
+        except LeaseTransitionRefused:
+            pass  # it expired in the meantime: the worker is free either way
+    worker_services.send_to_worker(
+        offer.worker_id,
+        protocol.OfferDeclined(advertisement_id=offer.advertisement_id, lease_id=offer.lease_id, reason=reason),
+    )
+
+
+def _close(ad: Advertisement, status: str, reason: str, now) -> None:
+    ad.status, ad.closed_at = status, now
+    ad.save(update_fields=["status", "closed_at"])
+    worker_services.broadcast(protocol.AdvertisementClosed(advertisement_id=ad.id, reason=reason))

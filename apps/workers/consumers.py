@@ -1,0 +1,170 @@
+"""The worker gateway: the websocket that worker daemons connect to, outbound, at ``/ws/worker/``.
+
+Authentication is the ``Authorization: Bearer <token>`` header of the handshake. A refused token still gets
+the connection accepted so that an :class:`~worker_daemon.protocol.Error` frame can say why before the close
+(daphne drops close reasons); the close code says it too (:class:`~worker_daemon.protocol.CloseCode`).
+
+The consumer validates frames and calls :mod:`apps.jobs.services`; it holds no market logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from apps.jobs import services as job_services
+from apps.market.exceptions import OfferRefused
+from apps.workers import services as worker_services
+from apps.workers.exceptions import AuthenticationFailed
+from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between ``last_seen_at`` writes for a busy connection.
+TOUCH_INTERVAL = 5.0
+
+
+class WorkerGatewayConsumer(AsyncWebsocketConsumer):
+    worker = None
+    greeted = False
+
+    async def connect(self) -> None:
+        await self.accept()
+        try:
+            self.worker = await database_sync_to_async(worker_services.authenticate)(self._bearer_token())
+        except AuthenticationFailed as error:
+            logger.warning("worker connection refused from %s: %s", self._peer(), error.message)
+            await self._close_with(error.code, protocol.ErrorCode.REFUSED, error.message)
+            return
+        self.last_touch = time.monotonic()
+
+    async def disconnect(self, code) -> None:
+        if self.worker is None or not self.greeted:
+            return
+        await self.channel_layer.group_discard(worker_services.WORKERS_GROUP, self.channel_name)
+        await self.channel_layer.group_discard(worker_services.worker_group(self.worker.pk), self.channel_name)
+        await database_sync_to_async(job_services.worker_disconnected)(
+            worker=self.worker, channel_name=self.channel_name
+        )
+
+    async def receive(self, text_data=None, bytes_data=None) -> None:
+        if self.worker is None:
+            return
+        if text_data is None:
+            await self._error(protocol.ErrorCode.MALFORMED, "binary frames are not part of the protocol")
+            return
+        if len(text_data) > settings.HYPHA_WS_MAX_MESSAGE_BYTES:
+            logger.warning("worker %s sent a %d-byte frame; refused", self.worker.name, len(text_data))
+            await self._error(
+                protocol.ErrorCode.TOO_LARGE,
+                f"frame of {len(text_data)} bytes exceeds {settings.HYPHA_WS_MAX_MESSAGE_BYTES}",
+            )
+            return
+        try:
+            message = protocol.parse_daemon_message(text_data)
+        except protocol.ProtocolError as error:
+            await self.send(text_data=protocol.encode(error.to_frame()))
+            return
+        try:
+            await self._handle(message)
+        except Exception:
+            logger.exception("worker %s: handling %s failed", self.worker.name, message.type)
+            await self._error(protocol.ErrorCode.INTERNAL, f"could not handle {message.type!r}", ref=message.type)
+
+    async def _handle(self, message) -> None:
+        if not self.greeted:
+            if not isinstance(message, protocol.Hello):
+                await self._close_with(
+                    protocol.CloseCode.HELLO_EXPECTED, protocol.ErrorCode.REFUSED,
+                    f"the first message must be 'hello', not {message.type!r}",
+                )
+                return
+            await self._hello(message)
+            return
+        await self._touch()
+        match message:
+            case protocol.Hello():
+                await self._error(protocol.ErrorCode.REFUSED, "already greeted on this connection", ref="hello")
+            case protocol.Offer():
+                try:
+                    reply = await database_sync_to_async(job_services.offer_made)(worker=self.worker, message=message)
+                except OfferRefused as refused:
+                    reply = protocol.OfferDeclined(advertisement_id=message.advertisement_id, reason=refused.reason)
+                await self.send(text_data=protocol.encode(reply))
+            case protocol.LeaseRenewed():
+                found = await database_sync_to_async(job_services.renewal_confirmed)(
+                    worker=self.worker, lease_id=message.lease_id
+                )
+                if not found:
+                    await self._unknown_lease(message)
+            case protocol.RenewRefused() | protocol.ReleaseLease():
+                found = await database_sync_to_async(job_services.lease_given_back)(
+                    worker=self.worker, lease_id=message.lease_id, reason=message.reason
+                )
+                if not found:
+                    await self._unknown_lease(message)
+
+    async def _hello(self, hello: protocol.Hello) -> None:
+        if hello.protocol_version not in protocol.SUPPORTED_VERSIONS:
+            await self._close_with(
+                protocol.CloseCode.UNSUPPORTED_VERSION, protocol.ErrorCode.REFUSED,
+                f"protocol version {hello.protocol_version} is not supported; "
+                f"this control plane speaks {sorted(protocol.SUPPORTED_VERSIONS)}",
+            )
+            return
+        # Join the groups first, so no advert or lease message falls between the welcome and the join.
+        await self.channel_layer.group_add(worker_services.WORKERS_GROUP, self.channel_name)
+        await self.channel_layer.group_add(worker_services.worker_group(self.worker.pk), self.channel_name)
+        self.greeted = True
+        info = {"peer": self._peer(), "daemon_version": hello.daemon_version, "protocol_version": hello.protocol_version}
+        welcome = await database_sync_to_async(job_services.worker_connected)(
+            worker=self.worker, channel_name=self.channel_name, hello=hello, info=info
+        )
+        logger.info("worker %s connected from %s", self.worker.name, info["peer"])
+        await self.send(text_data=protocol.encode(welcome))
+
+    # --- channel-layer events ---------------------------------------------------------------------------
+
+    async def gateway_frame(self, event: dict) -> None:
+        await self.send(text_data=event["text"])
+
+    async def gateway_close(self, event: dict) -> None:
+        if event.get("keep_channel") == self.channel_name:
+            return
+        await self._close_with(event["code"], protocol.ErrorCode.REFUSED, event["message"])
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    async def _touch(self) -> None:
+        now = time.monotonic()
+        if now - self.last_touch >= TOUCH_INTERVAL:
+            self.last_touch = now
+            await database_sync_to_async(self.worker.touch)()
+
+    async def _unknown_lease(self, message) -> None:
+        await self._error(
+            protocol.ErrorCode.UNKNOWN_LEASE, f"lease {message.lease_id} is not a lease of this worker", ref=message.type
+        )
+
+    async def _error(self, code: protocol.ErrorCode, text: str, *, ref: str | None = None) -> None:
+        await self.send(text_data=protocol.encode(protocol.Error(code=code, message=text, ref=ref)))
+
+    async def _close_with(self, close_code: int, error_code: protocol.ErrorCode, text: str) -> None:
+        await self._error(error_code, text)
+        await self.close(code=int(close_code), reason=text[:120])
+
+    def _bearer_token(self) -> str | None:
+        for name, value in self.scope.get("headers", []):
+            if name.lower() == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    return token.strip()
+        return None
+
+    def _peer(self) -> str:
+        client = self.scope.get("client") or ("?", 0)
+        return f"{client[0]}:{client[1]}"

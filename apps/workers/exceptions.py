@@ -1,0 +1,18 @@
+"""Errors of the workers app.
+
+    WorkerError
+    └── AuthenticationFailed     no token, an unknown token or a revoked one (``code`` is the close code)
+"""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base class of worker errors."""
+
+
+class AuthenticationFailed(WorkerError):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,133 @@
+"""Workers: the GPU hosts whose daemons connect to the gateway, their tokens, resources and presence."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+
+from django.conf import settings
+from django.db import models, transaction
+from django.utils import timezone
+
+from worker_daemon.protocol import ExecutorDescriptor, Resources
+
+TOKEN_PREFIX = "hw_"
+
+
+def hash_token(token: str) -> str:
+    """Tokens are 32 random bytes, so an unsalted SHA-256 is enough to store them safely."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Worker(models.Model):
+    class Status(models.TextChoices):
+        ONLINE = "online", "online"
+        OFFLINE = "offline", "offline"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="workers", null=True, blank=True
+    )
+    name = models.SlugField(max_length=100, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    token_hint = models.CharField(max_length=16, editable=False, help_text="First characters of the token.")
+    token_revoked_at = models.DateTimeField(null=True, blank=True)
+    cpu = models.FloatField(default=0, help_text="CPU cores")
+    memory = models.FloatField(default=0, help_text="memory, GB")
+    storage = models.FloatField(default=0, help_text="storage, GB")
+    gpu = models.FloatField(default=0, help_text="GPU memory, GB of VRAM")
+    executors = models.JSONField(default=list, blank=True, help_text='[{"class": "train", "name": "…"}, …]')
+    price_floor = models.FloatField(default=0)
+    strategy = models.CharField(max_length=16, default="whole")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OFFLINE)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    connected_at = models.DateTimeField(null=True, blank=True)
+    channel_name = models.CharField(max_length=200, blank=True, editable=False)
+    connection_info = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [models.Index(fields=["status"])]
+
+    def __str__(self) -> str:
+        return self.name
+
+    # --- tokens -------------------------------------------------------------------------------------
+
+    @classmethod
+    def create_with_token(cls, *, name: str, owner=None) -> tuple[Worker, str]:
+        """Create a worker and return it with its token, which is shown once and stored only hashed."""
+        token = cls._new_token()
+        worker = cls.objects.create(name=name, owner=owner, token_hash=hash_token(token), token_hint=token[:10])
+        return worker, token
+
+    def rotate_token(self) -> str:
+        """Issue a new token (un-revoking the worker); the old token stops working at once."""
+        token = self._new_token()
+        self.token_hash = hash_token(token)
+        self.token_hint = token[:10]
+        self.token_revoked_at = None
+        self.save(update_fields=["token_hash", "token_hint", "token_revoked_at"])
+        return token
+
+    def revoke_token(self) -> bool:
+        """Revoke the token; returns False if it was already revoked."""
+        updated = Worker.objects.filter(pk=self.pk, token_revoked_at__isnull=True).update(
+            token_revoked_at=timezone.now()
+        )
+        self.refresh_from_db(fields=["token_revoked_at"])
+        return updated == 1
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.token_revoked_at is not None
+
+    @staticmethod
+    def _new_token() -> str:
+        return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+    # --- presence -----------------------------------------------------------------------------------
+
+    def mark_online(self, *, channel_name: str, resources: Resources, executors: list[ExecutorDescriptor],
+                    price_floor: float, strategy: str, info: dict) -> None:
+        """Record a (re)connection; the newest connection wins the worker."""
+        now = timezone.now()
+        self.status = self.Status.ONLINE
+        self.channel_name = channel_name
+        self.connected_at = now
+        self.last_seen_at = now
+        self.cpu, self.memory, self.storage, self.gpu = (
+            resources.cpu, resources.memory, resources.storage, resources.gpu
+        )
+        self.executors = [descriptor.model_dump(by_alias=True) for descriptor in executors]
+        self.price_floor = price_floor
+        self.strategy = strategy
+        self.connection_info = info
+        self.save(
+            update_fields=[
+                "status", "channel_name", "connected_at", "last_seen_at", "cpu", "memory", "storage", "gpu",
+                "executors", "price_floor", "strategy", "connection_info",
+            ]
+        )
+
+    def mark_offline(self, *, channel_name: str) -> bool:
+        """Mark offline only if ``channel_name`` is still the worker's connection (a newer one may have won)."""
+        with transaction.atomic():
+            updated = Worker.objects.filter(pk=self.pk, channel_name=channel_name).update(
+                status=self.Status.OFFLINE, channel_name="", last_seen_at=timezone.now()
+            )
+        return updated == 1
+
+    def touch(self) -> None:
+        Worker.objects.filter(pk=self.pk).update(last_seen_at=timezone.now())
+
+    # --- resources ----------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> Resources:
+        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)
+
+    def executor_keys(self) -> set[tuple[str, str]]:
+        return {(item.get("class", ""), item.get("name", "")) for item in self.executors}

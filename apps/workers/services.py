@@ -1,0 +1,107 @@
+"""Worker identity, presence and the outbound half of the gateway (messages to connected daemons).
+
+Channel-layer groups: every connected daemon joins :data:`WORKERS_GROUP` (advertisements are broadcast
+there) and its own :func:`worker_group` (leases, renewals, closes). All sends happen after commit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+
+from apps.workers.exceptions import AuthenticationFailed
+from apps.workers.models import Worker, hash_token
+from hypha_site.runtime import group_send, send_on_commit
+from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
+
+WORKERS_GROUP = "workers"
+
+
+def worker_group(worker_id) -> str:
+    return f"worker.{worker_id}"
+
+
+def create_worker(*, name: str, owner=None) -> tuple[Worker, str]:
+    """Create a worker and its token (returned once, stored hashed)."""
+    return Worker.create_with_token(name=name, owner=owner)
+
+
+def authenticate(token: str | None) -> Worker:
+    """The worker owning ``token``; :class:`AuthenticationFailed` with the close code to use otherwise."""
+    if not token:
+        raise AuthenticationFailed(
+            protocol.CloseCode.MISSING_TOKEN, "no token: send 'Authorization: Bearer <worker token>'"
+        )
+    worker = Worker.objects.filter(token_hash=hash_token(token)).first()
+    if worker is None:
+        raise AuthenticationFailed(protocol.CloseCode.INVALID_TOKEN, "unknown worker token")
+    if worker.is_revoked:
+        raise AuthenticationFailed(
+            protocol.CloseCode.TOKEN_REVOKED, f"the token of worker {worker.name!r} has been revoked"
+        )
+    return worker
+
+
+def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hello, info: dict) -> Worker:
+    """Mark the worker online on ``channel_name`` with what its daemon reports; the newest connection wins."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker.pk)
+        previous_channel = worker.channel_name
+        worker.mark_online(
+            channel_name=channel_name,
+            resources=hello.resources,
+            executors=hello.executors,
+            price_floor=hello.price_floor,
+            strategy=hello.strategy,
+            info=info,
+        )
+        if previous_channel and previous_channel != channel_name:
+            # An older connection of the same daemon may linger (half-open TCP): tell it to go.
+            close_connections(worker.pk, code=protocol.CloseCode.SUPERSEDED,
+                              message="superseded by a newer connection of this worker",
+                              keep_channel=channel_name)
+    return worker
+
+
+def record_disconnection(*, worker: Worker, channel_name: str) -> bool:
+    """Mark the worker offline unless a newer connection already took over; True if it went offline."""
+    went_offline = worker.mark_offline(channel_name=channel_name)
+    if went_offline:
+        logger.info("worker %s went offline", worker.name)
+    return went_offline
+
+
+def revoke_token(worker: Worker) -> bool:
+    """Revoke the worker's token and close its connection (its leases are ended by the caller)."""
+    revoked = worker.revoke_token()
+    close_connections(worker.pk, code=protocol.CloseCode.TOKEN_REVOKED,
+                      message=f"the token of worker {worker.name!r} has been revoked")
+    return revoked
+
+
+# --- messages to daemons ----------------------------------------------------------------------------------
+
+
+def send_to_worker(worker_id, message: protocol._Message) -> None:
+    """Send ``message`` to the worker's daemon after commit (dropped if it is not connected)."""
+    frame = protocol.encode(message)
+    send_on_commit(lambda: group_send(worker_group(worker_id), {"type": "gateway.frame", "text": frame}))
+
+
+def broadcast(message: protocol._Message) -> None:
+    """Send ``message`` to every connected daemon after commit."""
+    frame = protocol.encode(message)
+    send_on_commit(lambda: group_send(WORKERS_GROUP, {"type": "gateway.frame", "text": frame}))
+
+
+def close_connections(worker_id, *, code: int, message: str, keep_channel: str | None = None) -> None:
+    """Close the worker's connections (except ``keep_channel``) after commit, with an error frame first."""
+    send_on_commit(
+        lambda: group_send(
+            worker_group(worker_id),
+            {"type": "gateway.close", "code": int(code), "message": message, "keep_channel": keep_channel or ""},
+        )
+    )

@@ -1,0 +1,173 @@
+"""Pieces the apps' REST APIs share: error bodies and their schema, strict input, validated list filters.
+
+Each app's ``api`` package builds its serializers and viewsets from these so that every endpoint answers bad
+input the same way: ``400`` with every field error at once (never a ``500``), ``404`` for an object the caller
+cannot see, ``409`` with ``{"detail": ...}`` for an action the object's state refuses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse
+from rest_framework import serializers
+from rest_framework.fields import empty
+
+# --- error bodies -------------------------------------------------------------------------------------------
+
+
+class ErrorSerializer(serializers.Serializer):
+    """The body of an error that is not a validation error."""
+
+    detail = serializers.CharField(help_text="What went wrong, for a human.")
+
+
+#: The body of a 400: every invalid field maps to its messages; nested objects map by their path.
+VALIDATION_ERROR_SCHEMA = {
+    "type": "object",
+    "description": (
+        "Every invalid field with its messages, all at once. Nested objects are reported by their path "
+        '(`{"trainer": {"price": {"max": ["..."]}}}`); errors that belong to no single field are under '
+        "`non_field_errors`."
+    ),
+    "additionalProperties": {
+        "oneOf": [
+            {"type": "array", "items": {"type": "string"}},
+            {"type": "object", "additionalProperties": True},
+        ]
+    },
+}
+
+_DESCRIPTIONS = {
+    400: "Invalid input: every field error at once; nothing was changed.",
+    401: "No or invalid credentials (send `Authorization: Token <key>` or use a session).",
+    404: "No such object, or it is not one the caller may see.",
+    409: "The object's current state does not allow this action; nothing was changed.",
+}
+
+
+def error_responses(*codes: int, examples: list[OpenApiExample] | None = None) -> dict[int, OpenApiResponse]:
+    """``extend_schema(responses=...)`` entries for the error status ``codes`` an endpoint can answer."""
+    responses = {}
+    for code in codes:
+        if code == 400:
+            responses[code] = OpenApiResponse(
+                response=VALIDATION_ERROR_SCHEMA, description=_DESCRIPTIONS[400], examples=examples or []
+            )
+        else:
+            responses[code] = OpenApiResponse(response=ErrorSerializer, description=_DESCRIPTIONS[code])
+    return responses
+
+
+# --- input ----------------------------------------------------------------------------------------------------
+
+
+# JSON cannot carry NaN or infinity, and ``true`` is not a quantity.
+class FiniteFloatField(serializers.FloatField):
+
+    default_error_messages = {"finite": "A finite number is required."}
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        value = super().to_internal_value(data)
+        if not math.isfinite(value):
+            self.fail("finite")
+        return value
+
+
+# For a float that may legitimately be infinite (the score of an offer of no capacity): JSON has no infinity.
+class NullIfInfiniteFloatField(serializers.FloatField):
+
+    def to_representation(self, value: float) -> float | None:
+        value = float(value)
+        return value if math.isfinite(value) else None
+
+
+# Input serializers derive from this one: an unknown key is a field error (a typo must not silently become a
+# default), and an omitted nested object without a default validates as ``{}`` so its fields' defaults apply.
+class StrictSerializer(serializers.Serializer):
+
+    default_error_messages = {"unknown": "Unknown field."}
+
+    def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
+        if data is empty and not self.required and self.default is empty:
+            return False, {}
+        return super().validate_empty_values(data)
+
+    def to_internal_value(self, data: Any) -> dict:
+        errors: dict = {}
+        value: dict = {}
+        try:
+            value = super().to_internal_value(data)
+        except serializers.ValidationError as error:
+            if not isinstance(error.detail, Mapping):
+                raise
+            errors.update(error.detail)
+        if isinstance(data, Mapping):
+            for key in sorted(set(data) - set(self.fields), key=str):
+                errors[str(key)] = [self.error_messages["unknown"]]
+        if errors:
+            raise serializers.ValidationError(errors)
+        return value
+
+
+# --- list filters ---------------------------------------------------------------------------------------------
+
+
+class FilteredListMixin:
+    """Validate a list's query parameters with ``filter_serializer_class`` (400 on a bad value) and apply them.
+
+    ``filter_lookups`` maps a parameter to its ORM lookup (default: the parameter's own name). Omitted or empty
+    parameters do not filter. Document the parameters with ``extend_schema(parameters=[FilterSerializer])``.
+    """
+
+    filter_serializer_class: type[serializers.Serializer] | None = None
+    filter_lookups: dict[str, str] = {}
+
+    def filter_queryset(self, queryset):
+        queryset = super().filter_queryset(queryset)
+        if self.action != "list" or self.filter_serializer_class is None:
+            return queryset
+        serializer = self.filter_serializer_class(data=self.request.query_params)
+        serializer.is_valid(raise_exception=True)
+        conditions = {
+            self.filter_lookups.get(name, name): value
+            for name, value in serializer.validated_data.items()
+            if value is not None
+        }
+        return queryset.filter(**conditions)
+
+
+def uuid_filter(help_text: str) -> serializers.UUIDField:
+    return serializers.UUIDField(required=False, help_text=help_text)
+
+
+def choice_filter(choices, help_text: str) -> serializers.ChoiceField:
+    return serializers.ChoiceField(choices=choices, required=False, help_text=help_text)
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+
+
+# Nest it with ``source="*"`` on a model that has ``cpu``/``memory``/``storage``/``gpu`` columns.
+class ResourcesSerializer(serializers.Serializer):
+    """A resource vector: CPU cores, memory GB, storage GB, GPU GB of VRAM."""
+
+    cpu = serializers.FloatField(read_only=True, help_text="CPU cores")
+    memory = serializers.FloatField(read_only=True, help_text="memory, GB")
+    storage = serializers.FloatField(read_only=True, help_text="storage, GB")
+    gpu = serializers.FloatField(read_only=True, help_text="GPU memory, GB of VRAM")
+
+
+class ExecutorSerializer(serializers.Serializer):
+    """An executor: its class (`train`, `aggregate`) and its name."""
+
+    # ``class`` is a Python keyword, so the fields are declared here rather than as class attributes.
+    def get_fields(self) -> dict[str, serializers.Field]:
+        return {
+            "class": serializers.CharField(read_only=True, help_text="e.g. train, aggregate"),
+            "name": serializers.CharField(read_only=True, help_text="e.g. diloco-transformer"),
+        }

@@ -1,0 +1,330 @@
+"""Settings for the Hypha control plane, read from the environment in this one file.
+
+Two shapes of the same code:
+
+* **Embedded default** — neither ``DATABASE_URL`` nor ``REDIS_URL`` set: SQLite in ``HYPHA_DATA_DIR``, the
+  in-memory channel layer, and Celery tasks run by the in-process runner of the daphne process
+  (:mod:`hypha_site.runtime`). ``hypha-server`` starts everything in one command, no servers needed.
+* **Services** — ``DATABASE_URL`` (PostgreSQL through psycopg 3) and ``REDIS_URL`` (Celery broker and
+  channels_redis): separate daphne, Celery worker and Celery beat processes (``hypha-server web|worker|beat``).
+
+Every invalid value raises ``ImproperlyConfigured`` naming the variable, at start.
+Secrets can also be given as ``<NAME>_FILE`` (a path whose contents are the value).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlparse
+
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """The value of ``name``, or of the file named by ``name_FILE``, or ``default``."""
+    file_name = os.environ.get(f"{name}_FILE")
+    if file_name:
+        try:
+            return Path(file_name).read_text().strip()
+        except OSError as error:
+            raise ImproperlyConfigured(f"{name}_FILE={file_name!r} cannot be read: {error}") from None
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = env_str(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name}={value!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+
+
+def env_float(name: str, default: float, *, minimum: float, maximum: float) -> float:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not a number") from None
+    if not minimum <= number <= maximum:
+        raise ImproperlyConfigured(f"{name}={value!r} must be between {minimum} and {maximum}")
+    return number
+
+
+def env_int(name: str, default: int, *, minimum: int, maximum: int) -> int:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not an integer") from None
+    if not minimum <= number <= maximum:
+        raise ImproperlyConfigured(f"{name}={value!r} must be between {minimum} and {maximum}")
+    return number
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    value = env_str(name)
+    if value is None:
+        return default
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if not items:
+        raise ImproperlyConfigured(f"{name}={value!r} is empty; give a comma-separated list")
+    return items
+
+
+def database_from_url(url: str) -> dict:
+    """A Django DATABASES entry for a ``postgres://`` / ``postgresql://`` or ``sqlite:///`` URL."""
+    import dj_database_url
+
+    scheme = urlparse(url).scheme
+    if scheme not in {"postgres", "postgresql", "pgsql", "sqlite"}:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL scheme {scheme!r} is not supported; use postgresql://user@host:5432/name "
+            "(or sqlite:////absolute/path.sqlite3)"
+        )
+    try:
+        config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {error}") from None
+    if config["ENGINE"] == "django.db.backends.postgresql" and not config.get("NAME"):
+        raise ImproperlyConfigured("DATABASE_URL names no database (add /<name> to the URL)")
+    if config["ENGINE"] == "django.db.backends.sqlite3":
+        config["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
+        config["CONN_MAX_AGE"] = 0
+    return config
+
+
+def redis_url_checked(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in {"redis", "rediss", "unix"}:
+        raise ImproperlyConfigured(f"REDIS_URL scheme {parsed.scheme!r} is not supported; use redis://host:6379/0")
+    if parsed.scheme != "unix" and not parsed.hostname:
+        raise ImproperlyConfigured(f"REDIS_URL={url!r} names no host")
+    try:
+        parsed.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ImproperlyConfigured(f"REDIS_URL={url!r} has an invalid port") from None
+    return url
+
+
+# --- mode ---------------------------------------------------------------------------------------------
+
+DATABASE_URL = env_str("DATABASE_URL")
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    REDIS_URL = redis_url_checked(REDIS_URL)
+#: True when Celery tasks and websocket fan-out stay inside the daphne process (no Redis).
+EMBEDDED_TRANSPORTS = not REDIS_URL
+
+HYPHA_DATA_DIR = Path(env_str("HYPHA_DATA_DIR", str(Path.cwd() / ".hypha"))).expanduser().resolve()
+
+DEBUG = env_bool("DEBUG", default=False)
+
+
+def _secret_key() -> str:
+    key = env_str("SECRET_KEY")
+    if key:
+        if len(key) < 32:
+            raise ImproperlyConfigured("SECRET_KEY must be at least 32 characters long")
+        return key
+    if DATABASE_URL or REDIS_URL:
+        raise ImproperlyConfigured(
+            "SECRET_KEY (or SECRET_KEY_FILE) must be set when DATABASE_URL or REDIS_URL is set; "
+            "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+        )
+    # Embedded default: a key generated once and kept beside the SQLite database, so sessions survive restarts.
+    key_file = HYPHA_DATA_DIR / "secret_key"
+    try:
+        HYPHA_DATA_DIR.mkdir(parents=True, exist_ok=True)
+        if not key_file.exists():
+            key_file.write_text(secrets.token_urlsafe(50))
+            key_file.chmod(0o600)
+        return key_file.read_text().strip()
+    except OSError as error:
+        raise ImproperlyConfigured(f"HYPHA_DATA_DIR={str(HYPHA_DATA_DIR)!r} is not writable: {error}") from None
+
+
+SECRET_KEY = _secret_key()
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", ["http://localhost:8000", "http://127.0.0.1:8000"])
+
+# --- Django -------------------------------------------------------------------------------------------
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "channels",
+    "apps.workers",
+    "apps.leases",
+    "apps.market",
+    "apps.datasets",
+    "apps.jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "hypha_site.urls"
+ASGI_APPLICATION = "hypha_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if DATABASE_URL:
+    DATABASES = {"default": database_from_url(DATABASE_URL)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": HYPHA_DATA_DIR / "hypha.sqlite3",
+            # IMMEDIATE transactions take SQLite's write lock at BEGIN, so two writers queue instead of
+            # failing with "database is locked" when both upgrade from a read.
+            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20},
+            "TEST": {"NAME": HYPHA_DATA_DIR / "test.sqlite3"},
+        }
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = HYPHA_DATA_DIR / "staticfiles"
+LOGIN_URL = "/admin/login/"
+
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
+if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+    raise ImproperlyConfigured(f"LOG_LEVEL={LOG_LEVEL!r} must be one of DEBUG, INFO, WARNING, ERROR")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {
+        "apps": {"level": LOG_LEVEL},
+        "hypha_site": {"level": LOG_LEVEL},
+        "django.request": {"level": "ERROR"},
+    },
+}
+
+# --- channels -----------------------------------------------------------------------------------------
+
+if EMBEDDED_TRANSPORTS:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+else:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+        }
+    }
+
+# --- REST API -----------------------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Hypha control plane API",
+    "DESCRIPTION": "Jobs, workers, advertisements, offers and leases of the Hypha DiLoCo market.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Celery -------------------------------------------------------------------------------------------
+
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+# Embedded: tasks never reach a broker; hypha_site.runtime runs them in the daphne process.
+CELERY_TASK_ALWAYS_EAGER = EMBEDDED_TRANSPORTS
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 4
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- the market and its clocks ------------------------------------------------------------------------
+
+#: Seconds an ACTIVE lease lives without a confirmed renewal (the original: 10 s).
+HYPHA_LEASE_TTL = env_float("HYPHA_LEASE_TTL", 10.0, minimum=1.0, maximum=3600.0)
+#: A renewal is requested once this fraction of the TTL is left (the original renews at 2/3 elapsed;
+#: we ask earlier so a lost request has two more chances before expiry).
+HYPHA_RENEW_AT_REMAINING = env_float("HYPHA_RENEW_AT_REMAINING", 0.67, minimum=0.1, maximum=0.95)
+#: Seconds a TEMPORARY (offer) lease holds the worker while the offer is open.
+HYPHA_OFFER_TTL = env_float("HYPHA_OFFER_TTL", 3.0, minimum=0.2, maximum=600.0)
+#: Seconds an advertisement collects offers before it settles for what it has and re-advertises.
+HYPHA_OFFER_WINDOW = env_float("HYPHA_OFFER_WINDOW", 1.0, minimum=0.05, maximum=600.0)
+#: Bounded exponential backoff between re-advertisements: first and maximum delay in seconds.
+HYPHA_READVERTISE_BASE = env_float("HYPHA_READVERTISE_BASE", 1.0, minimum=0.05, maximum=600.0)
+HYPHA_READVERTISE_MAX = env_float("HYPHA_READVERTISE_MAX", 30.0, minimum=0.05, maximum=3600.0)
+#: Period of the market and lease clocks (Celery beat, or the embedded runner).
+HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
+#: Largest websocket frame accepted from a daemon.
+HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
+
+if HYPHA_OFFER_TTL <= HYPHA_OFFER_WINDOW:
+    raise ImproperlyConfigured(
+        f"HYPHA_OFFER_TTL ({HYPHA_OFFER_TTL}) must be longer than HYPHA_OFFER_WINDOW ({HYPHA_OFFER_WINDOW}): "
+        "an offer's temporary lease must outlive the window that collects it"
+    )
+
+CELERY_BEAT_SCHEDULE = {
+    "lease-clock": {"task": "apps.jobs.tasks.tick_leases", "schedule": HYPHA_TICK_INTERVAL},
+    "market-clock": {"task": "apps.jobs.tasks.tick_market", "schedule": HYPHA_TICK_INTERVAL},
+}
