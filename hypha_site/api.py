@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from django.db import models
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse
 from rest_framework import serializers
 from rest_framework.fields import empty
@@ -66,7 +68,6 @@ def error_responses(*codes: int, examples: list[OpenApiExample] | None = None) -
 
 # JSON cannot carry NaN or infinity, and ``true`` is not a quantity.
 class FiniteFloatField(serializers.FloatField):
-
     default_error_messages = {"finite": "A finite number is required."}
 
     def to_internal_value(self, data: Any) -> float:
@@ -80,7 +81,6 @@ class FiniteFloatField(serializers.FloatField):
 
 # For a float that may legitimately be infinite (the score of an offer of no capacity): JSON has no infinity.
 class NullIfInfiniteFloatField(serializers.FloatField):
-
     def to_representation(self, value: float) -> float | None:
         value = float(value)
         return value if math.isfinite(value) else None
@@ -89,7 +89,6 @@ class NullIfInfiniteFloatField(serializers.FloatField):
 # Input serializers derive from this one: an unknown key is a field error (a typo must not silently become a
 # default), and an omitted nested object without a default validates as ``{}`` so its fields' defaults apply.
 class StrictSerializer(serializers.Serializer):
-
     default_error_messages = {"unknown": "Unknown field."}
 
     def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
@@ -117,13 +116,11 @@ class StrictSerializer(serializers.Serializer):
 # --- list filters ---------------------------------------------------------------------------------------------
 
 
+# Validates a list's query parameters with ``filter_serializer_class`` (a bad value is a 400, not a 500) and
+# applies them; ``filter_lookups`` maps a parameter to its ORM lookup (default: the parameter's name). Omitted or
+# empty parameters do not filter. Document them with ``extend_schema(parameters=[TheFilterSerializer])``.
+# (Comments, not a docstring: drf-spectacular would publish a docstring as every operation's description.)
 class FilteredListMixin:
-    """Validate a list's query parameters with ``filter_serializer_class`` (400 on a bad value) and apply them.
-
-    ``filter_lookups`` maps a parameter to its ORM lookup (default: the parameter's own name). Omitted or empty
-    parameters do not filter. Document the parameters with ``extend_schema(parameters=[FilterSerializer])``.
-    """
-
     filter_serializer_class: type[serializers.Serializer] | None = None
     filter_lookups: dict[str, str] = {}
 
@@ -145,8 +142,31 @@ def uuid_filter(help_text: str) -> serializers.UUIDField:
     return serializers.UUIDField(required=False, help_text=help_text)
 
 
-def choice_filter(choices, help_text: str) -> serializers.ChoiceField:
-    return serializers.ChoiceField(choices=choices, required=False, help_text=help_text)
+def status_filter(choices: type[models.TextChoices], help_text: str) -> EnumField:
+    return EnumField(choices, required=False, help_text=help_text)
+
+
+# --- named enums ----------------------------------------------------------------------------------------------
+
+
+# A choice field documented as one named schema component per ``TextChoices`` class (``JobStatus``,
+# ``LeaseStatus``...). drf-spectacular would otherwise name enums after the field, and every model has a
+# ``status`` with different choices: it warns about the collision and invents hashed names.
+class EnumField(serializers.ChoiceField):
+    def __init__(self, choices: type[models.TextChoices], **kwargs) -> None:
+        self.enum_name = choices.__qualname__.replace(".", "")
+        super().__init__(choices=choices.choices, **kwargs)
+
+
+class EnumFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = EnumField
+    match_subclasses = True
+
+    def get_name(self) -> str:
+        return self.target.enum_name
+
+    def map_serializer_field(self, auto_schema, direction) -> dict:
+        return {"type": "string", "enum": list(self.target.choices)}
 
 
 # --- output ---------------------------------------------------------------------------------------------------

@@ -4,5 +4,15 @@ from __future__ import annotations
 
 from rest_framework.routers import DefaultRouter
 
+from apps.jobs.api.views import JobViewSet
+from apps.leases.api.views import LeaseViewSet
+from apps.market.api.views import AdvertisementViewSet, OfferViewSet
+from apps.workers.api.views import WorkerViewSet
+
 router = DefaultRouter()
+router.register("jobs", JobViewSet, basename="job")
+router.register("workers", WorkerViewSet, basename="worker")
+router.register("advertisements", AdvertisementViewSet, basename="advertisement")
+router.register("offers", OfferViewSet, basename="offer")
+router.register("leases", LeaseViewSet, basename="lease")
 urlpatterns = router.urls

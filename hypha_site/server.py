@@ -34,10 +34,19 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="exit codes: 0 stopped cleanly · 2 configuration error · 3 PostgreSQL or Redis unreachable",
     )
-    parser.add_argument("component", nargs="?", choices=["web", "worker", "beat", "all"], default=None,
-                        help="one component (needs DATABASE_URL and REDIS_URL); default: everything")
-    parser.add_argument("--host", default=os.environ.get("HYPHA_HOST", "127.0.0.1"), help="web: address to bind")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("HYPHA_PORT", "8000")), help="web: port")
+    parser.add_argument(
+        "component",
+        nargs="?",
+        choices=["web", "worker", "beat", "all"],
+        default=None,
+        help="one component (needs DATABASE_URL and REDIS_URL); default: everything",
+    )
+    parser.add_argument(
+        "--host", default=os.environ.get("HYPHA_HOST", "127.0.0.1"), help="web: address to bind"
+    )
+    parser.add_argument(
+        "--port", type=int, default=int(os.environ.get("HYPHA_PORT", "8000")), help="web: port"
+    )
     parser.add_argument("--no-migrate", action="store_true", help="web: skip 'migrate' at start")
     parser.add_argument("--concurrency", type=int, default=2, help="worker: Celery worker processes")
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
@@ -60,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     component = args.component
     if settings.EMBEDDED_TRANSPORTS:
         if component in {"worker", "beat"}:
-            print(f"hypha-server: '{component}' needs REDIS_URL (the embedded default runs tasks inside 'web')",
-                  file=sys.stderr)
+            print(
+                f"hypha-server: '{component}' needs REDIS_URL (the embedded default runs tasks inside 'web')",
+                file=sys.stderr,
+            )
             return EXIT_CONFIG
         return _web(args, embedded=True)
     if not _services_answer(settings):
@@ -69,12 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     if component == "web":
         return _web(args, embedded=False)
     if component == "worker":
-        return _celery(["worker", "--concurrency", str(args.concurrency), "--loglevel", args.log_level,
-                        "--without-gossip", "--without-mingle"])
+        return _celery(
+            [
+                "worker",
+                "--concurrency",
+                str(args.concurrency),
+                "--loglevel",
+                args.log_level,
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
     if component == "beat":
         beat_dir = settings.HYPHA_DATA_DIR
         beat_dir.mkdir(parents=True, exist_ok=True)
-        return _celery(["beat", "--loglevel", args.log_level, "--schedule", str(beat_dir / "celerybeat-schedule")])
+        return _celery(
+            ["beat", "--loglevel", args.log_level, "--schedule", str(beat_dir / "celerybeat-schedule")]
+        )
     return _all(args)
 
 

@@ -111,7 +111,9 @@ def database_from_url(url: str) -> dict:
 def redis_url_checked(url: str) -> str:
     parsed = urlparse(url)
     if parsed.scheme not in {"redis", "rediss", "unix"}:
-        raise ImproperlyConfigured(f"REDIS_URL scheme {parsed.scheme!r} is not supported; use redis://host:6379/0")
+        raise ImproperlyConfigured(
+            f"REDIS_URL scheme {parsed.scheme!r} is not supported; use redis://host:6379/0"
+        )
     if parsed.scheme != "unix" and not parsed.hostname:
         raise ImproperlyConfigured(f"REDIS_URL={url!r} names no host")
     try:
@@ -155,7 +157,9 @@ def _secret_key() -> str:
             key_file.chmod(0o600)
         return key_file.read_text().strip()
     except OSError as error:
-        raise ImproperlyConfigured(f"HYPHA_DATA_DIR={str(HYPHA_DATA_DIR)!r} is not writable: {error}") from None
+        raise ImproperlyConfigured(
+            f"HYPHA_DATA_DIR={str(HYPHA_DATA_DIR)!r} is not writable: {error}"
+        ) from None
 
 
 SECRET_KEY = _secret_key()

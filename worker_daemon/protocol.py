@@ -324,7 +324,9 @@ def _parse(text: str | bytes, adapter: TypeAdapter, known: frozenset[str]):
             f"{'.'.join(str(part) for part in item['loc'][1:]) or '(frame)'}: {item['msg']}"
             for item in error.errors()
         )
-        raise ProtocolError(ErrorCode.MALFORMED, f"invalid {message_type!r}: {details}", ref=message_type) from None
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"invalid {message_type!r}: {details}", ref=message_type
+        ) from None
 
 
 def parse_daemon_message(text: str | bytes) -> DaemonMessage:

@@ -59,8 +59,20 @@ class Job(models.Model):
     TRANSITIONS = {
         Status.PENDING: {Status.ALLOCATING, Status.CANCELLED, Status.FAILED},
         Status.ALLOCATING: {Status.ALLOCATING, Status.ALLOCATED, Status.CANCELLED, Status.FAILED},
-        Status.ALLOCATED: {Status.ALLOCATED, Status.ALLOCATING, Status.RUNNING, Status.CANCELLED, Status.FAILED},
-        Status.RUNNING: {Status.RUNNING, Status.ALLOCATING, Status.COMPLETED, Status.CANCELLED, Status.FAILED},
+        Status.ALLOCATED: {
+            Status.ALLOCATED,
+            Status.ALLOCATING,
+            Status.RUNNING,
+            Status.CANCELLED,
+            Status.FAILED,
+        },
+        Status.RUNNING: {
+            Status.RUNNING,
+            Status.ALLOCATING,
+            Status.COMPLETED,
+            Status.CANCELLED,
+            Status.FAILED,
+        },
     }
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)

@@ -37,8 +37,13 @@ def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec:
     """Create a job (PENDING) and queue its allocation. ``requirements`` must already be validated."""
     with transaction.atomic():
         job = Job.objects.create(
-            owner=owner, name=name, num_trainers=num_trainers, requirements=requirements, spec=spec or {},
-            status=Job.Status.PENDING, status_reason="PENDING: waiting to be advertised",
+            owner=owner,
+            name=name,
+            num_trainers=num_trainers,
+            requirements=requirements,
+            spec=spec or {},
+            status=Job.Status.PENDING,
+            status_reason="PENDING: waiting to be advertised",
         )
         enqueue_on_commit(tasks.allocate_job, str(job.pk))
     return job
@@ -61,8 +66,13 @@ def allocate(job_id) -> None:
                     market.set_wanted(ad, missing)
             elif missing > 0:
                 market.advertise(
-                    job=job, role=role, wanted=missing, resources=requirement.resources,
-                    executor=requirement.executor, bid=requirement.bid, max_price=requirement.max_price,
+                    job=job,
+                    role=role,
+                    wanted=missing,
+                    resources=requirement.resources,
+                    executor=requirement.executor,
+                    bid=requirement.bid,
+                    max_price=requirement.max_price,
                 )
         refresh_status(job)
 
@@ -86,6 +96,7 @@ def refresh_status(job: Job, *, note: str = "") -> None:
         waiting = _waiting_note(job)
         if waiting:
             reason += f"; {waiting}"
+        note = note or _loss_note(job, {role for role, (have, want) in counts.items() if have < want})
     if note:
         reason += f" — {note}"
     try:
@@ -111,10 +122,14 @@ def cancel_job(job: Job, *, reason: str = "cancelled by its owner") -> Job:
 # --- the gateway: what daemons say -------------------------------------------------------------------------
 
 
-def worker_connected(*, worker: Worker, channel_name: str, hello: protocol.Hello, info: dict) -> protocol.Welcome:
+def worker_connected(
+    *, worker: Worker, channel_name: str, hello: protocol.Hello, info: dict
+) -> protocol.Welcome:
     """Record a (re)connection and reconcile leases: keep what both sides hold, end the rest."""
     with transaction.atomic():
-        worker = worker_services.record_connection(worker=worker, channel_name=channel_name, hello=hello, info=info)
+        worker = worker_services.record_connection(
+            worker=worker, channel_name=channel_name, hello=hello, info=info
+        )
         claimed = set(hello.leases)
         kept: list[protocol.LeaseInfo] = []
         now = timezone.now()
@@ -124,10 +139,12 @@ def worker_connected(*, worker: Worker, channel_name: str, hello: protocol.Hello
             else:
                 _end_lease(lease, reason="the worker's daemon no longer holds it (reconnected without it)")
         return protocol.Welcome(
-            worker_id=worker.pk, worker_name=worker.name,
+            worker_id=worker.pk,
+            worker_name=worker.name,
             lease_ttl=lease_services.lease_ttl().total_seconds(),
             offer_ttl=lease_services.offer_ttl().total_seconds(),
-            leases=kept, advertisements=market.open_advertisements(),
+            leases=kept,
+            advertisements=market.open_advertisements(),
         )
 
 
@@ -136,7 +153,9 @@ def worker_disconnected(*, worker: Worker, channel_name: str) -> None:
     with transaction.atomic():
         if not worker_services.record_disconnection(worker=worker, channel_name=channel_name):
             return
-        for lease in Lease.objects.filter(worker=worker, status=Lease.Status.TEMPORARY).select_related("worker"):
+        for lease in Lease.objects.filter(worker=worker, status=Lease.Status.TEMPORARY).select_related(
+            "worker"
+        ):
             _end_lease(lease, reason="the worker disconnected while its offer was open", tell_worker=False)
 
 
@@ -152,7 +171,9 @@ def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferRece
         if outcome.ready:
             enqueue_on_commit(tasks.settle_advertisement, str(offer.advertisement_id), False)
         return protocol.OfferReceived(
-            advertisement_id=offer.advertisement_id, offer_id=offer.pk, lease_id=offer.lease_id,
+            advertisement_id=offer.advertisement_id,
+            offer_id=offer.pk,
+            lease_id=offer.lease_id,
             expires_in=(offer.expires_at - timezone.now()).total_seconds(),
         )
 
@@ -228,7 +249,9 @@ def tick_leases() -> LeaseTick:
     ttl = lease_services.lease_ttl()
     for lease in lease_services.claim_due_renewals():
         expires_in = ttl.total_seconds()
-        worker_services.send_to_worker(lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in))
+        worker_services.send_to_worker(
+            lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in)
+        )
         result.renewals_requested += 1
     return result
 
@@ -266,10 +289,32 @@ def _waiting_note(job: Job) -> str:
     return "; ".join(notes)
 
 
+def _loss_note(job: Job, short_roles: set[str]) -> str:
+    """Why a role is short again: the last ACTIVE lease of a short role that ended, if any."""
+    lost = (
+        job.leases.filter(
+            role__in=short_roles,
+            activated_at__isnull=False,
+            status__in=(Lease.Status.EXPIRED, Lease.Status.RELEASED),
+        )
+        .select_related("worker")
+        .order_by("-ended_at")
+        .first()
+    )
+    if lost is None:
+        return ""
+    label = ROLE_LABELS.get(lost.role, (lost.role,))[0]
+    return f"{label} lease on {lost.worker.name} {lost.status} at {lost.ended_at:%H:%M:%S} UTC: {lost.status_reason}"
+
+
 def _lease_info(lease: Lease, now) -> protocol.LeaseInfo:
     return protocol.LeaseInfo(
-        lease_id=lease.id, job_id=lease.job_id, role=lease.role, status=lease.status,
-        resources=lease.resources, expires_in=max(0.0, (lease.expires_at - now).total_seconds()),
+        lease_id=lease.id,
+        job_id=lease.job_id,
+        role=lease.role,
+        status=lease.status,
+        resources=lease.resources,
+        expires_in=max(0.0, (lease.expires_at - now).total_seconds()),
     )
 
 
@@ -280,8 +325,9 @@ def _tell_lease_ended(lease: Lease) -> None:
     )
 
 
-def _end_lease(lease: Lease, *, reason: str, expired: bool = False, tell_worker: bool = True,
-               notify_job: bool = True) -> None:
+def _end_lease(
+    lease: Lease, *, reason: str, expired: bool = False, tell_worker: bool = True, notify_job: bool = True
+) -> None:
     """End a live lease (expire or release), tell its daemon, void its offer, and let the job react."""
     was_active = lease.status == Lease.Status.ACTIVE
     if expired:
@@ -296,9 +342,7 @@ def _end_lease(lease: Lease, *, reason: str, expired: bool = False, tell_worker:
     job = Job.objects.get(pk=lease.job_id)
     if job.status not in ALLOCATING_STATES:
         return
-    label = ROLE_LABELS.get(lease.role, (lease.role,))[0]
-    note = f"{label} lease on {lease.worker.name} {lease.status}: {reason}"
-    refresh_status(job, note=note)
+    refresh_status(job)
     enqueue_on_commit(tasks.allocate_job, str(job.pk))
 
 

@@ -121,7 +121,9 @@ class Lease(models.Model):
             detail=reason,
         )
 
-    def _transition(self, *, allowed_from: Q, changes: dict, event: str, refused: str, detail: str = "") -> None:
+    def _transition(
+        self, *, allowed_from: Q, changes: dict, event: str, refused: str, detail: str = ""
+    ) -> None:
         with transaction.atomic():
             previous = self.status
             updated = Lease.objects.filter(allowed_from, pk=self.pk).update(**changes)
@@ -129,8 +131,12 @@ class Lease(models.Model):
             if updated != 1:
                 raise LeaseTransitionRefused(self, event, refused)
             LeaseEvent.objects.create(
-                lease=self, kind=event, from_status=previous, to_status=self.status,
-                expires_at=self.expires_at, detail=detail[:300],
+                lease=self,
+                kind=event,
+                from_status=previous,
+                to_status=self.status,
+                expires_at=self.expires_at,
+                detail=detail[:300],
             )
 
 

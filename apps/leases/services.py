@@ -54,12 +54,22 @@ def reserve(*, worker_id, job, role: str, resources: Resources, price: float) ->
                 f"{resources.model_dump()} more does not fit"
             )
         lease = Lease.objects.create(
-            worker=worker, job=job, role=role, status=Lease.Status.TEMPORARY, price=price,
-            cpu=resources.cpu, memory=resources.memory, storage=resources.storage, gpu=resources.gpu,
+            worker=worker,
+            job=job,
+            role=role,
+            status=Lease.Status.TEMPORARY,
+            price=price,
+            cpu=resources.cpu,
+            memory=resources.memory,
+            storage=resources.storage,
+            gpu=resources.gpu,
             expires_at=now + offer_ttl(),
         )
         LeaseEvent.objects.create(
-            lease=lease, kind=LeaseEvent.Kind.CREATED, to_status=lease.status, expires_at=lease.expires_at,
+            lease=lease,
+            kind=LeaseEvent.Kind.CREATED,
+            to_status=lease.status,
+            expires_at=lease.expires_at,
             detail="offer made",
         )
     return lease
@@ -87,8 +97,12 @@ def claim_due_renewals(*, limit: int = 1000) -> list[Lease]:
     with transaction.atomic():
         due = list(
             Lease.objects.select_for_update(skip_locked=True, of=("self",))
-            .filter(status=Lease.Status.ACTIVE, expires_at__gt=now, expires_at__lte=threshold,
-                    worker__status=Worker.Status.ONLINE)
+            .filter(
+                status=Lease.Status.ACTIVE,
+                expires_at__gt=now,
+                expires_at__lte=threshold,
+                worker__status=Worker.Status.ONLINE,
+            )
             .filter(Q(renewal_requested_at__isnull=True) | Q(renewal_requested_at__lte=retry_before))
             .order_by("expires_at")[:limit]
         )

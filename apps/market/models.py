@@ -98,7 +98,9 @@ class Offer(models.Model):
             # A worker has at most one open offer per advertisement: a retried or duplicated frame
             # cannot reserve the same worker twice.
             models.UniqueConstraint(
-                fields=["advertisement", "worker"], condition=Q(status="open"), name="one_open_offer_per_worker"
+                fields=["advertisement", "worker"],
+                condition=Q(status="open"),
+                name="one_open_offer_per_worker",
             )
         ]
 

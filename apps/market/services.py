@@ -46,19 +46,41 @@ def readvertise_delay(attempt: int) -> float:
 
 def advertisement_message(ad: Advertisement) -> protocol.Advertisement:
     return protocol.Advertisement(
-        advertisement_id=ad.id, attempt=ad.attempt, job_id=ad.job_id, role=ad.role, resources=ad.resources,
-        executors=ad.executor_descriptors, bid=ad.bid, wanted=ad.wanted,
+        advertisement_id=ad.id,
+        attempt=ad.attempt,
+        job_id=ad.job_id,
+        role=ad.role,
+        resources=ad.resources,
+        executors=ad.executor_descriptors,
+        bid=ad.bid,
+        wanted=ad.wanted,
     )
 
 
-def advertise(*, job, role: str, wanted: int, resources: protocol.Resources,
-              executor: protocol.ExecutorDescriptor, bid: float, max_price: float) -> Advertisement:
+def advertise(
+    *,
+    job,
+    role: str,
+    wanted: int,
+    resources: protocol.Resources,
+    executor: protocol.ExecutorDescriptor,
+    bid: float,
+    max_price: float,
+) -> Advertisement:
     """Open an advertisement for ``wanted`` workers of ``role`` and broadcast it to connected daemons."""
     now = timezone.now()
     ad = Advertisement.objects.create(
-        job=job, role=role, wanted=wanted, cpu=resources.cpu, memory=resources.memory,
-        storage=resources.storage, gpu=resources.gpu, executors=[executor.model_dump(by_alias=True)],
-        bid=bid, max_price=max_price, window_closes_at=now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW),
+        job=job,
+        role=role,
+        wanted=wanted,
+        cpu=resources.cpu,
+        memory=resources.memory,
+        storage=resources.storage,
+        gpu=resources.gpu,
+        executors=[executor.model_dump(by_alias=True)],
+        bid=bid,
+        max_price=max_price,
+        window_closes_at=now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW),
     )
     worker_services.broadcast(advertisement_message(ad))
     return ad
@@ -92,8 +114,10 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
     """
     with transaction.atomic():
         ad = (
-            Advertisement.objects.select_for_update().select_related("job")
-            .filter(pk=message.advertisement_id).first()
+            Advertisement.objects.select_for_update()
+            .select_related("job")
+            .filter(pk=message.advertisement_id)
+            .first()
         )
         if ad is None:
             raise UnknownAdvertisement(f"no advertisement {message.advertisement_id}")
@@ -110,22 +134,34 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
         if not message.resources.fits_within(worker.capacity):
             raise OfferRefused("offered resources exceed the worker's declared capacity")
         fields = {
-            "advertisement": ad, "worker": worker, "attempt": ad.attempt, "price": message.price,
-            "cpu": message.resources.cpu, "memory": message.resources.memory,
-            "storage": message.resources.storage, "gpu": message.resources.gpu,
+            "advertisement": ad,
+            "worker": worker,
+            "attempt": ad.attempt,
+            "price": message.price,
+            "cpu": message.resources.cpu,
+            "memory": message.resources.memory,
+            "storage": message.resources.storage,
+            "gpu": message.resources.gpu,
             "score": offer_score(price=message.price, resources=message.resources),
         }
         if message.price > ad.max_price:
             # Recorded (it is market activity) but never held: the daemon is free at once.
             offer = Offer.objects.create(
-                **fields, status=Offer.Status.DECLINED, reason="price above what the job pays",
-                expires_at=now, decided_at=now,
+                **fields,
+                status=Offer.Status.DECLINED,
+                reason="price above what the job pays",
+                expires_at=now,
+                decided_at=now,
             )
             return OfferOutcome(offer=offer, ready=False)
         try:
             with transaction.atomic():
                 lease = lease_services.reserve(
-                    worker_id=worker.pk, job=ad.job, role=ad.role, resources=message.resources, price=message.price
+                    worker_id=worker.pk,
+                    job=ad.job,
+                    role=ad.role,
+                    resources=message.resources,
+                    price=message.price,
                 )
                 offer = Offer.objects.create(**fields, lease=lease, expires_at=lease.expires_at)
         except CapacityExceeded as error:
@@ -159,7 +195,9 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             return Settlement(advertisement=ad)
         now = timezone.now()
         candidates = list(
-            ad.offers.filter(status=Offer.Status.OPEN, lease__status=Lease.Status.TEMPORARY, lease__expires_at__gt=now)
+            ad.offers.filter(
+                status=Offer.Status.OPEN, lease__status=Lease.Status.TEMPORARY, lease__expires_at__gt=now
+            )
             .select_related("lease", "worker")
             .order_by("score", "created_at")
         )
@@ -171,7 +209,9 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
                 try:
                     offer.lease.activate(ttl=lease_services.lease_ttl())
                 except LeaseTransitionRefused:
-                    _decide(offer, Offer.Status.EXPIRED, "its temporary lease ran out before the decision", now)
+                    _decide(
+                        offer, Offer.Status.EXPIRED, "its temporary lease ran out before the decision", now
+                    )
                     continue
                 _decide(offer, Offer.Status.ACCEPTED, "", now)
                 result.accepted.append(offer)
@@ -197,8 +237,12 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             worker_services.send_to_worker(
                 offer.worker_id,
                 protocol.LeaseGranted(
-                    lease_id=lease.id, advertisement_id=ad.id, job_id=ad.job_id, role=ad.role,
-                    resources=lease.resources, price=lease.price,
+                    lease_id=lease.id,
+                    advertisement_id=ad.id,
+                    job_id=ad.job_id,
+                    role=ad.role,
+                    resources=lease.resources,
+                    price=lease.price,
                     expires_in=(lease.expires_at - now).total_seconds(),
                 ),
             )
@@ -238,7 +282,9 @@ def due_windows(*, limit: int = 200) -> list:
     """Ids of open adverts whose offer window has closed and that have not settled it yet."""
     return list(
         Advertisement.objects.filter(
-            status=Advertisement.Status.OPEN, next_attempt_at__isnull=True, window_closes_at__lte=timezone.now()
+            status=Advertisement.Status.OPEN,
+            next_attempt_at__isnull=True,
+            window_closes_at__lte=timezone.now(),
         ).values_list("pk", flat=True)[:limit]
     )
 
@@ -275,7 +321,9 @@ def _decline_and_release(offer: Offer, reason: str, now) -> None:
             pass  # it expired in the meantime: the worker is free either way
     worker_services.send_to_worker(
         offer.worker_id,
-        protocol.OfferDeclined(advertisement_id=offer.advertisement_id, lease_id=offer.lease_id, reason=reason),
+        protocol.OfferDeclined(
+            advertisement_id=offer.advertisement_id, lease_id=offer.lease_id, reason=reason
+        ),
     )
 
 

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between ``last_seen_at`` writes for a busy connection.
 TOUCH_INTERVAL = 5.0
+#: channels_redis forgets group members after a day (its ``group_expiry``); a daemon connected for weeks
+#: re-joins its groups well before that.
+GROUP_REFRESH_INTERVAL = 3600.0
 
 
 class WorkerGatewayConsumer(AsyncWebsocketConsumer):
@@ -40,13 +43,15 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             logger.warning("worker connection refused from %s: %s", self._peer(), error.message)
             await self._close_with(error.code, protocol.ErrorCode.REFUSED, error.message)
             return
-        self.last_touch = time.monotonic()
+        self.last_touch = self.last_group_join = time.monotonic()
 
     async def disconnect(self, code) -> None:
         if self.worker is None or not self.greeted:
             return
         await self.channel_layer.group_discard(worker_services.WORKERS_GROUP, self.channel_name)
-        await self.channel_layer.group_discard(worker_services.worker_group(self.worker.pk), self.channel_name)
+        await self.channel_layer.group_discard(
+            worker_services.worker_group(self.worker.pk), self.channel_name
+        )
         await database_sync_to_async(job_services.worker_disconnected)(
             worker=self.worker, channel_name=self.channel_name
         )
@@ -73,13 +78,16 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             await self._handle(message)
         except Exception:
             logger.exception("worker %s: handling %s failed", self.worker.name, message.type)
-            await self._error(protocol.ErrorCode.INTERNAL, f"could not handle {message.type!r}", ref=message.type)
+            await self._error(
+                protocol.ErrorCode.INTERNAL, f"could not handle {message.type!r}", ref=message.type
+            )
 
     async def _handle(self, message) -> None:
         if not self.greeted:
             if not isinstance(message, protocol.Hello):
                 await self._close_with(
-                    protocol.CloseCode.HELLO_EXPECTED, protocol.ErrorCode.REFUSED,
+                    protocol.CloseCode.HELLO_EXPECTED,
+                    protocol.ErrorCode.REFUSED,
                     f"the first message must be 'hello', not {message.type!r}",
                 )
                 return
@@ -88,12 +96,18 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         await self._touch()
         match message:
             case protocol.Hello():
-                await self._error(protocol.ErrorCode.REFUSED, "already greeted on this connection", ref="hello")
+                await self._error(
+                    protocol.ErrorCode.REFUSED, "already greeted on this connection", ref="hello"
+                )
             case protocol.Offer():
                 try:
-                    reply = await database_sync_to_async(job_services.offer_made)(worker=self.worker, message=message)
+                    reply = await database_sync_to_async(job_services.offer_made)(
+                        worker=self.worker, message=message
+                    )
                 except OfferRefused as refused:
-                    reply = protocol.OfferDeclined(advertisement_id=message.advertisement_id, reason=refused.reason)
+                    reply = protocol.OfferDeclined(
+                        advertisement_id=message.advertisement_id, reason=refused.reason
+                    )
                 await self.send(text_data=protocol.encode(reply))
             case protocol.LeaseRenewed():
                 found = await database_sync_to_async(job_services.renewal_confirmed)(
@@ -111,16 +125,20 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     async def _hello(self, hello: protocol.Hello) -> None:
         if hello.protocol_version not in protocol.SUPPORTED_VERSIONS:
             await self._close_with(
-                protocol.CloseCode.UNSUPPORTED_VERSION, protocol.ErrorCode.REFUSED,
+                protocol.CloseCode.UNSUPPORTED_VERSION,
+                protocol.ErrorCode.REFUSED,
                 f"protocol version {hello.protocol_version} is not supported; "
                 f"this control plane speaks {sorted(protocol.SUPPORTED_VERSIONS)}",
             )
             return
         # Join the groups first, so no advert or lease message falls between the welcome and the join.
-        await self.channel_layer.group_add(worker_services.WORKERS_GROUP, self.channel_name)
-        await self.channel_layer.group_add(worker_services.worker_group(self.worker.pk), self.channel_name)
+        await self._join_groups()
         self.greeted = True
-        info = {"peer": self._peer(), "daemon_version": hello.daemon_version, "protocol_version": hello.protocol_version}
+        info = {
+            "peer": self._peer(),
+            "daemon_version": hello.daemon_version,
+            "protocol_version": hello.protocol_version,
+        }
         welcome = await database_sync_to_async(job_services.worker_connected)(
             worker=self.worker, channel_name=self.channel_name, hello=hello, info=info
         )
@@ -139,15 +157,24 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
 
     # --- helpers ------------------------------------------------------------------------------------------
 
+    async def _join_groups(self) -> None:
+        self.last_group_join = time.monotonic()
+        await self.channel_layer.group_add(worker_services.WORKERS_GROUP, self.channel_name)
+        await self.channel_layer.group_add(worker_services.worker_group(self.worker.pk), self.channel_name)
+
     async def _touch(self) -> None:
         now = time.monotonic()
         if now - self.last_touch >= TOUCH_INTERVAL:
             self.last_touch = now
             await database_sync_to_async(self.worker.touch)()
+        if now - self.last_group_join >= GROUP_REFRESH_INTERVAL:
+            await self._join_groups()
 
     async def _unknown_lease(self, message) -> None:
         await self._error(
-            protocol.ErrorCode.UNKNOWN_LEASE, f"lease {message.lease_id} is not a lease of this worker", ref=message.type
+            protocol.ErrorCode.UNKNOWN_LEASE,
+            f"lease {message.lease_id} is not a lease of this worker",
+            ref=message.type,
         )
 
     async def _error(self, code: protocol.ErrorCode, text: str, *, ref: str | None = None) -> None:

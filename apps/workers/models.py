@@ -60,7 +60,9 @@ class Worker(models.Model):
     def create_with_token(cls, *, name: str, owner=None) -> tuple[Worker, str]:
         """Create a worker and return it with its token, which is shown once and stored only hashed."""
         token = cls._new_token()
-        worker = cls.objects.create(name=name, owner=owner, token_hash=hash_token(token), token_hint=token[:10])
+        worker = cls.objects.create(
+            name=name, owner=owner, token_hash=hash_token(token), token_hint=token[:10]
+        )
         return worker, token
 
     def rotate_token(self) -> str:
@@ -90,8 +92,16 @@ class Worker(models.Model):
 
     # --- presence -----------------------------------------------------------------------------------
 
-    def mark_online(self, *, channel_name: str, resources: Resources, executors: list[ExecutorDescriptor],
-                    price_floor: float, strategy: str, info: dict) -> None:
+    def mark_online(
+        self,
+        *,
+        channel_name: str,
+        resources: Resources,
+        executors: list[ExecutorDescriptor],
+        price_floor: float,
+        strategy: str,
+        info: dict,
+    ) -> None:
         """Record a (re)connection; the newest connection wins the worker."""
         now = timezone.now()
         self.status = self.Status.ONLINE
@@ -99,7 +109,10 @@ class Worker(models.Model):
         self.connected_at = now
         self.last_seen_at = now
         self.cpu, self.memory, self.storage, self.gpu = (
-            resources.cpu, resources.memory, resources.storage, resources.gpu
+            resources.cpu,
+            resources.memory,
+            resources.storage,
+            resources.gpu,
         )
         self.executors = [descriptor.model_dump(by_alias=True) for descriptor in executors]
         self.price_floor = price_floor
@@ -107,8 +120,18 @@ class Worker(models.Model):
         self.connection_info = info
         self.save(
             update_fields=[
-                "status", "channel_name", "connected_at", "last_seen_at", "cpu", "memory", "storage", "gpu",
-                "executors", "price_floor", "strategy", "connection_info",
+                "status",
+                "channel_name",
+                "connected_at",
+                "last_seen_at",
+                "cpu",
+                "memory",
+                "storage",
+                "gpu",
+                "executors",
+                "price_floor",
+                "strategy",
+                "connection_info",
             ]
         )
 

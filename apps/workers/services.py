@@ -60,9 +60,12 @@ def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hell
         )
         if previous_channel and previous_channel != channel_name:
             # An older connection of the same daemon may linger (half-open TCP): tell it to go.
-            close_connections(worker.pk, code=protocol.CloseCode.SUPERSEDED,
-                              message="superseded by a newer connection of this worker",
-                              keep_channel=channel_name)
+            close_connections(
+                worker.pk,
+                code=protocol.CloseCode.SUPERSEDED,
+                message="superseded by a newer connection of this worker",
+                keep_channel=channel_name,
+            )
     return worker
 
 
@@ -77,8 +80,11 @@ def record_disconnection(*, worker: Worker, channel_name: str) -> bool:
 def revoke_token(worker: Worker) -> bool:
     """Revoke the worker's token and close its connection (its leases are ended by the caller)."""
     revoked = worker.revoke_token()
-    close_connections(worker.pk, code=protocol.CloseCode.TOKEN_REVOKED,
-                      message=f"the token of worker {worker.name!r} has been revoked")
+    close_connections(
+        worker.pk,
+        code=protocol.CloseCode.TOKEN_REVOKED,
+        message=f"the token of worker {worker.name!r} has been revoked",
+    )
     return revoked
 
 
@@ -102,6 +108,11 @@ def close_connections(worker_id, *, code: int, message: str, keep_channel: str |
     send_on_commit(
         lambda: group_send(
             worker_group(worker_id),
-            {"type": "gateway.close", "code": int(code), "message": message, "keep_channel": keep_channel or ""},
+            {
+                "type": "gateway.close",
+                "code": int(code),
+                "message": message,
+                "keep_channel": keep_channel or "",
+            },
         )
     )
