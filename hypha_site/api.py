@@ -66,29 +66,30 @@ def error_responses(*codes: int, examples: list[OpenApiExample] | None = None) -
 # --- input ----------------------------------------------------------------------------------------------------
 
 
-# JSON cannot carry NaN or infinity, and ``true`` is not a quantity.
-class FiniteFloatField(serializers.FloatField):
-    default_error_messages = {"finite": "A finite number is required."}
+class NumberField(serializers.FloatField):
+    """A finite number (DRF's float field already refuses NaN and infinity), and not ``true``/``false``, which
+    Python would otherwise take for 1 and 0."""
 
     def to_internal_value(self, data: Any) -> float:
         if isinstance(data, bool):
             self.fail("invalid")
-        value = super().to_internal_value(data)
-        if not math.isfinite(value):
-            self.fail("finite")
-        return value
+        return super().to_internal_value(data)
 
 
-# For a float that may legitimately be infinite (the score of an offer of no capacity): JSON has no infinity.
 class NullIfInfiniteFloatField(serializers.FloatField):
+    """Output of a float that may legitimately be infinite (the score of an offer of no capacity) as ``null``:
+    JSON has no infinity, and DRF's strict renderer would fail the whole response."""
+
     def to_representation(self, value: float) -> float | None:
         value = float(value)
         return value if math.isfinite(value) else None
 
 
-# Input serializers derive from this one: an unknown key is a field error (a typo must not silently become a
-# default), and an omitted nested object without a default validates as ``{}`` so its fields' defaults apply.
 class StrictSerializer(serializers.Serializer):
+    """Base of input serializers: an unknown key is a field error (a typo must not silently become a default),
+    reported with the other errors; an omitted nested object without a default validates as ``{}``, so the
+    defaults of its fields apply."""
+
     default_error_messages = {"unknown": "Unknown field."}
 
     def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
@@ -111,6 +112,30 @@ class StrictSerializer(serializers.Serializer):
         if errors:
             raise serializers.ValidationError(errors)
         return value
+
+
+# --- named enums ----------------------------------------------------------------------------------------------
+
+
+class EnumField(serializers.ChoiceField):
+    """A choice of a ``TextChoices`` class, documented as one schema component named after it (``JobStatus``,
+    ``LeaseStatus``...). drf-spectacular would otherwise name enums after the field, and every model has a
+    ``status`` with its own choices: it warns about the collision and invents hashed names."""
+
+    def __init__(self, choices: type[models.TextChoices], **kwargs) -> None:
+        self.enum_name = choices.__qualname__.replace(".", "")
+        super().__init__(choices=choices.choices, **kwargs)
+
+
+class EnumFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = EnumField
+    match_subclasses = True
+
+    def get_name(self) -> str:
+        return self.target.enum_name
+
+    def map_serializer_field(self, auto_schema, direction) -> dict:
+        return {"type": "string", "enum": list(self.target.choices)}
 
 
 # --- list filters ---------------------------------------------------------------------------------------------
@@ -144,29 +169,6 @@ def uuid_filter(help_text: str) -> serializers.UUIDField:
 
 def status_filter(choices: type[models.TextChoices], help_text: str) -> EnumField:
     return EnumField(choices, required=False, help_text=help_text)
-
-
-# --- named enums ----------------------------------------------------------------------------------------------
-
-
-# A choice field documented as one named schema component per ``TextChoices`` class (``JobStatus``,
-# ``LeaseStatus``...). drf-spectacular would otherwise name enums after the field, and every model has a
-# ``status`` with different choices: it warns about the collision and invents hashed names.
-class EnumField(serializers.ChoiceField):
-    def __init__(self, choices: type[models.TextChoices], **kwargs) -> None:
-        self.enum_name = choices.__qualname__.replace(".", "")
-        super().__init__(choices=choices.choices, **kwargs)
-
-
-class EnumFieldExtension(OpenApiSerializerFieldExtension):
-    target_class = EnumField
-    match_subclasses = True
-
-    def get_name(self) -> str:
-        return self.target.enum_name
-
-    def map_serializer_field(self, auto_schema, direction) -> dict:
-        return {"type": "string", "enum": list(self.target.choices)}
 
 
 # --- output ---------------------------------------------------------------------------------------------------

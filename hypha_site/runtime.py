@@ -40,7 +40,9 @@ def enqueue(task: Task, *args: Any) -> None:
     if runner is not None:
         runner.submit(task, args)
     else:
-        _run_task(task, args)
+        # Eagerly, in the caller's thread: its database connection is the caller's, maybe still inside an
+        # atomic block (a test capturing on_commit callbacks), so it is not ours to close.
+        _run_task(task, args, close_connection=False)
 
 
 def send_on_commit(send: Callable[[], None]) -> None:
@@ -62,13 +64,14 @@ def group_send(group: str, message: dict) -> None:
     async_to_sync(get_channel_layer().group_send)(group, message)
 
 
-def _run_task(task: Task, args: tuple) -> None:
+def _run_task(task: Task, args: tuple, *, close_connection: bool = True) -> None:
     try:
         task.apply(args=args, throw=True)
     except Exception:
         logger.exception("task %s%r failed", task.name, args)
     finally:
-        close_old_connections()
+        if close_connection:
+            close_old_connections()
 
 
 class EmbeddedRunner:

@@ -267,7 +267,14 @@ else:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+            "CONFIG": {
+                # redis-py 8 reads with a 5 s socket timeout by default, which cuts channels_redis's 5 s
+                # blocking receive (BZPOPMIN) short: every idle websocket consumer would die within 5 s.
+                # Longer than that receive, so a dead Redis is still noticed.
+                "hosts": [{"address": REDIS_URL, "socket_timeout": 15}],
+                "capacity": 1000,
+                "expiry": 30,
+            },
         }
     }
 

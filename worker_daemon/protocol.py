@@ -7,7 +7,8 @@ then speaks first with :class:`Hello`.
 Conversation (``→`` daemon to control plane, ``←`` control plane to daemon)::
 
     → hello                      resources, executors, price floor, leases it still holds
-    ← welcome                    worker id, timing constants, the leases the control plane knows + open adverts
+    ← welcome                    worker id, timing constants, open adverts, and the leases the daemon may keep:
+                                 those it claimed that the control plane still has ACTIVE (others are ended)
     ← advertisement              a job role wants workers: minimum resources, executors, public bid
     → offer                      price and offered resources for one advertisement
     ← offer_received             the control plane holds a TEMPORARY lease for the offer
@@ -81,7 +82,8 @@ class ErrorCode(enum.StrEnum):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    # No NaN or infinity anywhere: an infinite price or capacity would poison rankings and JSON responses.
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class Resources(_Message):
@@ -128,6 +130,7 @@ class LeaseInfo(_Message):
     role: str
     status: Literal["temporary", "active"]
     resources: Resources
+    price: float = Field(default=0.0, ge=0)
     expires_in: float = Field(description="Seconds until the lease expires unless renewed.")
 
 
@@ -181,7 +184,7 @@ DaemonMessage = Annotated[
 class Advertisement(_Message):
     type: Literal["advertisement"] = "advertisement"
     advertisement_id: uuid.UUID
-    attempt: int
+    attempt: int = Field(ge=0)
     job_id: uuid.UUID
     role: str
     resources: Resources = Field(description="Minimum resources per worker for this role.")
@@ -251,6 +254,7 @@ class Error(_Message):
     code: ErrorCode
     message: str
     ref: str | None = Field(default=None, description="The type of the frame this error answers, if known.")
+    lease_id: uuid.UUID | None = Field(default=None, description="The lease the refused frame named, if any.")
     at: datetime | None = None
 
 

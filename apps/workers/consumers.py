@@ -175,10 +175,14 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             protocol.ErrorCode.UNKNOWN_LEASE,
             f"lease {message.lease_id} is not a lease of this worker",
             ref=message.type,
+            lease_id=message.lease_id,
         )
 
-    async def _error(self, code: protocol.ErrorCode, text: str, *, ref: str | None = None) -> None:
-        await self.send(text_data=protocol.encode(protocol.Error(code=code, message=text, ref=ref)))
+    async def _error(
+        self, code: protocol.ErrorCode, text: str, *, ref: str | None = None, lease_id=None
+    ) -> None:
+        frame = protocol.Error(code=code, message=text, ref=ref, lease_id=lease_id)
+        await self.send(text_data=protocol.encode(frame))
 
     async def _close_with(self, close_code: int, error_code: protocol.ErrorCode, text: str) -> None:
         await self._error(error_code, text)

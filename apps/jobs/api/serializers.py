@@ -1,0 +1,227 @@
+"""Serializers of the jobs API: the job submission body (validated here, created by the service) and jobs."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
+from rest_framework import serializers
+
+from apps.jobs.models import DEFAULT_EXECUTORS, PARAMETER_SERVER, ROLES, TRAINER, Job, JobEvent
+from apps.leases.models import Lease
+from hypha_site.api import (
+    EnumField,
+    ExecutorSerializer,
+    NumberField,
+    ResourcesSerializer,
+    StrictSerializer,
+)
+
+DEFAULT_RESOURCES = {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0}
+DEFAULT_BID = 100.0
+DEFAULT_MAX_PRICE = 100.0
+MAX_TRAINERS = 256
+
+# --- the submission ---------------------------------------------------------------------------------------
+
+
+@extend_schema_serializer(component_name="Resources")
+class ResourcesInputSerializer(StrictSerializer):
+    """Minimum resources per worker: CPU cores, memory GB, storage GB, GPU GB of VRAM."""
+
+    cpu = NumberField(min_value=0, default=DEFAULT_RESOURCES["cpu"], help_text="CPU cores")
+    memory = NumberField(min_value=0, default=DEFAULT_RESOURCES["memory"], help_text="memory, GB")
+    storage = NumberField(min_value=0, default=DEFAULT_RESOURCES["storage"], help_text="storage, GB")
+    gpu = NumberField(min_value=0, default=DEFAULT_RESOURCES["gpu"], help_text="GPU memory, GB of VRAM")
+
+
+@extend_schema_serializer(component_name="Price")
+class PriceInputSerializer(StrictSerializer):
+    """Price per worker: `bid` is broadcast to daemons; `max` is private, offers above it are declined."""
+
+    bid = NumberField(min_value=0, default=DEFAULT_BID, help_text="public price per worker")
+    max = NumberField(min_value=0, default=DEFAULT_MAX_PRICE, help_text="private maximum, at least `bid`")
+
+    def validate(self, attrs: dict) -> dict:
+        if attrs["max"] < attrs["bid"]:
+            raise serializers.ValidationError({"max": [f"Must be at least the bid ({attrs['bid']:.10g})."]})
+        return attrs
+
+
+@extend_schema_serializer(component_name="Executor")
+class ExecutorInputSerializer(StrictSerializer):
+    """The executor every worker of the role must offer."""
+
+    # ``class`` is a Python keyword, so the fields are declared here rather than as class attributes.
+    def get_fields(self) -> dict[str, serializers.Field]:
+        return {
+            "class": serializers.CharField(min_length=1, max_length=64, help_text="e.g. train, aggregate"),
+            "name": serializers.CharField(min_length=1, max_length=128, help_text="e.g. diloco-transformer"),
+        }
+
+
+class _RoleInputSerializer(StrictSerializer):
+    role: str
+
+    resources = ResourcesInputSerializer(required=False)
+    price = PriceInputSerializer(required=False)
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        fields["executor"] = ExecutorInputSerializer(
+            required=False,
+            default=DEFAULT_EXECUTORS[self.role],
+            help_text=f"default: class {DEFAULT_EXECUTORS[self.role]['class']!r}, "
+            f"name {DEFAULT_EXECUTORS[self.role]['name']!r}",
+        )
+        return fields
+
+
+@extend_schema_serializer(component_name="TrainerRequirement")
+class TrainerInputSerializer(_RoleInputSerializer):
+    """What each trainer must have, what the job pays it, and the executor it runs."""
+
+    role = TRAINER
+
+
+@extend_schema_serializer(component_name="ParameterServerRequirement")
+class ParameterServerInputSerializer(_RoleInputSerializer):
+    """What the parameter server must have, what the job pays it, and the executor it runs."""
+
+    role = PARAMETER_SERVER
+
+
+@extend_schema_serializer(component_name="JobSubmission")
+class JobCreateSerializer(StrictSerializer):
+    """A DiLoCo job: how many trainers, what each role needs and pays, and the rest of the specification."""
+
+    name = serializers.CharField(max_length=200, allow_blank=True, default="", help_text="a label for you")
+    num_trainers = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_TRAINERS,
+        default=2,
+        help_text="trainers to lease (plus one parameter server)",
+    )
+    trainer = TrainerInputSerializer(required=False)
+    parameter_server = ParameterServerInputSerializer(required=False)
+    spec = serializers.DictField(
+        default=dict,
+        help_text="The rest of the DiLoCo specification (model, data, optimizers, rounds); default {}.",
+    )
+
+    def service_arguments(self) -> dict:
+        """Keyword arguments of :func:`apps.jobs.services.create_job` (besides ``owner``)."""
+        data = self.validated_data
+        return {
+            "name": data["name"],
+            "num_trainers": data["num_trainers"],
+            "requirements": {role: _stored_requirement(data[role]) for role in ROLES},
+            "spec": data["spec"],
+        }
+
+
+def _stored_requirement(block: dict) -> dict:
+    """The submitted role block in the shape :meth:`apps.jobs.models.Job.requirement` reads."""
+    return {
+        "resources": dict(block["resources"]),
+        "executor": dict(block["executor"]),
+        "bid": block["price"]["bid"],
+        "max": block["price"]["max"],
+    }
+
+
+# --- jobs -------------------------------------------------------------------------------------------------
+
+
+class PriceSerializer(serializers.Serializer):
+    """Price per worker: `bid` is public, `max` is private to the job's owner and staff."""
+
+    bid = serializers.FloatField(read_only=True)
+    max = serializers.FloatField(read_only=True)
+
+
+class RoleRequirementSerializer(serializers.Serializer):
+    """A role of the job as it was submitted (defaults filled in)."""
+
+    resources = ResourcesSerializer(read_only=True)
+    price = PriceSerializer(read_only=True)
+    executor = ExecutorSerializer(read_only=True)
+
+
+def submitted_role(job: Job, role: str) -> dict:
+    """The stored requirement of ``role`` in the shape it was submitted in."""
+    entry = job.requirements.get(role) or {}
+    return {
+        "resources": {name: entry.get("resources", {}).get(name, 0.0) for name in DEFAULT_RESOURCES},
+        "price": {"bid": entry.get("bid"), "max": entry.get("max")},
+        "executor": entry.get("executor") or DEFAULT_EXECUTORS[role],
+    }
+
+
+class JobLeaseSerializer(serializers.ModelSerializer):
+    """A lease the job holds (or held) on a worker."""
+
+    worker = serializers.CharField(source="worker.name", read_only=True, help_text="the worker's name")
+    status = EnumField(Lease.Status, read_only=True)
+
+    class Meta:
+        model = Lease
+        fields = ["id", "role", "worker", "status", "expires_at", "renewals", "price"]
+        read_only_fields = fields
+
+
+class JobEventSerializer(serializers.ModelSerializer):
+    """A transition of the job's status, and why."""
+
+    class Meta:
+        model = JobEvent
+        fields = ["from_status", "to_status", "reason", "at"]
+        read_only_fields = fields
+
+
+class JobSerializer(serializers.ModelSerializer):
+    """A job, its allocation status (`status_reason` says why) and its leases."""
+
+    owner = serializers.CharField(source="owner.username", read_only=True, help_text="the owner's username")
+    status = EnumField(Job.Status, read_only=True)
+    trainer = serializers.SerializerMethodField()
+    parameter_server = serializers.SerializerMethodField()
+    spec = serializers.DictField(
+        read_only=True, help_text="the rest of the DiLoCo specification, as submitted"
+    )
+    leases = JobLeaseSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "name",
+            "owner",
+            "status",
+            "status_reason",
+            "num_trainers",
+            "trainer",
+            "parameter_server",
+            "spec",
+            "leases",
+            "created_at",
+            "allocated_at",
+            "ended_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(RoleRequirementSerializer)
+    def get_trainer(self, job: Job) -> dict:
+        return submitted_role(job, TRAINER)
+
+    @extend_schema_field(RoleRequirementSerializer)
+    def get_parameter_server(self, job: Job) -> dict:
+        return submitted_role(job, PARAMETER_SERVER)
+
+
+class JobDetailSerializer(JobSerializer):
+    """A job with its leases and the history of its status."""
+
+    events = JobEventSerializer(many=True, read_only=True)
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "events"]
+        read_only_fields = fields

@@ -1,0 +1,87 @@
+"""Operator admin for workers: tokens are issued, revoked and rotated by the code that owns them, never edited.
+
+What a worker's daemon reports (resources, executors, price floor, strategy) and its presence are read-only:
+the next connection overwrites them anyway.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from apps.jobs import services as job_services
+from apps.workers import services
+from apps.workers.models import Worker
+
+
+@admin.register(Worker)
+class WorkerAdmin(admin.ModelAdmin):
+    list_display = ["name", "owner", "status", "last_seen_at", "cpu", "memory", "gpu", "revoked"]
+    list_filter = ["status", ("token_revoked_at", admin.EmptyFieldListFilter)]
+    search_fields = ["name"]
+    list_select_related = ["owner"]
+    raw_id_fields = ["owner"]
+    actions = ["revoke_tokens", "rotate_tokens"]
+    readonly_fields = [
+        "id",
+        "status",
+        "last_seen_at",
+        "connected_at",
+        "token_hint",
+        "token_revoked_at",
+        "cpu",
+        "memory",
+        "storage",
+        "gpu",
+        "executors",
+        "price_floor",
+        "strategy",
+        "connection_info",
+        "created_at",
+    ]
+    fieldsets = [
+        (None, {"fields": ["id", "name", "owner"]}),
+        ("Token", {"fields": ["token_hint", "token_revoked_at"]}),
+        ("Presence", {"fields": ["status", "last_seen_at", "connected_at", "connection_info"]}),
+        (
+            "Reported by its daemon",
+            {"fields": ["cpu", "memory", "storage", "gpu", "executors", "price_floor", "strategy"]},
+        ),
+        (None, {"fields": ["created_at"]}),
+    ]
+    add_fieldsets = [
+        (None, {"fields": ["name", "owner"], "description": "The token is shown once, after saving."})
+    ]
+
+    @admin.display(boolean=True, description="revoked", ordering="token_revoked_at")
+    def revoked(self, worker: Worker) -> bool:
+        return worker.is_revoked
+
+    def get_fieldsets(self, request: HttpRequest, obj: Worker | None = None):
+        return self.add_fieldsets if obj is None else self.fieldsets
+
+    def save_model(self, request: HttpRequest, obj: Worker, form, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        # A new worker needs a token: the service creates it, and the admin carries on with the saved row.
+        worker, token = services.create_worker(name=obj.name, owner=obj.owner)
+        obj.pk = worker.pk
+        obj.refresh_from_db()
+        obj._state.adding = False
+        messages.success(request, f"Token of worker {worker.name} (shown only this once): {token}")
+
+    @admin.action(description="Revoke token (disconnect, end its leases)", permissions=["change"])
+    def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
+        names = []
+        for worker in queryset:
+            job_services.revoke_worker(worker)
+            names.append(worker.name)
+        messages.success(request, f"Revoked the token of {len(names)} worker(s): {', '.join(names)}.")
+
+    @admin.action(description="Rotate token (show the new one)", permissions=["change"])
+    def rotate_tokens(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
+        for worker in queryset:
+            token = worker.rotate_token()
+            messages.success(request, f"New token of worker {worker.name} (shown only this once): {token}")

@@ -1,0 +1,88 @@
+"""Serializers of the workers API. The token is shown once, when it is issued; its hash never leaves the server."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+from rest_framework.validators import UniqueValidator
+
+from apps.leases.models import Lease
+from apps.workers.models import Worker
+from hypha_site.api import EnumField, ExecutorSerializer, ResourcesSerializer, StrictSerializer
+
+
+class WorkerCreateSerializer(StrictSerializer):
+    """A new worker; its token is returned once, in the response."""
+
+    name = serializers.SlugField(
+        max_length=100,
+        help_text="Unique name: letters, digits, '-' and '_'.",
+        validators=[
+            UniqueValidator(queryset=Worker.objects.all(), message="A worker with this name already exists.")
+        ],
+    )
+
+
+class WorkerLeaseSerializer(serializers.ModelSerializer):
+    """A live (temporary or active) lease on the worker."""
+
+    status = EnumField(Lease.Status, read_only=True)
+    resources = ResourcesSerializer(source="*", read_only=True)
+
+    class Meta:
+        model = Lease
+        fields = ["id", "job", "role", "status", "price", "resources", "expires_at", "renewals"]
+        read_only_fields = fields
+
+
+class WorkerSerializer(serializers.ModelSerializer):
+    """A worker: what its daemon last reported, its presence, and its live leases."""
+
+    owner = serializers.CharField(
+        source="owner.username",
+        read_only=True,
+        allow_null=True,
+        help_text="the owner's username (null for a worker created without one)",
+    )
+    status = EnumField(Worker.Status, read_only=True, help_text="online while its daemon is connected")
+    resources = ResourcesSerializer(source="*", read_only=True, help_text="capacity its daemon last reported")
+    executors = ExecutorSerializer(many=True, read_only=True)
+    revoked = serializers.BooleanField(
+        source="is_revoked",
+        read_only=True,
+        help_text="true once its token is revoked: its daemon cannot connect",
+    )
+    leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
+
+    class Meta:
+        model = Worker
+        fields = [
+            "id",
+            "name",
+            "owner",
+            "resources",
+            "executors",
+            "price_floor",
+            "strategy",
+            "status",
+            "last_seen_at",
+            "connected_at",
+            "token_hint",
+            "revoked",
+            "token_revoked_at",
+            "created_at",
+            "leases",
+        ]
+        read_only_fields = fields
+
+
+class WorkerWithTokenSerializer(WorkerSerializer):
+    """A worker and its new token. The token is shown only in this response: keep it for the daemon."""
+
+    token = serializers.SerializerMethodField(help_text="give it to hypha-worker-daemon; shown only once")
+
+    class Meta(WorkerSerializer.Meta):
+        fields = [*WorkerSerializer.Meta.fields, "token"]
+        read_only_fields = fields
+
+    def get_token(self, worker: Worker) -> str:
+        return self.context["token"]

@@ -1,0 +1,194 @@
+"""``hypha-worker-daemon``: offer this machine's resources to a Hypha control plane.
+
+This module parses the command line before importing anything heavy (pydantic, websockets), so ``--help``
+and usage errors are instant; the daemon itself lives in :mod:`worker_daemon.connection`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from worker_daemon.exceptions import ConfigError, ExitCode
+
+PROG = "hypha-worker-daemon"
+
+DESCRIPTION = """\
+Offer this machine's resources to a Hypha control plane. The daemon connects outbound to the control
+plane's worker websocket, bids on the advertisements that fit its resources and price floor, and holds the
+leases it wins for as long as the control plane renews them."""
+
+EPILOG = f"""\
+exit codes:
+  {ExitCode.OK:d}  clean shutdown after SIGTERM or SIGINT (held leases were released)
+  {ExitCode.USAGE:d}  usage or configuration error (the message names the bad flag, key or value)
+  {ExitCode.TOKEN_REFUSED:d}  the control plane refused the token (missing, invalid or revoked)
+  {ExitCode.UNSUPPORTED_VERSION:d}  the control plane does not support this daemon's protocol version
+  Network failures are not fatal: the daemon reconnects with exponential backoff.
+
+environment:
+  HYPHA_SERVER       default for --server
+  HYPHA_TOKEN        default for --token
+  HYPHA_TOKEN_FILE   a file holding the token, used when neither --token nor HYPHA_TOKEN is set
+  HYPHA_WORK_DIR     overrides work_dir from the config file (--work-dir overrides both)
+  HYPHA_LOG_LEVEL    default for --log-level
+
+config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
+[offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for (importlib.metadata is not free)."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object
+    ) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("hypha")
+        except metadata.PackageNotFoundError:
+            version = "0.1.0"
+        print(f"{PROG} {version}")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line parser (exposed for documentation and tests)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--server",
+        metavar="URL",
+        help="the control plane, http(s)://host:port[/prefix] or its ws(s)://…/ws/worker/ URL "
+        "(default: $HYPHA_SERVER)",
+    )
+    parser.add_argument("--token", help="the worker token (default: $HYPHA_TOKEN, or $HYPHA_TOKEN_FILE)")
+    parser.add_argument("--token-file", metavar="PATH", help="read the worker token from this file")
+    parser.add_argument("--config", metavar="FILE", help="worker config TOML (default: none, all defaults)")
+    parser.add_argument(
+        "--work-dir", metavar="DIR", help="base directory for job work dirs (overrides work_dir)"
+    )
+    parser.add_argument(
+        "--price", type=float, metavar="P", help="counter-offer price (overrides offer.price)"
+    )
+    parser.add_argument(
+        "--floor", type=float, metavar="F", help="lowest bid to accept (overrides offer.floor)"
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=None,
+        help="log verbosity on stderr (default: $HYPHA_LOG_LEVEL or INFO)",
+    )
+    parser.add_argument("--version", action=_VersionAction)
+    return parser
+
+
+def resolve_token(*, token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
+    """The worker token: ``--token``, then ``--token-file``, then ``HYPHA_TOKEN``, then the file named by
+    ``HYPHA_TOKEN_FILE`` (contents stripped). Raises :class:`ConfigError` when none is set, the file cannot
+    be read, or the token is empty."""
+    if token is not None:
+        source, value = "--token", token
+    elif token_file is not None:
+        source, value = f"--token-file {token_file}", _read_token_file(token_file, source="--token-file")
+    elif environ.get("HYPHA_TOKEN"):
+        source, value = "HYPHA_TOKEN", environ["HYPHA_TOKEN"]
+    elif environ.get("HYPHA_TOKEN_FILE"):
+        path = environ["HYPHA_TOKEN_FILE"]
+        source, value = f"HYPHA_TOKEN_FILE {path}", _read_token_file(path, source="HYPHA_TOKEN_FILE")
+    else:
+        raise ConfigError(
+            "no worker token: pass --token or --token-file, or set HYPHA_TOKEN or HYPHA_TOKEN_FILE"
+        )
+    value = value.strip()
+    if not value:
+        raise ConfigError(f"the worker token from {source} is empty")
+    return value
+
+
+def _read_token_file(path: str, *, source: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: token file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{source}: token file {path} cannot be read: {error}") from None
+
+
+def configure_logging(level: str) -> None:
+    """Timestamped lines on stderr, one per event, so an operator can follow the daemon."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        force=True,
+    )
+    if level != "DEBUG":
+        # websockets reports every handshake and keepalive detail at INFO; we log what matters ourselves.
+        logging.getLogger("websockets").setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the daemon; return the process exit code (see the ``--help`` epilog)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    environ = os.environ
+    log_level = args.log_level or environ.get("HYPHA_LOG_LEVEL", "INFO").upper()
+    if log_level not in LOG_LEVELS:
+        parser.error(f"HYPHA_LOG_LEVEL={log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    server = args.server or environ.get("HYPHA_SERVER")
+    if not server:
+        parser.error("no control plane address: pass --server URL or set HYPHA_SERVER")
+    try:
+        token = resolve_token(token=args.token, token_file=args.token_file, environ=environ)
+    except ConfigError as error:
+        parser.error(str(error))
+    configure_logging(log_level)
+
+    try:
+        # Heavy imports only now that the arguments are known to be usable.
+        from worker_daemon.config import load_config, websocket_url
+
+        url = websocket_url(server)
+        config = load_config(
+            args.config, environ=environ, work_dir=args.work_dir, price=args.price, floor=args.floor
+        )
+    except ConfigError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return ExitCode.USAGE
+    except KeyboardInterrupt:
+        return ExitCode.OK
+
+    logger = logging.getLogger("worker_daemon")
+    logger.info("config: %s", config.summary())
+    try:
+        import asyncio
+
+        from worker_daemon.connection import run_daemon
+
+        return asyncio.run(
+            run_daemon(config=config, server_url=url, token=token, install_signal_handlers=True)
+        )
+    except KeyboardInterrupt:
+        # A Ctrl-C before the signal handlers were installed: nothing was held yet.
+        return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The arbiter: which advertisements a worker offers on, in which order, at what price. Pure functions.
+
+Rules (the original's arbiter, reference §3.3, with one deliberate change):
+
+1. **Filter.** An advertisement is dropped unless every executor it lists (class + name) is configured on
+   this worker, its ``bid >= floor``, and its resources fit within the worker's capacity component-wise.
+   (The original only dropped requests *strictly greater* than capacity, so incomparable vectors passed
+   and then failed the reservation; ``fits_within`` drops them up front with the same end result.)
+2. **Score.** ``bid / weighted(resources)`` with the weights of :data:`protocol.RESOURCE_WEIGHTS`, i.e. the
+   price per unit of capacity; 0 when the weighted size is 0.
+3. **Order.** Highest score first; equal scores keep their arrival order.
+4. **Terms.** Strategy ``whole``: offer all configured resources at ``max(price, bid)``. Strategy
+   ``flexible``: offer exactly the advertised resources at ``bid``.
+
+Whether the offered resources are actually free is the lease book's business, not the arbiter's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from worker_daemon.protocol import Advertisement, Resources
+
+Strategy = Literal["whole", "flexible"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedOffer:
+    """An offer the arbiter would make: on ``advertisement``, ``resources`` at ``price``."""
+
+    advertisement: Advertisement
+    score: float
+    price: float
+    resources: Resources
+
+
+def rejection_reason(
+    advertisement: Advertisement,
+    *,
+    executors: Collection[tuple[str, str]],
+    floor: float,
+    capacity: Resources,
+) -> str | None:
+    """Why this worker does not offer on ``advertisement``, or ``None`` if it passes the filter.
+
+    ``executors`` are the configured executors as ``(class, name)`` pairs.
+    """
+    missing = [
+        f"{descriptor.executor_class}/{descriptor.name}"
+        for descriptor in advertisement.executors
+        if descriptor.key() not in executors
+    ]
+    if missing:
+        return f"executor not configured: {', '.join(missing)}"
+    if advertisement.bid < floor:
+        return f"bid {advertisement.bid:g} is below the floor {floor:g}"
+    if not advertisement.resources.fits_within(capacity):
+        return "needs more resources than this worker has"
+    return None
+
+
+def score(advertisement: Advertisement) -> float:
+    """The bid per weighted unit of the requested resources; 0 when they weigh nothing."""
+    weighted = advertisement.resources.weighted()
+    if weighted <= 0:
+        return 0.0
+    return advertisement.bid / weighted
+
+
+def offer_terms(
+    advertisement: Advertisement, *, strategy: Strategy, capacity: Resources, price: float
+) -> tuple[float, Resources]:
+    """The ``(price, resources)`` to offer on ``advertisement`` under ``strategy``."""
+    if strategy == "whole":
+        return max(price, advertisement.bid), capacity
+    return advertisement.bid, advertisement.resources
+
+
+def plan_offers(
+    advertisements: Iterable[Advertisement],
+    *,
+    executors: Collection[tuple[str, str]],
+    capacity: Resources,
+    floor: float,
+    price: float,
+    strategy: Strategy,
+) -> list[PlannedOffer]:
+    """The offers to try, best score first, for the advertisements that pass the filter."""
+    planned = []
+    for advertisement in advertisements:
+        if rejection_reason(advertisement, executors=executors, floor=floor, capacity=capacity) is not None:
+            continue
+        offer_price, offer_resources = offer_terms(
+            advertisement, strategy=strategy, capacity=capacity, price=price
+        )
+        planned.append(
+            PlannedOffer(
+                advertisement=advertisement,
+                score=score(advertisement),
+                price=offer_price,
+                resources=offer_resources,
+            )
+        )
+    # sorted() is stable, so equal scores keep arrival order.
+    return sorted(planned, key=lambda offer: -offer.score)

@@ -1,0 +1,415 @@
+"""The worker daemon's configuration: Hypha's worker TOML keys, layered with env vars and CLI flags.
+
+Accepted keys (Hypha's worker keys, reference §7.3; the original's example files load unchanged)::
+
+    work_dir = "/var/hypha/work"     # default: the system temp dir; relative paths are resolved against
+                                     # the working directory at startup
+    [resources]                      # numbers >= 0; absent ones are measured: cpu = os.cpu_count(),
+    cpu = 16                         # memory = MemTotal of /proc/meminfo in GB, storage = free GB of
+    memory = 64                      # work_dir's file system, gpu = 0 (GB of VRAM)
+    storage = 500
+    gpu = 24
+    [offer]
+    price = 100.0                    # under "whole": the counter-offer, price = max(price, bid)
+    floor = 100.0                    # bids below it are ignored
+    strategy = { type = "whole" }    # or "flexible"; the bare string strategy = "whole" works too
+    [[executors]]                    # default: the built-in trainer and the parameter server
+    class = "train"
+    name = "diloco-transformer"
+    runtime = "process"              # or "parameter-server"
+    cmd = "uv"                       # process only, required there
+    args = ["..."]                   # process only, optional
+
+The original's libp2p and telemetry keys (``cert_pem``, ``gateway_addresses``, ``telemetry_*``, …) are
+accepted and ignored with one info line; other unknown keys get a warning naming them, never an error.
+
+Layering, as in the original: the TOML file, then ``HYPHA_*`` env vars for top-level keys
+(``HYPHA_WORK_DIR``), then CLI flags (``--work-dir``, ``--price``, ``--floor``). Any invalid value raises
+:class:`~worker_daemon.exceptions.ConfigError` with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import tomllib
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from worker_daemon import protocol
+from worker_daemon.exceptions import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Top-level keys of the original's libp2p transport and OpenTelemetry export. We talk to the control plane
+#: over a websocket instead, so they mean nothing here; users may still bring their old files.
+ORIGINAL_ONLY_KEYS = frozenset(
+    {
+        "cert_pem",
+        "key_pem",
+        "trust_pem",
+        "crls_pem",
+        "gateway_addresses",
+        "listen_addresses",
+        "external_addresses",
+        "exclude_cidr",
+        "relay_circuit",
+    }
+)
+_ORIGINAL_ONLY_PREFIX = "telemetry_"
+
+#: Top-level keys that ``HYPHA_<KEY>`` env vars may set (tables cannot come from the environment).
+ENV_KEYS = ("work_dir",)
+
+WEBSOCKET_PATH = "/ws/worker/"
+
+# A number in the config: strict so that `cpu = "16"` or `cpu = true` is reported instead of guessed at,
+# finite because TOML can spell `inf` and `nan`.
+_NUMBER = {"ge": 0, "allow_inf_nan": False, "strict": True}
+
+
+class _ConfigModel(BaseModel):
+    # extra="allow" keeps unknown keys in `model_extra`, so that load_config can name them in one warning
+    # instead of failing: a worker owner's old file should start, not crash.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ResourcesConfig(_ConfigModel):
+    """The capacity this worker offers. ``None`` means "measure it" and is only seen before validation
+    of the enclosing :class:`WorkerConfig` finishes."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    cpu: float | None = Field(default=None, **_NUMBER, description="CPU cores.")
+    memory: float | None = Field(default=None, **_NUMBER, description="Memory, GB.")
+    storage: float | None = Field(default=None, **_NUMBER, description="Storage, GB.")
+    gpu: float | None = Field(default=None, **_NUMBER, description="GPU memory (VRAM), GB.")
+
+
+class StrategyConfig(_ConfigModel):
+    """How offers are shaped: ``whole`` offers all resources, ``flexible`` only what an advert asks."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["whole", "flexible"] = "whole"
+
+
+class OfferConfig(_ConfigModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    price: float = Field(default=100.0, **_NUMBER)
+    floor: float = Field(default=100.0, **_NUMBER)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _accept_bare_string(cls, value: Any) -> Any:
+        # The original's docs show `strategy = "whole"`, which its internally tagged enum rejects; we take
+        # the obvious meaning instead of failing.
+        if isinstance(value, str):
+            return {"type": value}
+        return value
+
+
+class ExecutorConfig(_ConfigModel):
+    """One ``[[executors]]`` entry. ``cmd`` and ``args`` apply to the ``process`` runtime only; the args
+    may contain the templates ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    executor_class: str = Field(alias="class", min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=128)
+    runtime: Literal["process", "parameter-server"]
+    cmd: str | None = Field(default=None, min_length=1)
+    args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _process_needs_cmd(self) -> ExecutorConfig:
+        if self.runtime == "process" and self.cmd is None:
+            raise ValueError("cmd is required when runtime = 'process'")
+        return self
+
+    def descriptor(self) -> protocol.ExecutorDescriptor:
+        """This executor as the control plane names it (class + name)."""
+        return protocol.ExecutorDescriptor(executor_class=self.executor_class, name=self.name)
+
+
+def default_executors() -> list[ExecutorConfig]:
+    """The executors of a daemon that configures none: the built-in trainer and the parameter server."""
+    return [
+        ExecutorConfig(
+            executor_class="train",
+            name="diloco-transformer",
+            runtime="process",
+            cmd=sys.executable,
+            args=[
+                "-m",
+                "worker_daemon.executors.training",
+                "--socket",
+                "{SOCKET_PATH}",
+                "--work-dir",
+                "{WORK_DIR}",
+                "--job",
+                "{JOB_JSON}",
+            ],
+        ),
+        ExecutorConfig(executor_class="aggregate", name="parameter-server", runtime="parameter-server"),
+    ]
+
+
+class WorkerConfig(_ConfigModel):
+    """A validated worker configuration. After validation every resource is a number (measured when it
+    was absent), ``work_dir`` is absolute and ``executors`` is never empty."""
+
+    work_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()))
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    offer: OfferConfig = Field(default_factory=OfferConfig)
+    # 64 is what hello may carry (protocol.Hello.executors).
+    executors: list[ExecutorConfig] = Field(default_factory=list, max_length=64)
+
+    @field_validator("work_dir", mode="before")
+    @classmethod
+    def _absolute_work_dir(cls, value: Any) -> Any:
+        if isinstance(value, str | Path):
+            if not str(value):
+                raise ValueError("must not be empty")
+            # abspath resolves against the working directory now, at startup, and normalises `..`.
+            path = Path(os.path.abspath(os.path.expanduser(value)))
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"{str(path)!r} exists and is not a directory")
+            return path
+        return value
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> WorkerConfig:
+        seen: dict[tuple[str, str], int] = {}
+        for index, executor in enumerate(self.executors):
+            key = (executor.executor_class, executor.name)
+            if key in seen:
+                raise ValueError(
+                    f"executors[{index}] repeats class={key[0]!r} name={key[1]!r} "
+                    f"of executors[{seen[key]}]; each class+name may be configured once"
+                )
+            seen[key] = index
+        if not self.executors:
+            self.executors = default_executors()
+        resources = self.resources
+        self.resources = resources.model_copy(
+            update={
+                "cpu": resources.cpu if resources.cpu is not None else float(os.cpu_count() or 1),
+                "memory": resources.memory if resources.memory is not None else total_memory_gb(),
+                "storage": resources.storage
+                if resources.storage is not None
+                else free_disk_gb(self.work_dir),
+                "gpu": resources.gpu if resources.gpu is not None else 0.0,
+            }
+        )
+        return self
+
+    @property
+    def capacity(self) -> protocol.Resources:
+        """The configured resources as a protocol vector."""
+        resources = self.resources
+        return protocol.Resources(
+            cpu=resources.cpu or 0.0,
+            memory=resources.memory or 0.0,
+            storage=resources.storage or 0.0,
+            gpu=resources.gpu or 0.0,
+        )
+
+    @property
+    def strategy(self) -> Literal["whole", "flexible"]:
+        return self.offer.strategy.type
+
+    def descriptors(self) -> list[protocol.ExecutorDescriptor]:
+        """The executors this daemon offers, as sent in ``hello``."""
+        return [executor.descriptor() for executor in self.executors]
+
+    def summary(self) -> str:
+        """One log line describing the effective configuration."""
+        capacity = self.capacity
+        executors = ", ".join(f"{e.executor_class}/{e.name}" for e in self.executors)
+        return (
+            f"work_dir={self.work_dir} resources=cpu:{capacity.cpu:g} memory:{capacity.memory:g}GB "
+            f"storage:{capacity.storage:g}GB gpu:{capacity.gpu:g}GB price={self.offer.price:g} "
+            f"floor={self.offer.floor:g} strategy={self.strategy} executors=[{executors}]"
+        )
+
+
+def total_memory_gb(*, meminfo: Path = Path("/proc/meminfo")) -> float:
+    """Total memory in GB (GiB) from ``/proc/meminfo``; 1.0 when it cannot be read (not Linux)."""
+    try:
+        with meminfo.open() as lines:
+            for line in lines:
+                if line.startswith("MemTotal:"):
+                    kilobytes = int(line.split()[1])
+                    return round(kilobytes / 1024**2, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1.0
+
+
+def free_disk_gb(path: Path) -> float:
+    """Free space in GB (GiB) of the file system holding ``path`` or, if it does not exist yet, its nearest
+    existing parent; 0.0 if even that cannot be measured."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return round(shutil.disk_usage(candidate).free / 1024**3, 1)
+            except OSError:
+                return 0.0
+    return 0.0
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    work_dir: str | None = None,
+    price: float | None = None,
+    floor: float | None = None,
+) -> WorkerConfig:
+    """Read the TOML file at ``path`` (none: defaults only), apply ``HYPHA_*`` env vars from ``environ``
+    (default ``os.environ``) and then the CLI overrides that are not ``None``; validate and return.
+
+    Raises :class:`ConfigError` naming the file and key for an unreadable file, invalid TOML or any invalid
+    value. Logs one info line for ignored keys of the original's libp2p transport and one warning for
+    other unknown keys.
+    """
+    environ = os.environ if environ is None else environ
+    source = str(path) if path is not None else "config"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as file:
+                data = tomllib.load(file)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {source} not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {source} is a directory") from None
+        except OSError as error:
+            raise ConfigError(f"config file {source} cannot be read: {error.strerror}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {source} is not valid TOML: {error}") from None
+
+    for key in ENV_KEYS:
+        variable = f"HYPHA_{key.upper()}"
+        if environ.get(variable):
+            data[key] = environ[variable]
+    if work_dir is not None:
+        data["work_dir"] = work_dir
+    if price is not None or floor is not None:
+        offer = data.get("offer")
+        # Only merge into a table; anything else is left for validation to report as offer's error.
+        if offer is None or isinstance(offer, dict):
+            offer = dict(offer or {})
+            if price is not None:
+                offer["price"] = price
+            if floor is not None:
+                offer["floor"] = floor
+            data["offer"] = offer
+
+    try:
+        config = WorkerConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {_describe(error)}") from None
+
+    original, unknown = _ignored_keys(config)
+    if original:
+        logger.info(
+            "%s: ignoring keys of the original's libp2p/telemetry transport (not used here): %s",
+            source,
+            ", ".join(original),
+        )
+    if unknown:
+        logger.warning("%s: ignoring unknown config keys: %s", source, ", ".join(unknown))
+    return config
+
+
+def websocket_url(server: str) -> str:
+    """The worker gateway URL for a control plane address.
+
+    ``http://host:port[/prefix]`` becomes ``ws://host:port[/prefix]/ws/worker/`` and https becomes wss. A
+    ``ws://`` or ``wss://`` URL is used as is when its path already ends with ``/ws/worker/``; otherwise
+    ``/ws/worker/`` is appended. Raises :class:`ConfigError` for any other scheme or a missing host.
+    """
+    parts = urllib.parse.urlsplit(server.strip())
+    schemes = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}
+    scheme = parts.scheme.lower()
+    if scheme not in schemes:
+        raise ConfigError(f"--server {server!r}: the URL must start with http://, https://, ws:// or wss://")
+    if not parts.hostname:
+        raise ConfigError(f"--server {server!r}: the URL has no host")
+    path = parts.path
+    if not path.endswith(WEBSOCKET_PATH):
+        path = path.rstrip("/") + WEBSOCKET_PATH
+    return urllib.parse.urlunsplit((schemes[scheme], parts.netloc, path, parts.query, ""))
+
+
+def _describe(error: ValidationError) -> str:
+    """Turn pydantic's errors into ``key.path: problem (got value)`` sentences."""
+    messages = []
+    for item in error.errors():
+        location = _dotted(item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        # Echo scalar inputs only: a whole table or list in the message would bury the point.
+        if "input" in item and not isinstance(item["input"], dict | list) and item["type"] != "missing":
+            got = f" (got {item['input']!r})"
+        else:
+            got = ""
+        messages.append(f"{location}: {message}{got}" if location else f"{message}{got}")
+    return "; ".join(messages)
+
+
+def _dotted(location: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in location:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.startswith("function-") or part in {"str", "dict[str,any]"}:
+            # pydantic adds validator names to locations of union/function errors; they are not keys.
+            continue
+        else:
+            text += f".{part}" if text else part
+    return text
+
+
+def _ignored_keys(config: WorkerConfig) -> tuple[list[str], list[str]]:
+    """(keys of the original's transport, other unknown keys), each as a dotted path."""
+    original: list[str] = []
+    unknown: list[str] = []
+    for location, key in _extra_keys(config, ""):
+        is_original = key in ORIGINAL_ONLY_KEYS or key.startswith(_ORIGINAL_ONLY_PREFIX)
+        if location != key and (is_original or key in WorkerConfig.model_fields):
+            # A top-level key written after a [table] header belongs to that table in TOML; say so, because
+            # the original's own example puts work_dir under [resources] that way.
+            location += " (a top-level key: move it above the first [table] header)"
+        (original if is_original else unknown).append(location)
+    for index, executor in enumerate(config.executors):
+        if executor.runtime != "process":
+            for key in ("cmd", "args"):
+                if key in executor.model_fields_set:
+                    unknown.append(f"executors[{index}].{key} (only used by runtime = 'process')")
+    return original, unknown
+
+
+def _extra_keys(model: BaseModel, prefix: str) -> Iterator[tuple[str, str]]:
+    for key in model.model_extra or {}:
+        yield (f"{prefix}.{key}" if prefix else key), key
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        field_key = type(model).model_fields[name].alias or name
+        path = f"{prefix}.{field_key}" if prefix else field_key
+        if isinstance(value, BaseModel):
+            yield from _extra_keys(value, path)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from _extra_keys(item, f"{path}[{index}]")

@@ -1,0 +1,744 @@
+"""The daemon's session with the control plane: one outbound websocket, reconnected for as long as it runs.
+
+Two layers, so that the decisions are testable without a network:
+
+* :class:`WorkerSession` is the protocol state machine. It turns each control-plane message into replies
+  and updates its :class:`~worker_daemon.leases.LeaseBook`; :meth:`WorkerSession.evaluate` asks the
+  arbiter which open advertisements to offer on. No I/O, no asyncio.
+* :class:`WorkerDaemon` drives it: connects with ``Authorization: Bearer <token>``, sends ``hello``, feeds
+  received frames to the session and sends its replies, batches advertisements for a short window before
+  evaluating them, prunes expired leases every 250 ms, reconnects with exponential backoff and full jitter,
+  and drains on shutdown (releases every lease, waits up to 3 s for ``lease_ended``, closes normally).
+
+:func:`run_daemon` runs one daemon to completion and returns the process exit code
+(:class:`~worker_daemon.exceptions.ExitCode`).
+
+What survives a lost connection: ACTIVE leases stay in the book (they keep their local expiry and are
+claimed again in the next ``hello``); reservations for pending offers and the open advertisements are
+dropped, because the control plane forgets them with the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from worker_daemon import arbiter, protocol
+from worker_daemon.config import WorkerConfig, websocket_url
+from worker_daemon.exceptions import (
+    ExitCode,
+    FatalConnectionError,
+    TokenRefusedError,
+    UnsupportedVersionError,
+    WorkerDaemonError,
+)
+from worker_daemon.leases import LeaseBook
+
+logger = logging.getLogger(__name__)
+
+#: Added to the control plane's offer TTL for the local reservation, so that a reservation never lapses
+#: locally while the control plane may still grant it (clocks and message delays differ by a little).
+OFFER_SAFETY_MARGIN = 1.0
+#: Timing constants assumed until ``welcome`` tells the real ones (the original's values, §3.10, with a
+#: generous offer window).
+DEFAULT_OFFER_TTL = 5.0
+DEFAULT_LEASE_TTL = 10.0
+
+SHUTDOWN_REASON = "daemon shutting down"
+NOT_FREE_REASON = "resources no longer free"
+
+
+def daemon_version() -> str:
+    """The installed ``hypha`` package version, or ``0.1.0`` when running from a source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("hypha")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def _describe_resources(resources: protocol.Resources) -> str:
+    return (
+        f"cpu {resources.cpu:g}, memory {resources.memory:g} GB, storage {resources.storage:g} GB, "
+        f"gpu {resources.gpu:g} GB"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What handling one message produced: frames to send back, and whether to re-evaluate adverts."""
+
+    replies: tuple[protocol.DaemonMessage, ...] = ()
+    reevaluate: bool = False
+
+
+class WorkerSession:
+    """The daemon's side of the protocol as a plain state machine (see the protocol module docstring).
+
+    ``handle`` and ``evaluate`` return what to send; the caller sends it. The session outlives
+    connections: call :meth:`disconnected` when one is lost and :meth:`hello` when the next one opens.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: WorkerConfig,
+        daemon_version: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        book: LeaseBook | None = None,
+    ) -> None:
+        self.config = config
+        self.daemon_version = daemon_version
+        self.book = book if book is not None else LeaseBook(capacity=config.capacity, clock=clock)
+        self._executor_keys = frozenset(descriptor.key() for descriptor in config.descriptors())
+        # Insertion order is arrival order, which breaks ties between equal scores.
+        self._advertisements: dict[uuid.UUID, protocol.Advertisement] = {}
+        # The attempt of each advertisement this daemon offered on, or logged a refusal for: offers and
+        # refusal log lines happen at most once per (advertisement, attempt).
+        self._offered_attempt: dict[uuid.UUID, int] = {}
+        self._rejected_attempt: dict[uuid.UUID, int] = {}
+        self.worker_id: uuid.UUID | None = None
+        self.worker_name: str | None = None
+        self.offer_ttl = DEFAULT_OFFER_TTL
+        self.lease_ttl = DEFAULT_LEASE_TTL
+        self.welcomed = False
+        self.shutting_down = False
+        #: Leases released at shutdown whose ``lease_ended`` has not arrived yet.
+        self.awaiting_end: set[uuid.UUID] = set()
+
+    @property
+    def open_advertisements(self) -> list[protocol.Advertisement]:
+        return list(self._advertisements.values())
+
+    def hello(self) -> protocol.Hello:
+        """The first frame of every connection: capacity, executors, floor and the ACTIVE leases held."""
+        return protocol.Hello(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            daemon_version=self.daemon_version,
+            resources=self.config.capacity,
+            executors=self.config.descriptors(),
+            price_floor=self.config.offer.floor,
+            strategy=self.config.strategy,
+            leases=self.book.lease_ids(),
+        )
+
+    def handle(self, message: protocol.ServerMessage) -> Outcome:
+        """Apply one control-plane message; return the replies to send and whether to re-evaluate."""
+        match message:
+            case protocol.Welcome():
+                return self._on_welcome(message)
+            case protocol.Advertisement():
+                return Outcome(reevaluate=self._remember(message))
+            case protocol.AdvertisementClosed():
+                self._forget(message.advertisement_id)
+                logger.debug("advertisement %s closed: %s", message.advertisement_id, message.reason)
+                return Outcome()
+            case protocol.OfferReceived():
+                reservation = self.book.attach_lease(
+                    advertisement_id=message.advertisement_id,
+                    lease_id=message.lease_id,
+                    ttl=message.expires_in + OFFER_SAFETY_MARGIN,
+                )
+                if reservation is None:
+                    # The reservation lapsed locally; lease_granted will try to reserve again.
+                    logger.info(
+                        "offer on advertisement %s received, but it is no longer reserved here",
+                        message.advertisement_id,
+                    )
+                return Outcome()
+            case protocol.OfferDeclined():
+                self.book.free_reservation(message.advertisement_id)
+                logger.info(
+                    "offer on advertisement %s declined: %s", message.advertisement_id, message.reason
+                )
+                return Outcome(reevaluate=True)
+            case protocol.LeaseGranted():
+                return self._on_lease_granted(message)
+            case protocol.RenewLease():
+                return self._on_renew(message)
+            case protocol.LeaseEnded():
+                dropped = self.book.drop(message.lease_id)
+                self.awaiting_end.discard(message.lease_id)
+                suffix = f": {message.reason}" if message.reason else ""
+                if dropped is None:
+                    logger.info(
+                        "lease %s ended (%s)%s; it was not held here",
+                        message.lease_id,
+                        message.status,
+                        suffix,
+                    )
+                else:
+                    logger.info("lease %s ended (%s)%s", message.lease_id, message.status, suffix)
+                return Outcome(reevaluate=True)
+            case protocol.Error():
+                logger.warning(
+                    "control plane error %s: %s%s",
+                    message.code.value,
+                    message.message,
+                    f" (answering {message.ref})" if message.ref else "",
+                )
+                return Outcome()
+        return Outcome()  # pragma: no cover - the match is exhaustive over ServerMessage
+
+    def evaluate(self) -> list[protocol.Offer]:
+        """Reserve resources for, and return, the offers to make on open advertisements now.
+
+        Considers the advertisements not yet offered on in their current attempt, in the arbiter's order;
+        each offer reserves its resources for ``offer_ttl`` + 1 s, and one that does not fit is skipped (and
+        tried again when resources are freed).
+        """
+        if self.shutting_down:
+            return []
+        held_advertisements = {lease.advertisement_id for lease in self.book.leases}
+        candidates = []
+        for advertisement in self._advertisements.values():
+            advertisement_id = advertisement.advertisement_id
+            if self._offered_attempt.get(advertisement_id) == advertisement.attempt:
+                continue
+            # One worker serves a role once: never offer again on an advertisement we hold a lease for.
+            if advertisement_id in held_advertisements:
+                continue
+            reason = arbiter.rejection_reason(
+                advertisement,
+                executors=self._executor_keys,
+                floor=self.config.offer.floor,
+                capacity=self.book.capacity,
+            )
+            if reason is not None:
+                if self._rejected_attempt.get(advertisement_id) != advertisement.attempt:
+                    self._rejected_attempt[advertisement_id] = advertisement.attempt
+                    logger.info(
+                        "not offering on advertisement %s attempt %d (job %s, role %s): %s",
+                        advertisement_id,
+                        advertisement.attempt,
+                        advertisement.job_id,
+                        advertisement.role,
+                        reason,
+                    )
+                continue
+            candidates.append(advertisement)
+
+        offers = []
+        for planned in arbiter.plan_offers(
+            candidates,
+            executors=self._executor_keys,
+            capacity=self.book.capacity,
+            floor=self.config.offer.floor,
+            price=self.config.offer.price,
+            strategy=self.config.strategy,
+        ):
+            advertisement = planned.advertisement
+            reservation = self.book.reserve(
+                advertisement_id=advertisement.advertisement_id,
+                attempt=advertisement.attempt,
+                resources=planned.resources,
+                ttl=self.offer_ttl + OFFER_SAFETY_MARGIN,
+            )
+            if reservation is None:
+                continue
+            self._offered_attempt[advertisement.advertisement_id] = advertisement.attempt
+            offers.append(
+                protocol.Offer(
+                    advertisement_id=advertisement.advertisement_id,
+                    attempt=advertisement.attempt,
+                    price=planned.price,
+                    resources=planned.resources,
+                )
+            )
+            logger.info(
+                "offer on advertisement %s attempt %d (job %s, role %s, bid %g): price %g for %s",
+                advertisement.advertisement_id,
+                advertisement.attempt,
+                advertisement.job_id,
+                advertisement.role,
+                advertisement.bid,
+                planned.price,
+                _describe_resources(planned.resources),
+            )
+        return offers
+
+    def prune(self) -> bool:
+        """Drop reservations and leases whose local expiry passed; True if anything was freed."""
+        reservations, leases = self.book.prune()
+        for reservation in reservations:
+            logger.debug("reservation for advertisement %s expired", reservation.advertisement_id)
+        for lease in leases:
+            self.awaiting_end.discard(lease.lease_id)
+            logger.warning(
+                "lease %s not renewed, dropped (job %s, role %s)", lease.lease_id, lease.job_id, lease.role
+            )
+        return bool(reservations or leases)
+
+    def disconnected(self) -> None:
+        """Forget what died with the connection: open adverts and the reservations of pending offers."""
+        self.book.drop_reservations()
+        self._advertisements.clear()
+        self._offered_attempt.clear()
+        self._rejected_attempt.clear()
+        self.welcomed = False
+
+    def begin_shutdown(self) -> list[protocol.ReleaseLease]:
+        """Stop offering and return a ``release_lease`` for every held lease (remembered in
+        :attr:`awaiting_end` until its ``lease_ended`` arrives)."""
+        self.shutting_down = True
+        releases = [
+            protocol.ReleaseLease(lease_id=lease.lease_id, reason=SHUTDOWN_REASON)
+            for lease in self.book.leases
+        ]
+        self.awaiting_end = {release.lease_id for release in releases}
+        return releases
+
+    # --- handlers ----------------------------------------------------------------------------------------
+
+    def _on_welcome(self, message: protocol.Welcome) -> Outcome:
+        self.worker_id = message.worker_id
+        self.worker_name = message.worker_name
+        self.offer_ttl = message.offer_ttl
+        self.lease_ttl = message.lease_ttl
+        self.welcomed = True
+        replies: list[protocol.DaemonMessage] = []
+        # welcome.leases is the control plane's view of what we may keep: exactly those survive.
+        keep = {info.lease_id: info for info in message.leases if info.status == "active"}
+        for lease in self.book.leases:
+            if lease.lease_id not in keep:
+                self.book.drop(lease.lease_id)
+                logger.info(
+                    "lease %s dropped: the control plane no longer has it (job %s, role %s)",
+                    lease.lease_id,
+                    lease.job_id,
+                    lease.role,
+                )
+        for info in keep.values():
+            if self.book.renew(info.lease_id, ttl=info.expires_in):
+                continue
+            # We claimed it in hello but it lapsed locally since: take it back if it still fits.
+            adopted = self.book.activate(
+                lease_id=info.lease_id,
+                job_id=info.job_id,
+                role=info.role,
+                resources=info.resources,
+                price=0.0,
+                ttl=info.expires_in,
+            )
+            if adopted is None:
+                logger.warning("lease %s cannot be kept: %s; releasing it", info.lease_id, NOT_FREE_REASON)
+                replies.append(protocol.ReleaseLease(lease_id=info.lease_id, reason=NOT_FREE_REASON))
+        logger.info(
+            "welcomed as worker %s (%s): lease_ttl %gs, offer_ttl %gs, %d lease(s) kept, "
+            "%d open advertisement(s)",
+            message.worker_name,
+            message.worker_id,
+            message.lease_ttl,
+            message.offer_ttl,
+            len(self.book.leases),
+            len(message.advertisements),
+        )
+        for advertisement in message.advertisements:
+            self._remember(advertisement)
+        return Outcome(replies=tuple(replies), reevaluate=True)
+
+    def _on_lease_granted(self, message: protocol.LeaseGranted) -> Outcome:
+        lease = self.book.activate(
+            lease_id=message.lease_id,
+            job_id=message.job_id,
+            role=message.role,
+            resources=message.resources,
+            price=message.price,
+            ttl=message.expires_in,
+            advertisement_id=message.advertisement_id,
+        )
+        if lease is None:
+            logger.warning(
+                "lease %s granted but its resources are no longer free; releasing it", message.lease_id
+            )
+            return Outcome(
+                replies=(protocol.ReleaseLease(lease_id=message.lease_id, reason=NOT_FREE_REASON),),
+                reevaluate=True,
+            )
+        logger.info(
+            "lease %s granted: job %s, role %s, price %g, %s, expires in %gs",
+            message.lease_id,
+            message.job_id,
+            message.role,
+            message.price,
+            _describe_resources(message.resources),
+            message.expires_in,
+        )
+        if self.shutting_down:
+            # A grant that crossed our shutdown: give it straight back.
+            self.awaiting_end.add(message.lease_id)
+            return Outcome(
+                replies=(protocol.ReleaseLease(lease_id=message.lease_id, reason=SHUTDOWN_REASON),)
+            )
+        return Outcome(reevaluate=True)
+
+    def _on_renew(self, message: protocol.RenewLease) -> Outcome:
+        if message.lease_id in self.awaiting_end:
+            reason = SHUTDOWN_REASON
+        elif self.book.renew(message.lease_id, ttl=message.expires_in):
+            logger.info("lease %s renewed for %gs", message.lease_id, message.expires_in)
+            return Outcome(replies=(protocol.LeaseRenewed(lease_id=message.lease_id),))
+        else:
+            reason = "lease not held by this daemon"
+        logger.warning("refusing to renew lease %s: %s", message.lease_id, reason)
+        return Outcome(replies=(protocol.RenewRefused(lease_id=message.lease_id, reason=reason),))
+
+    def _remember(self, advertisement: protocol.Advertisement) -> bool:
+        """Store an advertisement unless we already know this or a later attempt; True if stored."""
+        if advertisement.attempt < 0:
+            # The protocol does not bound it, but an offer must carry attempt >= 0: we could never answer.
+            logger.warning(
+                "ignoring advertisement %s with attempt %d",
+                advertisement.advertisement_id,
+                advertisement.attempt,
+            )
+            return False
+        known = self._advertisements.get(advertisement.advertisement_id)
+        if known is not None and known.attempt >= advertisement.attempt:
+            return False
+        # Re-insert so that a new attempt counts as a new arrival.
+        self._advertisements.pop(advertisement.advertisement_id, None)
+        self._advertisements[advertisement.advertisement_id] = advertisement
+        return True
+
+    def _forget(self, advertisement_id: uuid.UUID) -> None:
+        self._advertisements.pop(advertisement_id, None)
+        self._offered_attempt.pop(advertisement_id, None)
+        self._rejected_attempt.pop(advertisement_id, None)
+
+
+class WorkerDaemon:
+    """One daemon: a :class:`WorkerSession` driven over a reconnecting websocket.
+
+    ``run()`` returns the exit code; ``request_shutdown()`` (what SIGTERM and SIGINT call) makes it release
+    its leases and return 0. Timing parameters are seconds and exist so tests and benchmarks can shrink
+    them; ``uniform`` draws the jittered backoff delays (``random.uniform`` by default).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: WorkerConfig,
+        server_url: str,
+        token: str,
+        batch_window: float = 0.02,
+        prune_interval: float = 0.25,
+        backoff_base: float = 0.5,
+        backoff_cap: float = 30.0,
+        open_timeout: float = 10.0,
+        ping_interval: float = 10.0,
+        send_timeout: float = 10.0,
+        shutdown_timeout: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        uniform: Callable[[float, float], float] = random.uniform,
+    ) -> None:
+        self.url = websocket_url(server_url)
+        self.session = WorkerSession(config=config, daemon_version=daemon_version(), clock=clock)
+        self._token = token
+        self._batch_window = batch_window
+        self._prune_interval = prune_interval
+        self._backoff_base = backoff_base
+        self._backoff_cap = backoff_cap
+        self._open_timeout = open_timeout
+        self._ping_interval = ping_interval
+        self._send_timeout = send_timeout
+        self._shutdown_timeout = shutdown_timeout
+        self._uniform = uniform
+        self._shutdown = asyncio.Event()
+        # Set whenever the session may have changed; the shutdown drain waits on it.
+        self._changed = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._ws: ClientConnection | None = None
+        self._evaluation_task: asyncio.Task[None] | None = None
+        self._evaluation_wanted = False
+        self._attempt = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    def request_shutdown(self, *, reason: str = "shutdown requested") -> None:
+        """Start a clean shutdown (idempotent): release leases if connected, then make ``run`` return 0."""
+        if self._shutdown.is_set():
+            logger.info("%s; already shutting down", reason)
+            return
+        logger.info("%s; shutting down", reason)
+        self._shutdown.set()
+
+    async def run(self, *, install_signal_handlers: bool = False) -> int:
+        """Connect, serve and reconnect until shut down or refused; return the exit code."""
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
+        for signal_number in signals:
+            loop.add_signal_handler(
+                signal_number,
+                lambda name=signal_number.name: self.request_shutdown(reason=f"received {name}"),
+            )
+        pruner = asyncio.create_task(self._prune_forever())
+        try:
+            while not self._shutdown.is_set():
+                try:
+                    await self._connect_once()
+                except FatalConnectionError as error:
+                    logger.error("%s; giving up (exit code %d)", error, error.exit_code)
+                    return error.exit_code
+                except (OSError, TimeoutError, WebSocketException) as error:
+                    logger.warning(
+                        "connection to %s failed: %s", self.url, str(error) or type(error).__name__
+                    )
+                if self._shutdown.is_set():
+                    break
+                delay = self.backoff_delay(self._attempt)
+                self._attempt += 1
+                logger.info("reconnecting to %s in %.2fs (attempt %d)", self.url, delay, self._attempt)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._shutdown.wait(), delay)
+            logger.info("shut down cleanly")
+            return ExitCode.OK
+        except WorkerDaemonError as error:
+            logger.error("%s", error)
+            return error.exit_code
+        finally:
+            pruner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pruner
+            for signal_number in signals:
+                loop.remove_signal_handler(signal_number)
+
+    def backoff_delay(self, attempt: int) -> float:
+        """The delay before reconnect number ``attempt + 1``: uniform in [0, min(cap, base·2^attempt)]."""
+        # Full jitter (AWS architecture blog): spreads the reconnects of many daemons after a server restart.
+        ceiling = min(self._backoff_cap, self._backoff_base * 2 ** min(attempt, 32))
+        return self._uniform(0.0, ceiling)
+
+    async def _connect_once(self) -> None:
+        """One connection: open it (abandoned at once if shutdown is requested meanwhile), then serve it."""
+        logger.info("connecting to %s", self.url)
+        opening = asyncio.create_task(self._open())
+        shutdown = asyncio.create_task(self._shutdown.wait())
+        try:
+            await asyncio.wait({opening, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            shutdown.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await shutdown
+            if not opening.done():
+                opening.cancel()
+        if not opening.done() or opening.cancelled():
+            # Shutting down mid-handshake: nothing is held on this connection yet, so just abandon it.
+            try:
+                websocket = await opening
+            except (asyncio.CancelledError, OSError, TimeoutError, WebSocketException, WorkerDaemonError):
+                return
+            await websocket.close()  # the handshake won the race with the cancellation
+            return
+        await self._serve(opening.result())
+
+    async def _open(self) -> ClientConnection:
+        try:
+            return await connect(
+                self.url,
+                additional_headers={"Authorization": f"Bearer {self._token}"},
+                user_agent_header=f"hypha-worker-daemon/{self.session.daemon_version}",
+                open_timeout=self._open_timeout,
+                ping_interval=self._ping_interval,
+                ping_timeout=self._ping_interval * 2,
+                close_timeout=self._shutdown_timeout,
+            )
+        except InvalidStatus as error:
+            status = error.response.status_code
+            if status in (401, 403):
+                raise TokenRefusedError(
+                    f"the control plane refused the worker token (HTTP {status} on the handshake)",
+                    close_code=status,
+                ) from None
+            raise
+
+    async def _serve(self, websocket: ClientConnection) -> None:
+        """Run one open connection until it closes or a shutdown has drained it. Raises
+        :class:`FatalConnectionError` when the control plane closes with a fatal code."""
+        self._ws = websocket
+        receiver = asyncio.create_task(self._receive(websocket))
+        shutdown = asyncio.create_task(self._shutdown.wait())
+        watchdog = asyncio.create_task(self._expect_welcome(websocket))
+        try:
+            with contextlib.suppress(ConnectionClosed, TimeoutError):
+                await self._send(websocket, self.session.hello())
+            await asyncio.wait({receiver, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+            if self._shutdown.is_set() and not receiver.done():
+                await self._drain(websocket, receiver)
+                return
+            await asyncio.wait({receiver})
+            error = receiver.exception()
+            if isinstance(error, TimeoutError):
+                logger.warning("sending to the control plane timed out after %gs", self._send_timeout)
+            elif error is not None and not isinstance(error, ConnectionClosed):
+                # A bug in handling a frame: log it with its traceback, then reconnect from a clean slate.
+                logger.error("internal error while handling a control-plane frame", exc_info=error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(websocket.wait_closed(), self._shutdown_timeout)
+            self._check_close(websocket.close_code, websocket.close_reason or "")
+        finally:
+            self._ws = None
+            tasks = [receiver, shutdown, watchdog]
+            if self._evaluation_task is not None:
+                tasks.append(self._evaluation_task)
+                self._evaluation_task = None
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await websocket.close()
+            self.session.disconnected()
+            self._changed.set()
+
+    def _check_close(self, code: int | None, reason: str) -> None:
+        try:
+            close_code = protocol.CloseCode(code) if code is not None else None
+        except ValueError:
+            close_code = None
+        name = f" ({close_code.name})" if close_code is not None else ""
+        detail = f"code {code}{name}" + (f", reason {reason!r}" if reason else "")
+        if close_code is not None and close_code.is_fatal:
+            error_type = (
+                UnsupportedVersionError
+                if close_code == protocol.CloseCode.UNSUPPORTED_VERSION
+                else TokenRefusedError
+            )
+            raise error_type(
+                f"the control plane closed the connection: {detail}", close_code=code, reason=reason
+            )
+        logger.warning("connection to %s closed: %s", self.url, detail)
+
+    async def _receive(self, websocket: ClientConnection) -> None:
+        try:
+            async for frame in websocket:
+                try:
+                    message = protocol.parse_server_message(frame)
+                except protocol.ProtocolError as error:
+                    logger.warning("ignoring an invalid frame from the control plane: %s", error.message)
+                    continue
+                outcome = self.session.handle(message)
+                if isinstance(message, protocol.Welcome):
+                    self._attempt = 0
+                for reply in outcome.replies:
+                    await self._send(websocket, reply)
+                if outcome.reevaluate:
+                    self._schedule_evaluation()
+                self._changed.set()
+        finally:
+            self._changed.set()
+
+    async def _send(self, websocket: ClientConnection, message: protocol.DaemonMessage) -> None:
+        # One sender at a time keeps frames whole; the timeout bounds a send stuck on a dead peer's window.
+        async with self._send_lock:
+            await asyncio.wait_for(websocket.send(protocol.encode(message)), self._send_timeout)
+
+    async def _expect_welcome(self, websocket: ClientConnection) -> None:
+        await asyncio.sleep(self._open_timeout)
+        if not self.session.welcomed:
+            logger.warning("no welcome within %gs after hello; reconnecting", self._open_timeout)
+            await websocket.close(1002, "welcome expected")
+
+    def _schedule_evaluation(self) -> None:
+        self._evaluation_wanted = True
+        websocket = self._ws
+        if websocket is not None and (self._evaluation_task is None or self._evaluation_task.done()):
+            self._evaluation_task = asyncio.create_task(self._evaluate_soon(websocket))
+
+    async def _evaluate_soon(self, websocket: ClientConnection) -> None:
+        # Adverts that arrive within one window are judged together, so the best of them gets the offer.
+        try:
+            while self._evaluation_wanted:
+                await asyncio.sleep(self._batch_window)
+                self._evaluation_wanted = False
+                for offer in self.session.evaluate():
+                    await self._send(websocket, offer)
+        except (ConnectionClosed, TimeoutError):
+            # The receiver sees the closed connection too and ends the session; reservations are dropped.
+            pass
+        except Exception:
+            # A background task's error would otherwise vanish; the daemon keeps serving.
+            logger.exception("internal error while evaluating advertisements")
+
+    async def _prune_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._prune_interval)
+            if self.session.prune():
+                self._changed.set()
+                self._schedule_evaluation()
+
+    async def _drain(self, websocket: ClientConnection, receiver: asyncio.Task[None]) -> None:
+        """Release every lease, wait up to ``shutdown_timeout`` for their ``lease_ended``, close normally."""
+        releases = self.session.begin_shutdown()
+        for release in releases:
+            logger.info("releasing lease %s: %s", release.lease_id, release.reason)
+            try:
+                await self._send(websocket, release)
+            except (ConnectionClosed, TimeoutError):
+                break
+        deadline = asyncio.get_running_loop().time() + self._shutdown_timeout
+        while self.session.awaiting_end and not receiver.done():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                logger.warning(
+                    "no lease_ended for %d lease(s) within %gs; closing anyway",
+                    len(self.session.awaiting_end),
+                    self._shutdown_timeout,
+                )
+                break
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        await websocket.close(1000, SHUTDOWN_REASON)
+
+
+async def run_daemon(
+    *,
+    config: WorkerConfig,
+    server_url: str,
+    token: str,
+    install_signal_handlers: bool = False,
+    batch_window: float = 0.02,
+    prune_interval: float = 0.25,
+    backoff_base: float = 0.5,
+    backoff_cap: float = 30.0,
+    open_timeout: float = 10.0,
+    ping_interval: float = 10.0,
+    shutdown_timeout: float = 3.0,
+) -> int:
+    """Run one worker daemon until it is shut down or refused; return its exit code.
+
+    ``server_url`` is the control plane's address (``http(s)://…``) or its worker websocket
+    (``ws(s)://…/ws/worker/``). With ``install_signal_handlers`` SIGTERM and SIGINT trigger the clean
+    shutdown; otherwise use :class:`WorkerDaemon` directly and call ``request_shutdown``.
+    """
+    try:
+        daemon = WorkerDaemon(
+            config=config,
+            server_url=server_url,
+            token=token,
+            batch_window=batch_window,
+            prune_interval=prune_interval,
+            backoff_base=backoff_base,
+            backoff_cap=backoff_cap,
+            open_timeout=open_timeout,
+            ping_interval=ping_interval,
+            shutdown_timeout=shutdown_timeout,
+        )
+    except WorkerDaemonError as error:
+        logger.error("%s", error)
+        return error.exit_code
+    return await daemon.run(install_signal_handlers=install_signal_handlers)
