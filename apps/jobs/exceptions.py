@@ -1,8 +1,8 @@
 """Errors of the jobs app.
 
-    JobError
-    ├── JobTransitionRefused    the job's state machine does not allow this transition now
-    └── JobNotCancellable       the job has already ended
+JobError
+├── JobTransitionRefused    the job's state machine does not allow this transition now
+└── JobNotCancellable       the job has already ended
 """
 
 from __future__ import annotations

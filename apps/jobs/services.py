@@ -125,19 +125,28 @@ def cancel_job(job: Job, *, reason: str = "cancelled by its owner") -> Job:
 def worker_connected(
     *, worker: Worker, channel_name: str, hello: protocol.Hello, info: dict
 ) -> protocol.Welcome:
-    """Record a (re)connection and reconcile leases: keep what both sides hold, end the rest."""
+    """Record a (re)connection and reconcile leases: keep what both sides hold, end the rest.
+
+    Lock order is job → advert → worker → lease everywhere (see ``_lock_job``), so the leases the daemon no
+    longer holds are ended (locking their jobs) before the worker row is locked to mark it online.
+    """
     with transaction.atomic():
+        claimed = set(hello.leases)
+        now = timezone.now()
+        for lease in lease_services.live_leases(worker.pk, now=now).select_related("worker"):
+            if not (lease.status == Lease.Status.ACTIVE and lease.id in claimed):
+                _end_unless_ended(
+                    lease, reason="the worker's daemon no longer holds it (reconnected without it)"
+                )
         worker = worker_services.record_connection(
             worker=worker, channel_name=channel_name, hello=hello, info=info
         )
-        claimed = set(hello.leases)
-        kept: list[protocol.LeaseInfo] = []
-        now = timezone.now()
-        for lease in lease_services.live_leases(worker.pk, now=now).select_related("worker"):
-            if lease.status == Lease.Status.ACTIVE and lease.id in claimed:
-                kept.append(_lease_info(lease, now))
-            else:
-                _end_lease(lease, reason="the worker's daemon no longer holds it (reconnected without it)")
+        kept = [
+            _lease_info(lease, now)
+            for lease in lease_services.live_leases(worker.pk, now=now).filter(
+                status=Lease.Status.ACTIVE, pk__in=claimed
+            )
+        ]
         return protocol.Welcome(
             worker_id=worker.pk,
             worker_name=worker.name,
@@ -151,17 +160,22 @@ def worker_connected(
 def worker_disconnected(*, worker: Worker, channel_name: str) -> None:
     """The connection closed: the worker is offline; its open offers are void. ACTIVE leases run on to expiry."""
     with transaction.atomic():
-        if not worker_services.record_disconnection(worker=worker, channel_name=channel_name):
-            return
+        if not Worker.objects.filter(pk=worker.pk, channel_name=channel_name).exists():
+            return  # a newer connection of this worker took over: leave its state alone
+        # Offers first (they lock their jobs), the worker row last: the lock order of offer_made.
         for lease in Lease.objects.filter(worker=worker, status=Lease.Status.TEMPORARY).select_related(
             "worker"
         ):
-            _end_lease(lease, reason="the worker disconnected while its offer was open", tell_worker=False)
+            _end_unless_ended(
+                lease, reason="the worker disconnected while its offer was open", tell_worker=False
+            )
+        worker_services.record_disconnection(worker=worker, channel_name=channel_name)
 
 
 def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferReceived | protocol.OfferDeclined:
     """A daemon offers on an advert: the reply to send back (raises OfferRefused when it is not considered)."""
     with transaction.atomic():
+        _lock_job_of_advertisement(message.advertisement_id)
         # Re-read: the consumer's copy predates the resources and executors its hello just reported.
         worker = Worker.objects.get(pk=worker.pk)
         outcome = market.record_offer(worker=worker, message=message)
@@ -181,6 +195,7 @@ def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferRece
 def settle_advertisement(advertisement_id, *, closing: bool) -> None:
     """Settle an advert (enough offers, or window closed) and update its job."""
     with transaction.atomic():
+        _lock_job_of_advertisement(advertisement_id)
         result = market.settle(advertisement_id, closing=closing)
         ad = result.advertisement
         if ad is None or not (result.accepted or result.filled or result.readvertise_in is not None):
@@ -189,7 +204,10 @@ def settle_advertisement(advertisement_id, *, closing: bool) -> None:
 
 
 def renewal_confirmed(*, worker: Worker, lease_id) -> bool:
-    """The daemon confirmed it holds the lease: extend it. False (and the daemon told) if it cannot be."""
+    """The daemon confirmed it holds the lease: extend it, or tell the daemon how the lease ended.
+
+    Returns False only when the lease is not this worker's (nothing changes then).
+    """
     lease = Lease.objects.filter(pk=lease_id, worker=worker).first()
     if lease is None:
         return False
@@ -198,11 +216,8 @@ def renewal_confirmed(*, worker: Worker, lease_id) -> bool:
     except LeaseTransitionRefused:
         with transaction.atomic():
             lease.refresh_from_db()
-            if lease.is_live:  # past expires_at, not yet expired by the clock: expire it now
-                _end_lease(lease, reason="renewal confirmed after the lease ran out", expired=True)
-            else:
-                _tell_lease_ended(lease)
-        return False
+            # Past expires_at: expire it now, unless the lease clock already did.
+            _end_unless_ended(lease, reason="renewal confirmed after the lease ran out", expired=True)
     return True
 
 
@@ -212,19 +227,27 @@ def lease_given_back(*, worker: Worker, lease_id, reason: str) -> bool:
         lease = Lease.objects.select_related("worker").filter(pk=lease_id, worker=worker).first()
         if lease is None:
             return False
-        if lease.is_live:
-            _end_lease(lease, reason=f"released by the worker: {reason or 'no reason given'}")
-        else:
-            _tell_lease_ended(lease)
+        _end_unless_ended(lease, reason=f"released by the worker: {reason or 'no reason given'}")
     return True
 
 
 def revoke_worker(worker: Worker) -> None:
     """Revoke a worker's token: its connection is closed and its leases end now."""
     with transaction.atomic():
-        worker_services.revoke_token(worker)
+        # The close is registered first so that, after commit, the daemon hears of the revocation before
+        # anything else this transaction sends (the re-advertisement of its roles). Then the leases (they
+        # lock their jobs), and the worker row last: the lock order of offer_made.
+        worker_services.close_revoked(worker)
         for lease in Lease.objects.filter(worker=worker, status__in=Lease.LIVE).select_related("worker"):
-            _end_lease(lease, reason="the worker's token was revoked", tell_worker=False)
+            _end_unless_ended(lease, reason="the worker's token was revoked", tell_worker=False)
+        worker.revoke_token()
+
+
+def rotate_token(worker: Worker) -> str:
+    """Issue the worker a new token; a daemon connected with the old one is disconnected (it cannot return)."""
+    with transaction.atomic():
+        token = worker_services.rotate_token(worker)
+    return token
 
 
 # --- clocks ----------------------------------------------------------------------------------------------
@@ -240,9 +263,14 @@ def tick_leases() -> LeaseTick:
     """Expire leases that ran out and ask daemons to confirm leases that are due for renewal."""
     result = LeaseTick()
     for lease in lease_services.due_for_expiry():
+        reason = (
+            "not renewed before it ran out"
+            if lease.status == Lease.Status.ACTIVE
+            else "the offer was not accepted before its temporary lease ran out"
+        )
         with transaction.atomic():
             try:
-                _end_lease(lease, reason="not renewed before it ran out", expired=True)
+                _end_lease(lease, reason=reason, expired=True)
                 result.expired += 1
             except LeaseTransitionRefused:
                 pass  # renewed or released concurrently: nothing to do
@@ -262,12 +290,27 @@ def tick_market() -> None:
         settle_advertisement(advertisement_id, closing=True)
     for advertisement_id in market.due_readvertisements():
         with transaction.atomic():
+            _lock_job_of_advertisement(advertisement_id)
             ad = market.readvertise(advertisement_id)
             if ad is not None:
                 refresh_status(Job.objects.get(pk=ad.job_id))
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _lock_job(job_id) -> None:
+    """Lock the job's row. Lock order: a workflow that may touch a job locks the job FIRST, then its adverts,
+    offers and leases — as ``allocate`` and ``cancel_job`` do. One that locked an advert or a lease first and
+    the job second (to refresh its status) deadlocks with them on PostgreSQL (seen in the end-to-end test:
+    ``cancel_job`` against ``settle_advertisement``). Re-locking a row this transaction holds is free."""
+    Job.objects.select_for_update().filter(pk=job_id).values_list("pk", flat=True).first()
+
+
+def _lock_job_of_advertisement(advertisement_id) -> None:
+    job_id = Advertisement.objects.filter(pk=advertisement_id).values_list("job_id", flat=True).first()
+    if job_id is not None:
+        _lock_job(job_id)
 
 
 def _active_count(job: Job, role: str) -> int:
@@ -314,6 +357,7 @@ def _lease_info(lease: Lease, now) -> protocol.LeaseInfo:
         role=lease.role,
         status=lease.status,
         resources=lease.resources,
+        price=lease.price,
         expires_in=max(0.0, (lease.expires_at - now).total_seconds()),
     )
 
@@ -325,10 +369,27 @@ def _tell_lease_ended(lease: Lease) -> None:
     )
 
 
+def _end_unless_ended(lease: Lease, *, reason: str, expired: bool = False, tell_worker: bool = True) -> None:
+    """End a lease its daemon spoke about, unless it has ended already; either way the daemon hears how it ended.
+
+    The lease was read without a lock, so the lease clock may end it between that read and this call (a
+    daemon releasing or confirming a lease just as it runs out): the refused transition is that race, lost.
+    """
+    if lease.is_live:
+        try:
+            _end_lease(lease, reason=reason, expired=expired, tell_worker=tell_worker)
+            return
+        except LeaseTransitionRefused:
+            pass  # ended concurrently; the refused transition re-read the lease
+    if not lease.is_live and tell_worker:
+        _tell_lease_ended(lease)
+
+
 def _end_lease(
     lease: Lease, *, reason: str, expired: bool = False, tell_worker: bool = True, notify_job: bool = True
 ) -> None:
     """End a live lease (expire or release), tell its daemon, void its offer, and let the job react."""
+    _lock_job(lease.job_id)
     was_active = lease.status == Lease.Status.ACTIVE
     if expired:
         lease.expire(reason=reason)
@@ -357,6 +418,7 @@ __all__ = [
     "refresh_status",
     "renewal_confirmed",
     "revoke_worker",
+    "rotate_token",
     "settle_advertisement",
     "tick_leases",
     "tick_market",

@@ -1,8 +1,8 @@
 """Errors of the leases app.
 
-    LeaseError
-    ├── LeaseTransitionRefused   the lease's state machine does not allow this transition now
-    └── CapacityExceeded         the worker's free resources cannot hold another lease
+LeaseError
+├── LeaseTransitionRefused   the lease's state machine does not allow this transition now
+└── CapacityExceeded         the worker's free resources cannot hold another lease
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Lease(models.Model):
             allowed_from=Q(status=self.Status.TEMPORARY, expires_at__gt=now),
             changes={"status": self.Status.ACTIVE, "expires_at": now + ttl, "activated_at": now},
             event=LeaseEvent.Kind.ACTIVATED,
-            refused=f"only an unexpired temporary lease can be activated (lease is {self.status})",
+            refused="only an unexpired temporary lease can be activated",
         )
 
     def renew(self, *, ttl: timedelta) -> None:
@@ -96,7 +96,7 @@ class Lease(models.Model):
                 "renewal_requested_at": None,
             },
             event=LeaseEvent.Kind.RENEWED,
-            refused=f"only an unexpired active lease can be renewed (lease is {self.status})",
+            refused="only an unexpired active lease can be renewed",
         )
 
     def expire(self, *, reason: str = "not renewed before it ran out") -> None:
@@ -106,7 +106,7 @@ class Lease(models.Model):
             allowed_from=Q(status__in=self.LIVE, expires_at__lte=now),
             changes={"status": self.Status.EXPIRED, "ended_at": now, "status_reason": reason[:300]},
             event=LeaseEvent.Kind.EXPIRED,
-            refused=f"only a live lease past its expiry can expire (lease is {self.status})",
+            refused="only a live lease past its expiry can expire",
             detail=reason,
         )
 
@@ -117,7 +117,7 @@ class Lease(models.Model):
             allowed_from=Q(status__in=self.LIVE),
             changes={"status": self.Status.RELEASED, "ended_at": now, "status_reason": reason[:300]},
             event=LeaseEvent.Kind.RELEASED,
-            refused=f"only a live lease can be released (lease is {self.status})",
+            refused="only a live lease can be released",
             detail=reason,
         )
 
@@ -129,7 +129,7 @@ class Lease(models.Model):
             updated = Lease.objects.filter(allowed_from, pk=self.pk).update(**changes)
             self.refresh_from_db()
             if updated != 1:
-                raise LeaseTransitionRefused(self, event, refused)
+                raise LeaseTransitionRefused(self, event, f"{refused} (lease is {self.status})")
             LeaseEvent.objects.create(
                 lease=self,
                 kind=event,

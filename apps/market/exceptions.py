@@ -1,9 +1,9 @@
 """Errors of the market app.
 
-    MarketError
-    └── OfferRefused            the offer cannot be taken (``reason`` is sent back to the daemon)
-        ├── UnknownAdvertisement
-        └── AdvertisementClosed
+MarketError
+└── OfferRefused            the offer cannot be taken (``reason`` is sent back to the daemon)
+    ├── UnknownAdvertisement
+    └── AdvertisementClosed
 """
 
 from __future__ import annotations

@@ -122,8 +122,10 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
         if ad is None:
             raise UnknownAdvertisement(f"no advertisement {message.advertisement_id}")
         now = timezone.now()
-        if ad.status != Advertisement.Status.OPEN or ad.job.is_final:
+        if ad.status != Advertisement.Status.OPEN:
             raise AdvertisementClosed(f"advertisement {ad.id} is {ad.status}")
+        if ad.job.is_final:
+            raise AdvertisementClosed(f"job {ad.job_id} is {ad.job.status}")
         if message.attempt != ad.attempt or ad.window_closes_at <= now or ad.next_attempt_at is not None:
             raise AdvertisementClosed(f"the offer window of attempt {message.attempt} is closed")
         missing = {tuple(d.key()) for d in ad.executor_descriptors} - worker.executor_keys()
@@ -232,6 +234,9 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             ad.next_attempt_at = now + timedelta(seconds=delay)
             ad.save(update_fields=["next_attempt_at"])
             result.readvertise_in = delay
+        # Measured from now, not from the settlement's start: activate() set expires_at a little later, and a
+        # daemon must never believe its lease lasts longer than the control plane does.
+        granted_at = timezone.now()
         for offer in result.accepted:
             lease = offer.lease
             worker_services.send_to_worker(
@@ -243,7 +248,7 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
                     role=ad.role,
                     resources=lease.resources,
                     price=lease.price,
-                    expires_in=(lease.expires_at - now).total_seconds(),
+                    expires_in=(lease.expires_at - granted_at).total_seconds(),
                 ),
             )
     return result

@@ -83,5 +83,5 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.action(description="Rotate token (show the new one)", permissions=["change"])
     def rotate_tokens(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
         for worker in queryset:
-            token = worker.rotate_token()
+            token = job_services.rotate_token(worker)
             messages.success(request, f"New token of worker {worker.name} (shown only this once): {token}")

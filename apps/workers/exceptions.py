@@ -1,7 +1,7 @@
 """Errors of the workers app.
 
-    WorkerError
-    └── AuthenticationFailed     no token, an unknown token or a revoked one (``code`` is the close code)
+WorkerError
+└── AuthenticationFailed     no token, an unknown token or a revoked one (``code`` is the close code)
 """
 
 from __future__ import annotations

@@ -77,15 +77,24 @@ def record_disconnection(*, worker: Worker, channel_name: str) -> bool:
     return went_offline
 
 
-def revoke_token(worker: Worker) -> bool:
-    """Revoke the worker's token and close its connection (its leases are ended by the caller)."""
-    revoked = worker.revoke_token()
+def close_revoked(worker: Worker) -> None:
+    """Close the worker's connections after commit because its token is being revoked."""
     close_connections(
         worker.pk,
         code=protocol.CloseCode.TOKEN_REVOKED,
         message=f"the token of worker {worker.name!r} has been revoked",
     )
-    return revoked
+
+
+def rotate_token(worker: Worker) -> str:
+    """Issue a new token and close connections made with the old one (they get 4001 when they return)."""
+    token = worker.rotate_token()
+    close_connections(
+        worker.pk,
+        code=protocol.CloseCode.INVALID_TOKEN,
+        message=f"the token of worker {worker.name!r} was replaced; restart the daemon with the new one",
+    )
+    return token
 
 
 # --- messages to daemons ----------------------------------------------------------------------------------

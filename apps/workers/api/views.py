@@ -88,14 +88,15 @@ class WorkerViewSet(
 
     @extend_schema(
         summary="Issue a new token",
-        description="The old token stops working at once (and a revoked worker is un-revoked).",
+        description="The old token stops working at once: a daemon connected with it is disconnected. "
+        "A revoked worker is un-revoked.",
         request=None,
         responses={200: WorkerWithTokenSerializer, **error_responses(401, 404)},
     )
     @action(detail=True, methods=["post"], url_path="rotate-token")
     def rotate_token(self, request: Request, pk: str | None = None) -> Response:
         worker = self.get_object()
-        token = worker.rotate_token()
+        token = job_services.rotate_token(worker)
         return self._with_token(worker, token, status.HTTP_200_OK)
 
     def _with_token(self, worker: Worker, token: str, code: int) -> Response:

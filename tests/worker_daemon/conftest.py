@@ -1,0 +1,289 @@
+"""Fixtures for the worker daemon's tests: a config, message builders, and a scripted control plane.
+
+None of these tests touch Django or a database; the fake control plane is a plain websockets server on
+127.0.0.1 that records what the daemon sends and lets a test send frames and close codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from worker_daemon import protocol
+from worker_daemon.config import WorkerConfig
+from worker_daemon.connection import WorkerDaemon
+
+TIMEOUT = 5.0
+
+# A worker with room for one 24 GB trainer: the numbers every test asserts against.
+CAPACITY = {"cpu": 8.0, "memory": 32.0, "storage": 100.0, "gpu": 24.0}
+TRAIN = {"class": "train", "name": "diloco-transformer"}
+CAPACITY_RESOURCES = protocol.Resources(**CAPACITY)
+
+
+@pytest.fixture
+def worker_config(tmp_path: Path) -> WorkerConfig:
+    """Whole strategy, price 120, floor 100, the default executors."""
+    return WorkerConfig.model_validate(
+        {"work_dir": str(tmp_path), "resources": CAPACITY, "offer": {"price": 120.0, "floor": 100.0}}
+    )
+
+
+@pytest.fixture
+def flexible_config(tmp_path: Path) -> WorkerConfig:
+    return WorkerConfig.model_validate(
+        {
+            "work_dir": str(tmp_path),
+            "resources": CAPACITY,
+            "offer": {"price": 120.0, "floor": 100.0, "strategy": "flexible"},
+        }
+    )
+
+
+class Make:
+    """Builders for protocol messages and a polling helper, handed to tests as the ``make`` fixture (test
+    modules cannot import conftest reliably across pytest's import modes)."""
+
+    @staticmethod
+    def advertisement(
+        *,
+        bid: float = 150.0,
+        attempt: int = 0,
+        resources: dict[str, float] | None = None,
+        executors: list[dict[str, str]] | None = None,
+        role: str = "trainer",
+        advertisement_id: uuid.UUID | None = None,
+        job_id: uuid.UUID | None = None,
+    ) -> protocol.Advertisement:
+        """An advert for one trainer; by default 1 cpu + 10 GB VRAM at bid 150."""
+        return protocol.Advertisement(
+            advertisement_id=advertisement_id or uuid.uuid4(),
+            attempt=attempt,
+            job_id=job_id or uuid.uuid4(),
+            role=role,
+            resources=protocol.Resources(
+                **(resources if resources is not None else {"cpu": 1.0, "gpu": 10.0})
+            ),
+            executors=[
+                protocol.ExecutorDescriptor(**e) for e in (executors if executors is not None else [TRAIN])
+            ],
+            bid=bid,
+            wanted=1,
+        )
+
+    @staticmethod
+    def welcome(
+        *,
+        leases: list[protocol.LeaseInfo] | None = None,
+        advertisements: list[protocol.Advertisement] | None = None,
+        offer_ttl: float = 2.0,
+        lease_ttl: float = 2.0,
+    ) -> protocol.Welcome:
+        return protocol.Welcome(
+            worker_id=uuid.UUID(int=1),
+            worker_name="gpu-01",
+            lease_ttl=lease_ttl,
+            offer_ttl=offer_ttl,
+            leases=leases or [],
+            advertisements=advertisements or [],
+        )
+
+    @staticmethod
+    def grant(
+        advertisement: protocol.Advertisement,
+        lease_id: uuid.UUID,
+        *,
+        resources: protocol.Resources = CAPACITY_RESOURCES,
+        expires_in: float = 10.0,
+    ) -> protocol.LeaseGranted:
+        """The control plane's grant of ``advertisement`` at price 150."""
+        return protocol.LeaseGranted(
+            lease_id=lease_id,
+            advertisement_id=advertisement.advertisement_id,
+            job_id=advertisement.job_id,
+            role=advertisement.role,
+            resources=resources,
+            price=150.0,
+            expires_in=expires_in,
+        )
+
+    @staticmethod
+    def lease_info(
+        lease_id: uuid.UUID,
+        *,
+        resources: protocol.Resources = CAPACITY_RESOURCES,
+        expires_in: float = 10.0,
+        status: str = "active",
+    ) -> protocol.LeaseInfo:
+        """A lease as ``welcome`` lists it (job 99, role trainer)."""
+        return protocol.LeaseInfo(
+            lease_id=lease_id,
+            job_id=uuid.UUID(int=99),
+            role="trainer",
+            status=status,
+            resources=resources,
+            expires_in=expires_in,
+        )
+
+    @staticmethod
+    def frame(message: protocol._Message) -> dict[str, Any]:
+        """A message as the JSON object on the wire."""
+        return json.loads(protocol.encode(message))
+
+    @staticmethod
+    async def wait_until(predicate: Callable[[], bool], *, timeout: float = TIMEOUT) -> None:
+        """Poll ``predicate`` every 10 ms until it holds; fail after ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not predicate():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError("condition not reached in time")
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def make() -> type[Make]:
+    return Make
+
+
+class FakeConnection:
+    """One daemon connection as the control plane sees it."""
+
+    def __init__(self, websocket: ServerConnection) -> None:
+        self.websocket = websocket
+        self.received: asyncio.Queue[protocol.DaemonMessage] = asyncio.Queue()
+        self.closed = asyncio.Event()
+
+    @property
+    def headers(self) -> Any:
+        return self.websocket.request.headers
+
+    async def pump(self) -> None:
+        try:
+            async for frame in self.websocket:
+                await self.received.put(protocol.parse_daemon_message(frame))
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closed.set()
+
+    async def expect(self, message_type: type[Any], *, timeout: float = TIMEOUT) -> Any:
+        """The next frame the daemon sends, which must be of ``message_type``."""
+        message = await asyncio.wait_for(self.received.get(), timeout)
+        assert isinstance(message, message_type), f"expected {message_type.__name__}, got {message!r}"
+        return message
+
+    async def expect_silence(self, *, seconds: float = 0.3) -> None:
+        """Assert the daemon sends nothing for ``seconds``."""
+        with contextlib.suppress(TimeoutError):
+            message = await asyncio.wait_for(self.received.get(), seconds)
+            raise AssertionError(f"expected no frame, got {message!r}")
+
+    async def send(self, message: protocol._Message) -> None:
+        await self.websocket.send(protocol.encode(message))
+
+    async def send_raw(self, text: str) -> None:
+        await self.websocket.send(text)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        await self.websocket.close(code, reason)
+
+
+class FakeControlPlane:
+    """A websockets server on 127.0.0.1 that hands each daemon connection to the test.
+
+    ``reject_status`` makes it refuse handshakes with that HTTP status instead.
+    """
+
+    def __init__(self) -> None:
+        self.connections: asyncio.Queue[FakeConnection] = asyncio.Queue()
+        self.reject_status: int | None = None
+        self.handshakes = 0
+        self._server: Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = next(iter(self._server.sockets)).getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        self._server = await serve(self._handle, "127.0.0.1", 0, process_request=self._process_request)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), TIMEOUT)
+
+    async def next_connection(self, *, timeout: float = TIMEOUT) -> FakeConnection:
+        return await asyncio.wait_for(self.connections.get(), timeout)
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        self.handshakes += 1
+        assert request.path == "/ws/worker/"
+        if self.reject_status is not None:
+            return connection.respond(self.reject_status, "refused\n")
+        return None
+
+    async def _handle(self, websocket: ServerConnection) -> None:
+        connection = FakeConnection(websocket)
+        await self.connections.put(connection)
+        await connection.pump()
+
+
+@pytest.fixture
+async def control_plane() -> AsyncIterator[FakeControlPlane]:
+    server = FakeControlPlane()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+class DaemonRunner:
+    """Starts :class:`WorkerDaemon` instances in the test's loop and always stops them afterwards."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[WorkerDaemon, asyncio.Task[int]]] = []
+
+    def start(
+        self, *, config: WorkerConfig, server_url: str, **options: Any
+    ) -> tuple[WorkerDaemon, asyncio.Task[int]]:
+        settings: dict[str, Any] = {
+            "token": "secret-token",
+            "batch_window": 0.01,
+            "prune_interval": 0.02,
+            "backoff_base": 0.01,
+            "backoff_cap": 0.05,
+            "open_timeout": 3.0,
+            "shutdown_timeout": 1.0,
+        }
+        settings.update(options)
+        daemon = WorkerDaemon(config=config, server_url=server_url, **settings)
+        task = asyncio.create_task(daemon.run())
+        self.started.append((daemon, task))
+        return daemon, task
+
+    async def stop_all(self) -> None:
+        for daemon, task in self.started:
+            daemon.request_shutdown(reason="test finished")
+            try:
+                await asyncio.wait_for(task, TIMEOUT)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+
+
+@pytest.fixture
+async def daemons() -> AsyncIterator[DaemonRunner]:
+    runner = DaemonRunner()
+    yield runner
+    await runner.stop_all()
