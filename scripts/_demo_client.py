@@ -171,7 +171,11 @@ def leases(args) -> None:
     rows = results(api(args.url, f"/api/leases/?{query}", token=args.api_token))
     if not rows:
         raise DemoError(f"job {args.job} has no leases")
-    columns = ["role", "worker", "status", "price", "expires_at"]
+    # Offers that lost leave a TEMPORARY lease behind that was released, never activated: count them apart.
+    granted = [row for row in rows if row.get("activated_at")]
+    lost = len(rows) - len(granted)
+    rows = granted
+    columns = ["role", "worker", "status", "price", "renewals", "expires_at"]
     table = [[_cell(row.get(column)) for column in columns] for row in rows]
     table.sort(key=lambda cells: (cells[0], cells[1]))
     widths = [max(len(column), *(len(cells[i]) for cells in table)) for i, column in enumerate(columns)]
@@ -179,6 +183,8 @@ def leases(args) -> None:
         print(
             "    " + "  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
         )
+    if lost:
+        print(f"    (and {lost} offer(s) that lost: their temporary leases were released)")
 
 
 def _cell(value) -> str:
