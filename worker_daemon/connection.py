@@ -328,7 +328,7 @@ class WorkerSession:
                 job_id=info.job_id,
                 role=info.role,
                 resources=info.resources,
-                price=0.0,
+                price=info.price,
                 ttl=info.expires_in,
             )
             if adopted is None:
@@ -396,14 +396,6 @@ class WorkerSession:
 
     def _remember(self, advertisement: protocol.Advertisement) -> bool:
         """Store an advertisement unless we already know this or a later attempt; True if stored."""
-        if advertisement.attempt < 0:
-            # The protocol does not bound it, but an offer must carry attempt >= 0: we could never answer.
-            logger.warning(
-                "ignoring advertisement %s with attempt %d",
-                advertisement.advertisement_id,
-                advertisement.attempt,
-            )
-            return False
         known = self._advertisements.get(advertisement.advertisement_id)
         if known is not None and known.attempt >= advertisement.attempt:
             return False
