@@ -24,10 +24,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.leases.exceptions import LeaseTransitionRefused
-from worker_daemon.protocol import Resources
+from apps.workers.models import ResourceColumns
 
 
-class Lease(models.Model):
+class Lease(ResourceColumns):
     class Status(models.TextChoices):
         TEMPORARY = "temporary", "temporary"
         ACTIVE = "active", "active"
@@ -43,10 +43,6 @@ class Lease(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.TEMPORARY)
     status_reason = models.CharField(max_length=300, blank=True)
     price = models.FloatField()
-    cpu = models.FloatField(default=0)
-    memory = models.FloatField(default=0)
-    storage = models.FloatField(default=0)
-    gpu = models.FloatField(default=0)
     expires_at = models.DateTimeField()
     renewals = models.PositiveIntegerField(default=0)
     renewal_requested_at = models.DateTimeField(null=True, blank=True)
@@ -64,10 +60,6 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.role} lease {self.id} on {self.worker_id} ({self.status})"
-
-    @property
-    def resources(self) -> Resources:
-        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)
 
     @property
     def is_live(self) -> bool:

@@ -59,10 +59,7 @@ def reserve(*, worker_id, job, role: str, resources: Resources, price: float) ->
             role=role,
             status=Lease.Status.TEMPORARY,
             price=price,
-            cpu=resources.cpu,
-            memory=resources.memory,
-            storage=resources.storage,
-            gpu=resources.gpu,
+            **resources.model_dump(),
             expires_at=now + offer_ttl(),
         )
         LeaseEvent.objects.create(

@@ -23,10 +23,11 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
-from worker_daemon.protocol import ExecutorDescriptor, Resources
+from apps.workers.models import ResourceColumns
+from worker_daemon.protocol import ExecutorDescriptor
 
 
-class Advertisement(models.Model):
+class Advertisement(ResourceColumns):
     class Status(models.TextChoices):
         OPEN = "open", "open"
         FILLED = "filled", "filled"
@@ -36,10 +37,6 @@ class Advertisement(models.Model):
     job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="advertisements")
     role = models.CharField(max_length=32)
     wanted = models.PositiveIntegerField(help_text="Workers still needed for the role.")
-    cpu = models.FloatField(default=0)
-    memory = models.FloatField(default=0)
-    storage = models.FloatField(default=0)
-    gpu = models.FloatField(default=0)
     executors = models.JSONField(default=list)
     bid = models.FloatField(help_text="Public price per worker, broadcast to daemons.")
     max_price = models.FloatField(help_text="Private maximum; offers above it are declined.")
@@ -58,15 +55,11 @@ class Advertisement(models.Model):
         return f"{self.role} advert for job {self.job_id} ({self.status}, {self.wanted} wanted)"
 
     @property
-    def resources(self) -> Resources:
-        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)
-
-    @property
     def executor_descriptors(self) -> list[ExecutorDescriptor]:
         return [ExecutorDescriptor.model_validate(item) for item in self.executors]
 
 
-class Offer(models.Model):
+class Offer(ResourceColumns):
     class Status(models.TextChoices):
         OPEN = "open", "open"
         ACCEPTED = "accepted", "accepted"
@@ -78,10 +71,6 @@ class Offer(models.Model):
     worker = models.ForeignKey("workers.Worker", on_delete=models.CASCADE, related_name="offers")
     attempt = models.PositiveIntegerField()
     price = models.FloatField()
-    cpu = models.FloatField(default=0)
-    memory = models.FloatField(default=0)
-    storage = models.FloatField(default=0)
-    gpu = models.FloatField(default=0)
     score = models.FloatField(help_text="price per weighted capacity; lower wins")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
     reason = models.CharField(max_length=300, blank=True)
@@ -106,7 +95,3 @@ class Offer(models.Model):
 
     def __str__(self) -> str:
         return f"offer {self.price} by {self.worker_id} ({self.status})"
-
-    @property
-    def resources(self) -> Resources:
-        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)

@@ -73,10 +73,7 @@ def advertise(
         job=job,
         role=role,
         wanted=wanted,
-        cpu=resources.cpu,
-        memory=resources.memory,
-        storage=resources.storage,
-        gpu=resources.gpu,
+        **resources.model_dump(),
         executors=[executor.model_dump(by_alias=True)],
         bid=bid,
         max_price=max_price,
@@ -140,10 +137,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             "worker": worker,
             "attempt": ad.attempt,
             "price": message.price,
-            "cpu": message.resources.cpu,
-            "memory": message.resources.memory,
-            "storage": message.resources.storage,
-            "gpu": message.resources.gpu,
+            **message.resources.model_dump(),
             "score": offer_score(price=message.price, resources=message.resources),
         }
         if message.price > ad.max_price:

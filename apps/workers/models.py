@@ -20,7 +20,31 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class Worker(models.Model):
+class ResourceColumns(models.Model):
+    """A resource vector as four columns (a worker's capacity, or what an advert, offer or lease holds)."""
+
+    cpu = models.FloatField(default=0, help_text="CPU cores")
+    memory = models.FloatField(default=0, help_text="memory, GB")
+    storage = models.FloatField(default=0, help_text="storage, GB")
+    gpu = models.FloatField(default=0, help_text="GPU memory, GB of VRAM")
+
+    class Meta:
+        abstract = True
+
+    @property
+    def resources(self) -> Resources:
+        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)
+
+    def set_resources(self, resources: Resources) -> None:
+        self.cpu, self.memory, self.storage, self.gpu = (
+            resources.cpu,
+            resources.memory,
+            resources.storage,
+            resources.gpu,
+        )
+
+
+class Worker(ResourceColumns):
     class Status(models.TextChoices):
         ONLINE = "online", "online"
         OFFLINE = "offline", "offline"
@@ -33,10 +57,6 @@ class Worker(models.Model):
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
     token_hint = models.CharField(max_length=16, editable=False, help_text="First characters of the token.")
     token_revoked_at = models.DateTimeField(null=True, blank=True)
-    cpu = models.FloatField(default=0, help_text="CPU cores")
-    memory = models.FloatField(default=0, help_text="memory, GB")
-    storage = models.FloatField(default=0, help_text="storage, GB")
-    gpu = models.FloatField(default=0, help_text="GPU memory, GB of VRAM")
     executors = models.JSONField(default=list, blank=True, help_text='[{"class": "train", "name": "…"}, …]')
     price_floor = models.FloatField(default=0)
     strategy = models.CharField(max_length=16, default="whole")
@@ -108,12 +128,7 @@ class Worker(models.Model):
         self.channel_name = channel_name
         self.connected_at = now
         self.last_seen_at = now
-        self.cpu, self.memory, self.storage, self.gpu = (
-            resources.cpu,
-            resources.memory,
-            resources.storage,
-            resources.gpu,
-        )
+        self.set_resources(resources)
         self.executors = [descriptor.model_dump(by_alias=True) for descriptor in executors]
         self.price_floor = price_floor
         self.strategy = strategy
@@ -150,7 +165,7 @@ class Worker(models.Model):
 
     @property
     def capacity(self) -> Resources:
-        return Resources(cpu=self.cpu, memory=self.memory, storage=self.storage, gpu=self.gpu)
+        return self.resources
 
     def executor_keys(self) -> set[tuple[str, str]]:
         return {(item.get("class", ""), item.get("name", "")) for item in self.executors}
