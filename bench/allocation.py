@@ -1,0 +1,517 @@
+"""Allocation benchmark: how fast a job gets its leases, and how many renewals the control plane handles.
+
+Starts a real control plane (``--mode auto``: services when DATABASE_URL and REDIS_URL are set, embedded
+otherwise; see bench/harness.py) and, for each fleet size, that many simulated worker daemons in this one
+asyncio process. The daemons are the real thing: :class:`worker_daemon.connection.WorkerDaemon` with a
+2-cpu/4-GB ``whole`` config (the e2e test's), each on its own websocket; the benchmark only listens in on
+the messages their sessions handle.
+
+Per fleet size it measures
+
+* **allocation latency**: ``--jobs`` jobs of 2 trainers + 1 parameter server, one at a time; from the moment
+  ``POST /api/jobs/`` returns to the arrival of the third ``lease_granted`` at the daemons (the control plane
+  sends it after committing the lease ACTIVE, so all three granted = allocated). Each job is cancelled once
+  allocated, and the next one starts when every daemon is free again.
+* **renewal throughput**: with every daemon holding a lease (``ceil(daemons / 3)`` jobs, the last one maybe
+  partly allocated) and a short lease TTL, ``renew_lease → lease_renewed`` round trips per second over
+  ``--renewal-seconds``: sent by the daemons, and confirmed by the control plane (the growth of the leases'
+  ``renewals`` counters). The rate is bounded by demand (each lease is due about every third of a TTL), so
+  the telling column is "leases expired" (while the fleet filled up or in the window): any expiry means the
+  control plane fell behind its renewals.
+
+A second table splits the median allocation into its steps: the POST round trip, the first advert's
+arrival at a daemon, the last trainer grant and the parameter server's grant, and the offers per job.
+
+Usage::
+
+    python bench/allocation.py                          # 8, 16 and 32 daemons, 20 jobs each, mode auto
+    python bench/allocation.py --sizes 16 --jobs 50
+    DATABASE_URL=postgresql://postgres@127.0.0.1:5432/hypha_bench REDIS_URL=redis://127.0.0.1:6379/15 \\
+        SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(40))') python bench/allocation.py
+
+Results and how to read them: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import logging
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import harness
+import httpx
+
+from worker_daemon import protocol
+from worker_daemon.config import WorkerConfig
+from worker_daemon.connection import WorkerDaemon
+
+#: The daemons' shape: each can hold exactly one role of a default job (1 cpu, 1 GB), like the e2e test's.
+DAEMON_CONFIG = {
+    "resources": {"cpu": 2, "memory": 4, "storage": 10, "gpu": 0},
+    "offer": {"price": 100, "floor": 50},
+}
+JOB = {"num_trainers": 2}
+LEASES_PER_JOB = 3
+#: Seconds to wait for one job's three grants before counting it as not allocated.
+ALLOCATION_TIMEOUT = 15.0
+#: Seconds to wait for every daemon to be free after a cancellation.
+FREE_TIMEOUT = 10.0
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python bench/allocation.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints the machine, the mode and a markdown table. See docs/benchmarks.md for results.",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="8,16,32",
+        help="fleet sizes (simulated daemons), comma-separated (default: 8,16,32)",
+    )
+    parser.add_argument("--jobs", type=int, default=20, help="measured jobs per fleet size (default: 20)")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured jobs first, per size (default: 2)")
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "embedded", "services"],
+        default="auto",
+        help="auto: services if DATABASE_URL and REDIS_URL are set, else embedded (default: auto)",
+    )
+    parser.add_argument(
+        "--lease-ttl", type=float, default=1.0, help="HYPHA_LEASE_TTL, seconds (default: 1.0, the minimum)"
+    )
+    parser.add_argument(
+        "--tick",
+        type=float,
+        default=0.2,
+        help="HYPHA_TICK_INTERVAL of the lease and market clocks (default: 0.2)",
+    )
+    parser.add_argument(
+        "--renewal-seconds", type=float, default=10.0, help="length of the renewal window (default: 10)"
+    )
+    parser.add_argument("--verbose", action="store_true", help="daemon and control-plane logs at INFO")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the run's directory (control-plane logs) and print its path"
+    )
+    arguments = parser.parse_args(argv)
+    try:
+        arguments.sizes = [int(size) for size in arguments.sizes.split(",") if size.strip()]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, not {arguments.sizes!r}")
+    if not arguments.sizes or min(arguments.sizes) < LEASES_PER_JOB:
+        parser.error(f"every fleet size must be at least {LEASES_PER_JOB} (one job's leases)")
+    if arguments.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    return arguments
+
+
+# --- listening in on the daemons ------------------------------------------------------------------------
+
+
+@dataclass
+class Recorder:
+    """What the simulated daemons received and sent, with ``time.perf_counter()`` arrival times."""
+
+    #: Per job: (arrival time, role) of each ``lease_granted``.
+    grants: dict[uuid.UUID, list[tuple[float, str]]] = field(default_factory=lambda: defaultdict(list))
+    #: Per job: the arrival of its first advertisement at any daemon.
+    first_advert: dict[uuid.UUID, float] = field(default_factory=dict)
+    #: Per job: offers the daemons made on its advertisements.
+    offers: dict[uuid.UUID, int] = field(default_factory=lambda: defaultdict(int))
+    advert_jobs: dict[uuid.UUID, uuid.UUID] = field(default_factory=dict)
+    renewed: int = 0
+    expired: int = 0
+    _waiters: dict[uuid.UUID, tuple[asyncio.Future, int]] = field(default_factory=dict)
+
+    def received(self, message: protocol.ServerMessage) -> None:
+        now = time.perf_counter()
+        if isinstance(message, protocol.LeaseGranted):
+            self._granted(message.job_id, message.role, now)
+        elif isinstance(message, protocol.Advertisement):
+            self.advert_jobs[message.advertisement_id] = message.job_id
+            self.first_advert.setdefault(message.job_id, now)
+        elif isinstance(message, protocol.LeaseEnded) and message.status == "expired":
+            self.expired += 1
+
+    def sent(self, message: protocol.DaemonMessage) -> None:
+        if isinstance(message, protocol.LeaseRenewed):
+            self.renewed += 1
+        elif isinstance(message, protocol.Offer):
+            job_id = self.advert_jobs.get(message.advertisement_id)
+            if job_id is not None:
+                self.offers[job_id] += 1
+
+    def _granted(self, job_id: uuid.UUID, role: str, at: float) -> None:
+        grants = self.grants[job_id]
+        grants.append((at, role))
+        waiter = self._waiters.get(job_id)
+        if waiter is not None and len(grants) >= waiter[1] and not waiter[0].done():
+            waiter[0].set_result(None)
+
+    async def allocated(self, job_id: uuid.UUID, *, count: int, timeout: float) -> float | None:
+        """The arrival time of the job's ``count``-th grant, or None if it did not come within ``timeout``."""
+        if len(self.grants[job_id]) < count:
+            future = asyncio.get_running_loop().create_future()
+            self._waiters[job_id] = (future, count)
+            try:
+                await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                return None
+            finally:
+                self._waiters.pop(job_id, None)
+        return sorted(at for at, _ in self.grants[job_id])[count - 1]
+
+    def phases(self, job_id: uuid.UUID, since: float) -> tuple[float, float, float] | None:
+        """Seconds from ``since`` to the first advert's arrival, the last trainer grant, the parameter
+        server's grant."""
+        trainers = [at for at, role in self.grants[job_id] if role == "trainer"]
+        servers = [at for at, role in self.grants[job_id] if role == "parameter_server"]
+        if job_id not in self.first_advert or not trainers or not servers:
+            return None
+        return self.first_advert[job_id] - since, max(trainers) - since, max(servers) - since
+
+
+class SimulatedDaemon:
+    """A real :class:`WorkerDaemon` whose session reports what it receives and sends to a recorder."""
+
+    def __init__(self, *, name: str, token: str, server_url: str, work_dir: Path, recorder: Recorder) -> None:
+        config = WorkerConfig.model_validate({**DAEMON_CONFIG, "work_dir": str(work_dir)})
+        self.name = name
+        self.daemon = WorkerDaemon(config=config, server_url=server_url, token=token)
+        self.task: asyncio.Task[int] | None = None
+        # Listen in on the session, the daemon's protocol state machine: every received message goes
+        # through handle(), every reply comes out of it, and every offer comes out of evaluate().
+        session = self.daemon.session
+        handle, evaluate = session.handle, session.evaluate
+
+        def listening_handle(message: protocol.ServerMessage):
+            recorder.received(message)
+            outcome = handle(message)
+            for reply in outcome.replies:
+                recorder.sent(reply)
+            return outcome
+
+        def listening_evaluate():
+            offers = evaluate()
+            for offer in offers:
+                recorder.sent(offer)
+            return offers
+
+        session.handle = listening_handle
+        session.evaluate = listening_evaluate
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.daemon.run(), name=f"daemon-{self.name}")
+
+    @property
+    def welcomed(self) -> bool:
+        return self.daemon.session.welcomed
+
+    @property
+    def free(self) -> bool:
+        book = self.daemon.session.book
+        return not book.leases and not book.reservations
+
+    @property
+    def holds_lease(self) -> bool:
+        return bool(self.daemon.session.book.leases)
+
+    async def stop(self) -> int | None:
+        self.daemon.request_shutdown(reason="benchmark finished")
+        if self.task is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.task, 10.0)
+        except TimeoutError:
+            self.task.cancel()
+            return None
+
+
+async def wait_for(predicate, *, timeout: float, interval: float = 0.005) -> bool:
+    deadline = time.perf_counter() + timeout
+    while not predicate():
+        if time.perf_counter() > deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+# --- one fleet size ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class SizeResult:
+    daemons: int
+    latencies: list[float] = field(default_factory=list)
+    #: Per allocated job: seconds to the first advert, the last trainer grant, the parameter server's grant.
+    phases: list[tuple[float, float, float] | None] = field(default_factory=list)
+    offers: list[int] = field(default_factory=list)
+    submit: list[float] = field(default_factory=list)
+    unallocated: int = 0
+    renewals_sent: int = 0
+    renewals_confirmed: int = 0
+    renewal_seconds: float = 0.0
+    leases_held: int = 0
+    expired: int = 0
+
+
+async def run_size(
+    *, size: int, api: httpx.AsyncClient, plane: harness.ControlPlane, tokens: dict[str, str],
+    arguments: argparse.Namespace, work_root: Path,
+) -> SizeResult:  # fmt: skip
+    recorder = Recorder()
+    names = sorted(tokens)[:size]
+    daemons = [
+        SimulatedDaemon(
+            name=name,
+            token=tokens[name],
+            server_url=plane.base_url,
+            work_dir=work_root / name,
+            recorder=recorder,
+        )
+        for name in names
+    ]
+    for daemon in daemons:
+        (work_root / daemon.name).mkdir(parents=True, exist_ok=True)
+        daemon.start()
+    result = SizeResult(daemons=size)
+    try:
+        if not await wait_for(lambda: all(daemon.welcomed for daemon in daemons), timeout=30.0):
+            raise RuntimeError(f"only {sum(d.welcomed for d in daemons)} of {size} daemons were welcomed")
+
+        # --- allocation latency: one job at a time, cancelled once allocated --------------------------
+        for index in range(arguments.warmup + arguments.jobs):
+            measured = index >= arguments.warmup
+            sent = time.perf_counter()
+            response = await api.post("/api/jobs/", json={"name": f"bench-{size}-{index}", **JOB})
+            returned = time.perf_counter()
+            response.raise_for_status()
+            job_id = uuid.UUID(response.json()["id"])
+            third_grant = await recorder.allocated(job_id, count=LEASES_PER_JOB, timeout=ALLOCATION_TIMEOUT)
+            if measured:
+                result.submit.append(returned - sent)
+                if third_grant is None:
+                    result.unallocated += 1
+                else:
+                    result.latencies.append(third_grant - returned)
+                    result.phases.append(recorder.phases(job_id, returned))
+                    result.offers.append(recorder.offers[job_id])
+            (await api.post(f"/api/jobs/{job_id}/cancel/")).raise_for_status()
+            if not await wait_for(lambda: all(daemon.free for daemon in daemons), timeout=FREE_TIMEOUT):
+                busy = [daemon.name for daemon in daemons if not daemon.free]
+                print(f"  warning: {busy} still busy {FREE_TIMEOUT:g}s after a cancellation", file=sys.stderr)
+
+        # --- renewal throughput: every daemon holds a lease --------------------------------------------
+        expired_before = recorder.expired
+        jobs = []
+        for index in range(math.ceil(size / LEASES_PER_JOB)):
+            response = await api.post("/api/jobs/", json={"name": f"bench-renewals-{size}-{index}", **JOB})
+            response.raise_for_status()
+            jobs.append(response.json()["id"])
+            wanted = min(LEASES_PER_JOB, size - index * LEASES_PER_JOB)
+            granted = await recorder.allocated(uuid.UUID(jobs[-1]), count=wanted, timeout=ALLOCATION_TIMEOUT)
+            if granted is None:
+                break  # the market is stuck (see the warning below): more jobs would only wait as long
+        await wait_for(lambda: all(daemon.holds_lease for daemon in daemons), timeout=ALLOCATION_TIMEOUT)
+        result.leases_held = sum(daemon.holds_lease for daemon in daemons)
+        if result.leases_held < size:
+            print(f"  warning: only {result.leases_held} of {size} daemons hold a lease:", file=sys.stderr)
+            for job_id in jobs:
+                job = (await api.get(f"/api/jobs/{job_id}/")).json()
+                print(f"    job {job_id}: {job.get('status_reason')}", file=sys.stderr)
+        before = await renewal_counters(api, jobs)
+        sent_before, started = recorder.renewed, time.perf_counter()
+        await asyncio.sleep(arguments.renewal_seconds)
+        after = await renewal_counters(api, jobs)
+        result.renewal_seconds = time.perf_counter() - started
+        result.renewals_sent = recorder.renewed - sent_before
+        # Counted from the start of the phase: leases that expire while the fleet fills up count too.
+        result.expired = recorder.expired - expired_before
+        result.renewals_confirmed = sum(
+            after[lease] - before[lease] for lease in before.keys() & after.keys()
+        )
+        for job_id in jobs:
+            with contextlib.suppress(httpx.HTTPError):
+                await api.post(f"/api/jobs/{job_id}/cancel/")
+    finally:
+        await asyncio.gather(*(daemon.stop() for daemon in daemons))
+    return result
+
+
+async def renewal_counters(api: httpx.AsyncClient, jobs: list[str]) -> dict[str, int]:
+    """``renewals`` of every ACTIVE lease of ``jobs``, by lease id."""
+    counters: dict[str, int] = {}
+    for job_id in jobs:
+        response = await api.get("/api/leases/", params={"job": job_id, "status": "active", "limit": 1000})
+        response.raise_for_status()
+        counters.update({lease["id"]: lease["renewals"] for lease in response.json()["results"]})
+    return counters
+
+
+# --- the report --------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The ``fraction`` quantile by linear interpolation (``statistics.quantiles``' inclusive method)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    position = (len(ordered) - 1) * fraction
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def milliseconds(value: float) -> str:
+    return f"{value * 1000:.0f}"
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def per_second(count: int, seconds: float) -> str:
+    return f"{count / seconds:.1f}" if seconds else "-"
+
+
+def results_table(results: list[SizeResult]) -> str:
+    header = [
+        "daemons", "jobs", "allocation p50 (ms)", "p95 (ms)", "max (ms)", "not allocated",
+        "leases held", "renewals/s sent", "renewals/s confirmed", "leases expired",
+    ]  # fmt: skip
+    rows = []
+    for result in results:
+        latencies = result.latencies or [math.nan]
+        rows.append(
+            [
+                str(result.daemons),
+                str(len(result.latencies) + result.unallocated),
+                milliseconds(percentile(latencies, 0.5)),
+                milliseconds(percentile(latencies, 0.95)),
+                milliseconds(max(latencies)),
+                str(result.unallocated),
+                f"{result.leases_held}/{result.daemons}",
+                per_second(result.renewals_sent, result.renewal_seconds),
+                per_second(result.renewals_confirmed, result.renewal_seconds),
+                str(result.expired),
+            ]
+        )
+    return markdown(header, rows)
+
+
+def phases_table(results: list[SizeResult]) -> str:
+    """Where the time goes: medians, in ms after POST /api/jobs/ returned."""
+    header = [
+        "daemons", "POST round trip", "first advert arrives", "both trainers granted",
+        "parameter server granted", "offers per job",
+    ]  # fmt: skip
+    rows = []
+    for result in results:
+        phases = [phase for phase in result.phases if phase is not None]
+        if not phases:
+            continue
+        rows.append(
+            [
+                str(result.daemons),
+                milliseconds(statistics.median(result.submit)),
+                *(milliseconds(statistics.median(phase[index] for phase in phases)) for index in range(3)),
+                f"{statistics.mean(result.offers):.1f}",
+            ]
+        )
+    return markdown(header, rows)
+
+
+async def run(
+    arguments: argparse.Namespace, plane: harness.ControlPlane, work_root: Path
+) -> list[SizeResult]:
+    api_token = plane.manage("create_user_token", "bench", "--staff")
+    async with httpx.AsyncClient(
+        base_url=plane.base_url, headers={"Authorization": f"Token {api_token}"}, timeout=30.0
+    ) as api:
+        tokens: dict[str, str] = {}
+        for index in range(max(arguments.sizes)):
+            name = f"bench-{index:03d}"
+            response = await api.post("/api/workers/", json={"name": name})
+            response.raise_for_status()
+            tokens[name] = response.json()["token"]
+        results = []
+        for size in arguments.sizes:
+            print(f"… {size} daemons", file=sys.stderr, flush=True)
+            results.append(
+                await run_size(
+                    size=size, api=api, plane=plane, tokens=tokens, arguments=arguments, work_root=work_root
+                )
+            )
+        return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    mode = harness.resolve_mode(arguments.mode)
+    load_at_start = harness.load_average()
+    logging.basicConfig(
+        level=logging.INFO if arguments.verbose else logging.ERROR,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings = {
+        "HYPHA_LEASE_TTL": str(arguments.lease_ttl),
+        "HYPHA_TICK_INTERVAL": str(arguments.tick),
+        "HYPHA_OFFER_WINDOW": "1.0",
+        "HYPHA_OFFER_TTL": "3.0",
+        "HYPHA_READVERTISE_BASE": "0.5",
+        "HYPHA_READVERTISE_MAX": "2.0",
+    }
+    root = Path(tempfile.mkdtemp(prefix="hypha-bench-"))
+    try:
+        with harness.control_plane(
+            mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose
+        ) as plane:
+            results = asyncio.run(run(arguments, plane, root / "daemons"))
+            details = plane.details
+    finally:
+        if arguments.keep:
+            print(f"kept {root} (control-plane logs in control-plane/logs/)", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+    machine = harness.machine_details()
+    print(f"# Allocation benchmark — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n")
+    for key, value in machine.items():
+        print(f"- {key}: {value}")
+    print(f"- load average (1/5/15 min): {load_at_start} at start, {harness.load_average()} at the end")
+    description = {
+        "embedded": "embedded (one hypha-server process: SQLite, in-process tasks and channel layer)",
+        "services": "services (hypha-server web + worker + beat: PostgreSQL, Redis)",
+    }[mode]
+    print(f"- mode: {description}")
+    for key, value in details.items():
+        print(f"- {key}: {value}")
+    print(
+        "- settings: "
+        + ", ".join(f"{key}={value}" for key, value in settings.items())
+        + f"; {arguments.jobs} measured jobs per size after {arguments.warmup} warm-up, "
+        f"renewal window {arguments.renewal_seconds:g}s"
+    )
+    print("- daemons: real WorkerDaemon sessions (2 cpu, 4 GB, strategy whole) in this one asyncio process\n")
+    print(results_table(results))
+    print("\nWhere the time goes (medians, ms after POST /api/jobs/ returned):\n")
+    print(phases_table(results))
+    return 0 if all(result.unallocated == 0 for result in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
