@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import signal
 import time
@@ -101,6 +102,9 @@ class WorkerSession:
         self.config = config
         self.daemon_version = daemon_version
         self.book = book if book is not None else LeaseBook(capacity=config.capacity, clock=clock)
+        self._clock = clock
+        # Local deadline of each advert's offer window (advertisement.window_closes_in after it arrived).
+        self._window_deadlines: dict[uuid.UUID, float] = {}
         self._executor_keys = frozenset(descriptor.key() for descriptor in config.descriptors())
         # Insertion order is arrival order, which breaks ties between equal scores.
         self._advertisements: dict[uuid.UUID, protocol.Advertisement] = {}
@@ -206,6 +210,9 @@ class WorkerSession:
             advertisement_id = advertisement.advertisement_id
             if self._offered_attempt.get(advertisement_id) == advertisement.attempt:
                 continue
+            # Its window closed: an offer would only be declined (a later attempt comes as a new advert).
+            if self._clock() >= self._window_deadlines.get(advertisement_id, math.inf):
+                continue
             # One worker serves a role once: never offer again on an advertisement we hold a lease for.
             if advertisement_id in held_advertisements:
                 continue
@@ -284,6 +291,7 @@ class WorkerSession:
         """Forget what died with the connection: open adverts and the reservations of pending offers."""
         self.book.drop_reservations()
         self._advertisements.clear()
+        self._window_deadlines.clear()
         self._offered_attempt.clear()
         self._rejected_attempt.clear()
         self.welcomed = False
@@ -402,10 +410,17 @@ class WorkerSession:
         # Re-insert so that a new attempt counts as a new arrival.
         self._advertisements.pop(advertisement.advertisement_id, None)
         self._advertisements[advertisement.advertisement_id] = advertisement
+        if advertisement.window_closes_in is None:
+            self._window_deadlines.pop(advertisement.advertisement_id, None)
+        else:
+            self._window_deadlines[advertisement.advertisement_id] = (
+                self._clock() + advertisement.window_closes_in
+            )
         return True
 
     def _forget(self, advertisement_id: uuid.UUID) -> None:
         self._advertisements.pop(advertisement_id, None)
+        self._window_deadlines.pop(advertisement_id, None)
         self._offered_attempt.pop(advertisement_id, None)
         self._rejected_attempt.pop(advertisement_id, None)
 

@@ -191,6 +191,12 @@ class Advertisement(_Message):
     executors: list[ExecutorDescriptor] = Field(description="Every one of these must be offered.")
     bid: float
     wanted: int = Field(description="How many workers the role still needs.")
+    window_closes_in: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds until this attempt stops taking offers; an offer sent later is declined. "
+        "If the window closes short, advertisement_closed follows and a later attempt is advertised anew.",
+    )
 
 
 class AdvertisementClosed(_Message):

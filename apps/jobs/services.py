@@ -183,7 +183,9 @@ def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferRece
         if offer.lease_id is None:
             return protocol.OfferDeclined(advertisement_id=message.advertisement_id, reason=offer.reason)
         if outcome.ready:
-            enqueue_on_commit(tasks.settle_advertisement, str(offer.advertisement_id), False)
+            # Settle now, in this transaction: it holds the job and advert locks already, and a hop through
+            # a task queue would wait behind the other offers of the same broadcast (docs/benchmarks.md).
+            settle_advertisement(offer.advertisement_id, closing=False)
         return protocol.OfferReceived(
             advertisement_id=offer.advertisement_id,
             offer_id=offer.pk,

@@ -16,11 +16,6 @@ def allocate_job(job_id: str) -> None:
     services.allocate(job_id)
 
 
-@shared_task(name="apps.jobs.tasks.settle_advertisement")
-def settle_advertisement(advertisement_id: str, closing: bool) -> None:
-    services.settle_advertisement(advertisement_id, closing=closing)
-
-
 @shared_task(name="apps.jobs.tasks.tick_leases")
 def tick_leases() -> dict:
     result = services.tick_leases()

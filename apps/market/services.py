@@ -45,6 +45,7 @@ def readvertise_delay(attempt: int) -> float:
 
 
 def advertisement_message(ad: Advertisement) -> protocol.Advertisement:
+    window_closes_in = max(0.0, (ad.window_closes_at - timezone.now()).total_seconds())
     return protocol.Advertisement(
         advertisement_id=ad.id,
         attempt=ad.attempt,
@@ -54,6 +55,7 @@ def advertisement_message(ad: Advertisement) -> protocol.Advertisement:
         executors=ad.executor_descriptors,
         bid=ad.bid,
         wanted=ad.wanted,
+        window_closes_in=window_closes_in,
     )
 
 
@@ -228,6 +230,12 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             ad.next_attempt_at = now + timedelta(seconds=delay)
             ad.save(update_fields=["next_attempt_at"])
             result.readvertise_in = delay
+            # Daemons forget the attempt (an offer on it would only be declined); the next one is advertised.
+            worker_services.broadcast(
+                protocol.AdvertisementClosed(
+                    advertisement_id=ad.id, reason=f"offer window closed short; next attempt in {delay:g} s"
+                )
+            )
         # Measured from now, not from the settlement's start: activate() set expires_at a little later, and a
         # daemon must never believe its lease lasts longer than the control plane does.
         granted_at = timezone.now()

@@ -11,9 +11,15 @@ CAPACITY = Resources(cpu=8, memory=32, storage=100, gpu=24)
 EXECUTORS = frozenset({("train", "diloco-transformer"), ("aggregate", "parameter-server")})
 
 
-def plan(advertisements, *, strategy="whole", price=120.0, floor=100.0):
+def plan(advertisements, *, strategy="whole", price=120.0, floor=100.0, tie_breaker=lambda: 0.0):
     return arbiter.plan_offers(
-        advertisements, executors=EXECUTORS, capacity=CAPACITY, floor=floor, price=price, strategy=strategy
+        advertisements,
+        executors=EXECUTORS,
+        capacity=CAPACITY,
+        floor=floor,
+        price=price,
+        strategy=strategy,
+        tie_breaker=tie_breaker,
     )
 
 
@@ -102,6 +108,34 @@ def test_order_is_highest_score_first_then_arrival(make):
 
     assert [o.advertisement for o in offers] == [small, rich, cheap, cheap_twin, free]
     assert [o.score for o in offers] == pytest.approx([120.0, 1.2, 0.4, 0.4, 0.0])
+
+
+def test_equal_scores_are_ordered_by_the_tie_breaker(make):
+    # given three adverts of the same score and a tie breaker that ranks the last one first
+    first, second, third = (make.advertisement(bid=100.0, resources={"gpu": 10}) for _ in range(3))
+    ranks = iter([0.9, 0.5, 0.1])
+
+    # when
+    offers = plan([first, second, third], tie_breaker=lambda: next(ranks))
+
+    # then
+    assert [o.advertisement for o in offers] == [third, second, first]
+
+
+def test_by_default_equal_scores_are_spread_at_random(make):
+    # given two adverts of the same score
+    adverts = [make.advertisement(bid=100.0, resources={"gpu": 10}) for _ in range(2)]
+
+    # when many daemons plan on them
+    firsts = {
+        arbiter.plan_offers(
+            adverts, executors=EXECUTORS, capacity=CAPACITY, floor=100.0, price=120.0, strategy="whole"
+        )[0].advertisement.advertisement_id
+        for _ in range(200)
+    }
+
+    # then both come first for some of them (the chance that one never does is 2 * 2**-200)
+    assert firsts == {advert.advertisement_id for advert in adverts}
 
 
 # --- terms --------------------------------------------------------------------------------------------------

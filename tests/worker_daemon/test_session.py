@@ -329,3 +329,34 @@ def test_an_advert_with_a_negative_attempt_is_refused_by_the_protocol(session, m
     assert refused.value.code == protocol.ErrorCode.MALFORMED
     assert session.open_advertisements == []
     assert session.evaluate() == []
+
+
+def test_no_offer_on_an_advert_whose_window_has_closed(session, make, clock):
+    # given an advert whose offer window closes in 0.5 s
+    session.handle(make.welcome())
+    advertisement = make.advertisement().model_copy(update={"window_closes_in": 0.5})
+    session.handle(advertisement)
+
+    # when the daemon evaluates only after the window closed
+    clock.now += 0.6
+    offers = session.evaluate()
+
+    # then it does not offer (the control plane would decline it), and reserves nothing
+    assert offers == []
+    assert session.book.used() == protocol.Resources()
+
+
+def test_a_new_attempt_of_the_advert_opens_a_new_window(session, make, clock):
+    # given an advert whose window closed before the daemon could offer
+    session.handle(make.welcome())
+    first = make.advertisement().model_copy(update={"window_closes_in": 0.5})
+    session.handle(first)
+    clock.now += 0.6
+    assert session.evaluate() == []
+
+    # when the next attempt arrives with a fresh window
+    session.handle(first.model_copy(update={"attempt": 1, "window_closes_in": 1.0}))
+
+    # then the daemon offers on it
+    [offer] = session.evaluate()
+    assert (offer.advertisement_id, offer.attempt) == (first.advertisement_id, 1)
