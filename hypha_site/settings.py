@@ -86,6 +86,17 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return items
 
 
+#: IMMEDIATE transactions take SQLite's write lock at BEGIN, so two writers queue instead of failing with
+#: "database is locked" when both upgrade from a read. WAL with synchronous=NORMAL commits without an fsync
+#: per transaction (durable across a process crash; a power cut may lose the last commits), which keeps
+#: the market's many small transactions fast (docs/benchmarks.md).
+SQLITE_OPTIONS = {
+    "transaction_mode": "IMMEDIATE",
+    "timeout": 20,
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+}
+
+
 def database_from_url(url: str) -> dict:
     """A Django DATABASES entry for a ``postgres://`` / ``postgresql://`` or ``sqlite:///`` URL."""
     import dj_database_url
@@ -103,7 +114,7 @@ def database_from_url(url: str) -> dict:
     if config["ENGINE"] == "django.db.backends.postgresql" and not config.get("NAME"):
         raise ImproperlyConfigured("DATABASE_URL names no database (add /<name> to the URL)")
     if config["ENGINE"] == "django.db.backends.sqlite3":
-        config["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
+        config["OPTIONS"] = SQLITE_OPTIONS
         config["CONN_MAX_AGE"] = 0
     return config
 
@@ -222,9 +233,7 @@ else:
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": HYPHA_DATA_DIR / "hypha.sqlite3",
-            # IMMEDIATE transactions take SQLite's write lock at BEGIN, so two writers queue instead of
-            # failing with "database is locked" when both upgrade from a read.
-            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20},
+            "OPTIONS": SQLITE_OPTIONS,
             "TEST": {"NAME": HYPHA_DATA_DIR / "test.sqlite3"},
         }
     }

@@ -174,6 +174,7 @@ def worker_disconnected(*, worker: Worker, channel_name: str) -> None:
 
 def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferReceived | protocol.OfferDeclined:
     """A daemon offers on an advert: the reply to send back (raises OfferRefused when it is not considered)."""
+    market.check_offer_window(message)
     with transaction.atomic():
         _lock_job_of_advertisement(message.advertisement_id)
         # Re-read: the consumer's copy predates the resources and executors its hello just reported.

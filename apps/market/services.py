@@ -118,15 +118,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             .filter(pk=message.advertisement_id)
             .first()
         )
-        if ad is None:
-            raise UnknownAdvertisement(f"no advertisement {message.advertisement_id}")
-        now = timezone.now()
-        if ad.status != Advertisement.Status.OPEN:
-            raise AdvertisementClosed(f"advertisement {ad.id} is {ad.status}")
-        if ad.job.is_final:
-            raise AdvertisementClosed(f"job {ad.job_id} is {ad.job.status}")
-        if message.attempt != ad.attempt or ad.window_closes_at <= now or ad.next_attempt_at is not None:
-            raise AdvertisementClosed(f"the offer window of attempt {message.attempt} is closed")
+        _check_open(ad, message)
         missing = {tuple(d.key()) for d in ad.executor_descriptors} - worker.executor_keys()
         if missing:
             raise OfferRefused(f"worker does not offer executor(s) {sorted(missing)}")
@@ -143,6 +135,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             "score": offer_score(price=message.price, resources=message.resources),
         }
         if message.price > ad.max_price:
+            now = timezone.now()
             # Recorded (it is market activity) but never held: the daemon is free at once.
             offer = Offer.objects.create(
                 **fields,
@@ -168,6 +161,33 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             raise OfferRefused("this worker already has an open offer on the advertisement") from None
         open_offers = ad.offers.filter(status=Offer.Status.OPEN, price__lte=ad.max_price).count()
         return OfferOutcome(offer=offer, ready=open_offers >= ad.wanted)
+
+
+def check_offer_window(message: protocol.Offer) -> None:
+    """Refuse, without taking a lock, an offer on an advert that is no longer taking offers.
+
+    Most offers of a busy fleet arrive after their advert filled (every free daemon answers every advert);
+    refusing those with one plain read keeps them off the row locks the winners need. The check under the
+    lock in :func:`record_offer` stays the authoritative one.
+    """
+    _check_open(
+        Advertisement.objects.select_related("job").filter(pk=message.advertisement_id).first(), message
+    )
+
+
+def _check_open(ad: Advertisement | None, message: protocol.Offer) -> None:
+    if ad is None:
+        raise UnknownAdvertisement(f"no advertisement {message.advertisement_id}")
+    if ad.status != Advertisement.Status.OPEN:
+        raise AdvertisementClosed(f"advertisement {ad.id} is {ad.status}")
+    if ad.job.is_final:
+        raise AdvertisementClosed(f"job {ad.job_id} is {ad.job.status}")
+    if (
+        message.attempt != ad.attempt
+        or ad.window_closes_at <= timezone.now()
+        or ad.next_attempt_at is not None
+    ):
+        raise AdvertisementClosed(f"the offer window of attempt {message.attempt} is closed")
 
 
 @dataclass
