@@ -190,6 +190,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "apps.workers",
     "apps.leases",
@@ -200,6 +201,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files (admin, API docs) straight from the app and project static dirs: daphne serves none.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -249,7 +252,11 @@ USE_I18N = False
 USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = HYPHA_DATA_DIR / "staticfiles"
+#: Only for a deployment that runs collectstatic (e.g. to put a CDN or nginx in front).
+STATIC_ROOT = env_str("STATIC_ROOT")
+#: Serve from the finders, so no collectstatic step is needed before `hypha-server` starts.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
 LOGIN_URL = "/admin/login/"
 
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
@@ -304,6 +311,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Jobs, workers, advertisements, offers and leases of the Hypha DiLoCo market.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The interactive docs load Swagger UI from this server (drf-spectacular-sidecar), not from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
