@@ -272,6 +272,11 @@ LOGGING = {
         "apps": {"level": LOG_LEVEL},
         "hypha_site": {"level": LOG_LEVEL},
         "django.request": {"level": "ERROR"},
+        # Celery logs each task sent, received and run: six lines a second from the clocks alone. Keep its
+        # start-up and connection lines and every warning and failure.
+        "celery": {"level": "WARNING"},
+        "celery.apps": {"level": LOG_LEVEL},
+        "celery.worker.consumer": {"level": LOG_LEVEL},
     },
 }
 
@@ -329,6 +334,8 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+#: Celery logs through the LOGGING above instead of replacing the root logger's handlers.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # --- the market and its clocks ------------------------------------------------------------------------
 
