@@ -22,3 +22,15 @@ class JobTransitionRefused(JobError):
 
 class JobNotCancellable(JobError):
     """The job is already completed, cancelled or failed."""
+
+
+class SpecError(JobError, ValueError):
+    """The specification is invalid; ``errors`` lists every mistake as ``{"field": dotted path, "message"}``.
+
+    ``field`` is ``""`` for a mistake of the document as a whole (a TOML syntax error).
+    """
+
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        self.errors = errors
+        summary = "; ".join(f"{error['field'] or '(document)'}: {error['message']}" for error in errors)
+        super().__init__(f"invalid DiLoCo specification: {summary}")

@@ -1,0 +1,280 @@
+"""Hypha's scheduler TOML (``[scheduler.job]``) translated into a :class:`~apps.jobs.spec.DiLoCoSpec`.
+
+Accepts the keys the original reads (reference §7.2) and the unambiguous spellings of its docs (§9 item 8);
+error paths name the TOML keys as the user wrote them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+from pydantic import ValidationError
+
+from apps.jobs.exceptions import SpecError
+from apps.jobs.spec import (
+    PARAMETER_SERVER_EXECUTOR,
+    TRAINER_EXECUTOR,
+    DiLoCoSpec,
+    ResourcesSpec,
+    field_errors,
+)
+
+_JOB_KEYS = {"model", "dataset", "dataset_name", "rounds", "inner_optimizer", "outer_optimizer", "resources"}
+
+
+def parse_toml(text: str) -> DiLoCoSpec:
+    """Validate Hypha's scheduler TOML: its ``[scheduler.job]`` table, or a ``[job]`` or top-level job table.
+
+    Accepts the keys the original reads (reference §7.2) and the unambiguous spellings of its docs
+    (``learning_rate``, ``dataset_name``, ``schedule``/``warmup_steps``/``total_steps``, ``[[…worker]]``
+    requirement arrays). Error paths name the TOML keys as written. Raises :class:`SpecError`.
+    """
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise SpecError([{"field": "", "message": f"TOML syntax error: {error}"}]) from None
+    candidates = []
+    scheduler = document.get("scheduler")
+    if isinstance(scheduler, dict) and isinstance(scheduler.get("job"), dict):
+        candidates.append(("scheduler.job", scheduler["job"]))
+    if isinstance(document.get("job"), dict):
+        candidates.append(("job", document["job"]))
+    if not candidates and _JOB_KEYS & document.keys():
+        candidates.append(("", document))
+    if not candidates:
+        raise SpecError([{"field": "scheduler.job", "message": "Missing: no [scheduler.job] table."}])
+    if len(candidates) > 1:
+        raise SpecError(
+            [{"field": "", "message": "Ambiguous: both [scheduler.job] and [job] are present; keep one."}]
+        )
+    prefix, table = candidates[0]
+    translation = _TomlTranslation(prefix)
+    data = translation.job(table)
+    try:
+        spec = DiLoCoSpec.model_validate(data)
+    except ValidationError as error:
+        errors = translation.errors + field_errors(error, translation.rename)
+        raise SpecError(errors) from None
+    if translation.errors:
+        raise SpecError(translation.errors)
+    return spec
+
+
+class _TomlTranslation:
+    """Rewrites a Hypha job table into the JSON shape of :class:`DiLoCoSpec`.
+
+    Records, for every spec path it produces, the TOML path it came from (``rename``), and collects mistakes
+    only the TOML can have (unknown keys, two spellings of one key) in ``errors``.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.rename: dict[str, str] = {"": prefix}
+        self.errors: list[dict[str, str]] = []
+
+    def path(self, *keys: str) -> str:
+        return ".".join(filter(None, [self.prefix, *keys]))
+
+    def error(self, toml_path: str, message: str) -> None:
+        self.errors.append({"field": toml_path, "message": message})
+
+    def take(self, table: dict, toml_keys: tuple[str, ...], spelling: tuple[str, ...], spec_path: str) -> Any:
+        """Pop the one of ``spelling`` present in ``table``; remember where ``spec_path`` came from."""
+        present = [key for key in spelling if key in table]
+        if len(present) > 1:
+            self.error(self.path(*toml_keys, present[1]), f"Duplicate of '{present[0]}'; give one.")
+        if not present:
+            return None
+        for key in present[1:]:
+            table.pop(key)
+        self.rename[spec_path] = self.path(*toml_keys, present[0])
+        return table.pop(present[0])
+
+    def unknown(self, table: dict, toml_keys: tuple[str, ...]) -> None:
+        for key in table:
+            self.error(self.path(*toml_keys, key), "Unknown key.")
+
+    def subtable(self, table: dict, key: str, toml_keys: tuple[str, ...]) -> dict | None:
+        value = table.pop(key, None)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            self.error(self.path(*toml_keys, key), "Must be a table.")
+            return None
+        return dict(value)
+
+    def job(self, table: dict) -> dict:
+        table = dict(table)
+        data: dict[str, Any] = {}
+        kind = table.pop("type", "diloco")
+        if kind != "diloco":
+            self.error(self.path("type"), "The only job type is 'diloco'.")
+        model = self.subtable(table, "model", ())
+        self.rename["model"] = self.path("model")
+        data["model"] = self.artifact(model, "model") if model is not None else None
+        if data["model"] is None:
+            data.pop("model")
+        preprocessor = self.subtable(table, "preprocessor", ())
+        if preprocessor is not None:
+            self.rename["preprocessor"] = self.path("preprocessor")
+            data["preprocessor"] = self.artifact(preprocessor, "preprocessor")
+        self.dataset(table, data)
+        for name in ("inner_optimizer", "outer_optimizer"):
+            optimizer = self.subtable(table, name, ())
+            if optimizer is not None:
+                data[name] = self.optimizer(optimizer, name)
+        rounds = self.subtable(table, "rounds", ())
+        if rounds is not None:
+            self.rename["rounds"] = self.path("rounds")
+            data["rounds"] = {}
+            for key in ("update_rounds", "inner_steps", "avg_samples_between_updates", "max_batch_size"):
+                value = self.take(rounds, ("rounds",), (key, key.replace("_", "-")), f"rounds.{key}")
+                if value is not None:
+                    data["rounds"][key] = value
+            self.unknown(rounds, ("rounds",))
+        if "batch_size" in table:
+            data["batch_size"] = self.take(table, (), ("batch_size",), "batch_size")
+        resources = self.subtable(table, "resources", ())
+        if resources is not None:
+            self.resources(resources, data)
+        self.unknown(table, ())
+        return data
+
+    def artifact(self, table: dict, name: str) -> dict:
+        """A ``[model]``/``[preprocessor]`` table: ``repository``… or ``url``, plus ``type`` and input names."""
+        keys = (name,)
+        result: dict[str, Any] = {}
+        if "url" in table and "repository" not in table:
+            result["source"] = {"type": "url", "url": self.take(table, keys, ("url",), f"{name}.source.url")}
+        else:
+            source: dict[str, Any] = {"type": "huggingface"}
+            self.rename[f"{name}.source"] = self.path(name)
+            for key in ("repository", "revision", "filenames", "token"):
+                value = self.take(table, keys, (key,), f"{name}.source.{key}")
+                if value is not None:
+                    source[key] = value
+            result["source"] = source
+        for key, spellings in (("type", ("type",)), ("input_names", ("input_names", "input-names"))):
+            value = self.take(table, keys, spellings, f"{name}.{key}")
+            if value is not None:
+                result[key] = value
+        self.unknown(table, keys)
+        return result
+
+    def dataset(self, table: dict, data: dict) -> None:
+        """``dataset.dataset`` (the original), ``dataset.name``, or the docs' ``dataset_name``."""
+        name = None
+        if "dataset_name" in table:
+            name = self.take(table, (), ("dataset_name",), "dataset.name")
+        value = table.pop("dataset", None)
+        if isinstance(value, str):
+            if name is not None:
+                self.error(self.path("dataset"), "Duplicate of 'dataset_name'; give one.")
+            self.rename["dataset.name"] = self.path("dataset")
+            name = value
+        elif isinstance(value, dict):
+            value = dict(value)
+            self.rename["dataset"] = self.path("dataset")
+            spellings = ("dataset", "name", "dataset_name")
+            inner = self.take(value, ("dataset",), spellings, "dataset.name")
+            if inner is not None and name is not None:
+                self.error(self.path("dataset"), "Duplicate of 'dataset_name'; give one.")
+            name = inner if inner is not None else name
+            self.unknown(value, ("dataset",))
+        elif value is not None:
+            self.error(self.path("dataset"), "Must be a table or a string.")
+        if name is not None or value is not None:
+            data["dataset"] = {"name": name} if name is not None else {}
+
+    def optimizer(self, table: dict, name: str) -> dict:
+        keys = (name,)
+        self.rename[name] = self.path(name)
+        result: dict[str, Any] = {}
+        for key in ("learning_rate", "betas", "epsilon", "momentum"):
+            spellings = (key.replace("_", "-"), key) if "_" in key else (key,)
+            value = self.take(table, keys, spellings, f"{name}.{key}")
+            if value is not None:
+                result[key] = value
+        if name == "inner_optimizer":
+            schedule = self.schedule(table, keys)
+            if schedule is not None:
+                result["schedule"] = schedule
+        self.unknown(table, keys)
+        return result
+
+    def schedule(self, table: dict, keys: tuple[str, ...]) -> dict | None:
+        """A ``schedule`` table, or the docs' ``schedule = "cosine"`` with ``warmup_steps``/``total_steps``."""
+        value = table.pop("schedule", None)
+        flat = {key: table.pop(key) for key in ("warmup_steps", "total_steps", "decay_steps") if key in table}
+        if value is None:
+            if flat:
+                self.error(self.path(*keys, next(iter(flat))), "Needs 'schedule' (cosine, linear or wsd).")
+            return None
+        if isinstance(value, str):
+            self.rename["inner_optimizer.schedule.type"] = self.path(*keys, "schedule")
+            # The flat form's keys sit beside ``schedule``; a missing one is reported there too.
+            for key in ("warmup_steps", "total_steps", "decay_steps"):
+                target = "training_steps" if key == "total_steps" else key
+                self.rename[f"inner_optimizer.schedule.{target}"] = self.path(*keys, key)
+            value = {"type": value, **flat}
+        elif isinstance(value, dict):
+            self.rename["inner_optimizer.schedule"] = self.path(*keys, "schedule")
+            value = dict(value)
+            for key in flat:
+                self.error(self.path(*keys, key), "Give it inside the 'schedule' table.")
+        else:
+            self.error(self.path(*keys, "schedule"), "Must be a string or a table.")
+            return None
+        if "total_steps" in value:
+            if "training_steps" in value:
+                self.error(self.path(*keys, "total_steps"), "Duplicate of 'training_steps'; give one.")
+            value["training_steps"] = value.pop("total_steps")
+        # The executor's own tags are accepted too.
+        if isinstance(value.get("type"), str):
+            value["type"] = value["type"].removesuffix("-with-warmup")
+        return value
+
+    def resources(self, table: dict, data: dict) -> None:
+        keys = ("resources",)
+        count = self.take(table, keys, ("num_workers",), "num_trainers")
+        if count is not None:
+            data["num_trainers"] = count
+        for toml_role, role in (("worker", "trainer"), ("parameter_server", "parameter_server")):
+            block: dict[str, Any] = {}
+            value = table.pop(toml_role, None)
+            if isinstance(value, dict):
+                self.rename[f"{role}.resources"] = self.path(*keys, toml_role)
+                block["resources"] = dict(value)
+            elif isinstance(value, list):
+                block["resources"] = self.requirement_list(value, (*keys, toml_role), role)
+            elif value is not None:
+                self.error(self.path(*keys, toml_role), "Must be a table.")
+            price = table.pop(f"{toml_role}_price", None)
+            if isinstance(price, dict):
+                self.rename[f"{role}.price"] = self.path(*keys, f"{toml_role}_price")
+                block["price"] = dict(price)
+            elif price is not None:
+                self.error(self.path(*keys, f"{toml_role}_price"), "Must be a table.")
+            if block:
+                data[role] = block
+        self.unknown(table, keys)
+
+    def requirement_list(self, entries: list, keys: tuple[str, ...], role: str) -> dict:
+        """The docs' ``[[resources.worker]]`` arrays: ``{type = "GPU", min = 10.0}`` or ``{kind = <executor>}``."""
+        resources: dict[str, Any] = {}
+        executor = TRAINER_EXECUTOR if role == "trainer" else PARAMETER_SERVER_EXECUTOR
+        for index, entry in enumerate(entries):
+            where = self.path(*keys) + f".{index}"
+            if not isinstance(entry, dict):
+                self.error(where, "Must be a table.")
+            elif set(entry) == {"kind"}:
+                if entry["kind"] != executor["name"]:
+                    self.error(f"{where}.kind", f"The {role} executor is '{executor['name']}'.")
+            elif set(entry) == {"type", "min"} and str(entry["type"]).lower() in ResourcesSpec.model_fields:
+                name = str(entry["type"]).lower()
+                self.rename[f"{role}.resources.{name}"] = f"{where}.min"
+                resources[name] = entry["min"]
+            else:
+                self.error(where, "Expected {type = GPU|CPU|Memory|Storage, min = number} or {kind = ...}.")
+        return resources
