@@ -1,0 +1,192 @@
+"""Round checkpoints (parameter_server/checkpoints.py): round trips, atomicity, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from parameter_server import checkpoints
+from parameter_server.checkpoints import RoundState, load_latest, save_round
+from parameter_server.exceptions import CheckpointError, TensorRefused
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bit_identical(
+    actual: dict[str, torch.Tensor] | None, expected: dict[str, torch.Tensor] | None
+) -> None:
+    assert (actual is None) == (expected is None)
+    if expected is None:
+        return
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype, name
+        assert torch.equal(actual[name], expected[name]), name
+        assert torch.equal(raw_bytes(actual[name]), raw_bytes(expected[name])), name
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(entry.name for entry in directory.iterdir())
+
+
+def make_state(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(8, 4, generator=generator)
+    return {
+        "transformer.wte.weight": embedding,
+        "lm_head.weight": embedding,  # tied
+        "transformer.ln_f.bias": torch.tensor([0.0, -0.0, 1.0, -1.0]),
+        "block.weight": torch.randn(4, 4, generator=generator).to(torch.bfloat16),
+        "block.bias": torch.randn(4, generator=generator).to(torch.float16),
+    }
+
+
+def make_momentum(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "block.weight": torch.randn(4, 4, generator=generator),
+        "block.bias": torch.randn(4, generator=generator),
+    }
+
+
+def test_load_latest_of_nothing_is_none(tmp_path):
+    assert load_latest(tmp_path / "absent") is None
+    assert load_latest(tmp_path) is None
+
+
+def test_round_trip_is_bit_identical_and_latest_wins(tmp_path):
+    # given round 0 (no momentum yet) and round 1 (with momentum)
+    weights_0, weights_1, momentum_1 = make_state(0), make_state(1), make_momentum(1)
+    save_round(tmp_path, round_number=0, weights=weights_0, momentum=None)
+    path = save_round(tmp_path, round_number=1, weights=weights_1, momentum=momentum_1)
+
+    # when
+    state = load_latest(tmp_path)
+
+    # then round 1 comes back bit for bit, tied names included
+    assert path == tmp_path / "round-000000001"
+    assert isinstance(state, RoundState)
+    assert state.round_number == 1
+    assert_bit_identical(state.weights, weights_1)
+    assert_bit_identical(state.momentum, momentum_1)
+    assert state.weights["lm_head.weight"] is state.weights["transformer.wte.weight"]
+    assert entries(tmp_path) == ["round-000000000", "round-000000001"]
+    assert entries(path) == ["momentum.safetensors", "round.json", "weights.safetensors"]
+    assert json.loads((path / "round.json").read_text()) == {
+        "format": 1,
+        "has_momentum": True,
+        "round_number": 1,
+    }
+
+
+def test_a_round_without_momentum_loads_with_none(tmp_path):
+    save_round(tmp_path, round_number=0, weights=make_state(0), momentum=None)
+    state = load_latest(tmp_path)
+    assert state.round_number == 0
+    assert state.momentum is None
+    assert_bit_identical(state.weights, make_state(0))
+
+
+def test_rounds_sort_by_number_not_by_name(tmp_path):
+    save_round(tmp_path, round_number=9, weights=make_state(9), momentum=None)
+    save_round(tmp_path, round_number=10, weights=make_state(10), momentum=None)
+    assert load_latest(tmp_path).round_number == 10
+
+
+def test_crash_between_writing_and_renaming_leaves_the_previous_round_loadable(tmp_path, monkeypatch):
+    # given a saved round 4
+    save_round(tmp_path, round_number=4, weights=make_state(4), momentum=make_momentum(4))
+
+    # when saving round 5 fails after every file was written, just before the rename
+    written = []
+
+    def crash(source, destination):
+        written.extend(entries(Path(source)))
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(checkpoints.os, "rename", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_round(tmp_path, round_number=5, weights=make_state(5), momentum=make_momentum(5))
+    monkeypatch.undo()
+
+    # then round 5 had been fully written, yet round 4 is still the latest, intact, and nothing is left over
+    assert written == ["momentum.safetensors", "round.json", "weights.safetensors"]
+    state = load_latest(tmp_path)
+    assert state.round_number == 4
+    assert_bit_identical(state.weights, make_state(4))
+    assert_bit_identical(state.momentum, make_momentum(4))
+    assert entries(tmp_path) == ["round-000000004"]
+
+
+def test_leftovers_of_a_killed_save_are_ignored_then_cleaned_up(tmp_path):
+    # given round 2, and the partial directory of a round-3 save killed halfway (a truncated weights file)
+    save_round(tmp_path, round_number=2, weights=make_state(2), momentum=None)
+    partial = tmp_path / ".partial-round-000000003-abc123"
+    partial.mkdir()
+    (partial / "weights.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+
+    # then round 2 is the latest
+    assert load_latest(tmp_path).round_number == 2
+
+    # and the next save removes the leftover
+    save_round(tmp_path, round_number=3, weights=make_state(3), momentum=None)
+    assert entries(tmp_path) == ["round-000000002", "round-000000003"]
+    assert_bit_identical(load_latest(tmp_path).weights, make_state(3))
+
+
+def test_non_finite_weights_are_refused_and_leave_no_round_behind(tmp_path):
+    save_round(tmp_path, round_number=0, weights=make_state(0), momentum=None)
+    bad_momentum = make_momentum(1)
+    bad_momentum["block.bias"][2] = float("nan")
+
+    with pytest.raises(TensorRefused, match="'block.bias'.*NaN"):
+        save_round(tmp_path, round_number=1, weights=make_state(1), momentum=bad_momentum)
+
+    assert entries(tmp_path) == ["round-000000000"]
+    assert load_latest(tmp_path).round_number == 0
+
+
+def test_an_existing_round_is_never_overwritten(tmp_path):
+    save_round(tmp_path, round_number=1, weights=make_state(1), momentum=None)
+    with pytest.raises(CheckpointError, match="round 1 is already saved"):
+        save_round(tmp_path, round_number=1, weights=make_state(2), momentum=None)
+    assert_bit_identical(load_latest(tmp_path).weights, make_state(1))
+    assert entries(tmp_path) == ["round-000000001"]
+
+
+@pytest.mark.parametrize("round_number", [-1, 1.0, True, "3"])
+def test_bad_round_numbers_are_refused(tmp_path, round_number):
+    with pytest.raises(ValueError, match="round_number"):
+        save_round(tmp_path, round_number=round_number, weights=make_state(0), momentum=None)
+    assert entries(tmp_path) == []
+
+
+def test_keep_deletes_all_but_the_most_recent_rounds(tmp_path):
+    for round_number in range(4):
+        save_round(
+            tmp_path, round_number=round_number, weights=make_state(round_number), momentum=None, keep=2
+        )
+    assert entries(tmp_path) == ["round-000000002", "round-000000003"]
+    assert load_latest(tmp_path).round_number == 3
+
+
+def test_a_corrupt_latest_round_is_an_error_not_a_silent_fallback(tmp_path):
+    save_round(tmp_path, round_number=0, weights=make_state(0), momentum=None)
+    latest = save_round(tmp_path, round_number=1, weights=make_state(1), momentum=None)
+    weights_file = latest / "weights.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:-1])
+
+    with pytest.raises(CheckpointError, match="round 1 .* cannot be read"):
+        load_latest(tmp_path)
+
+
+def test_a_manifest_that_does_not_match_its_directory_is_an_error(tmp_path):
+    latest = save_round(tmp_path, round_number=7, weights=make_state(7), momentum=None)
+    (latest / "round.json").write_text(json.dumps({"format": 1, "round_number": 8, "has_momentum": False}))
+    with pytest.raises(CheckpointError, match="says round 8"):
+        load_latest(tmp_path)
