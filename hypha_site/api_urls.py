@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rest_framework.routers import DefaultRouter
 
+from apps.datasets.api.views import DatasetViewSet
 from apps.jobs.api.views import JobViewSet
 from apps.leases.api.views import LeaseViewSet
 from apps.market.api.views import AdvertisementViewSet, OfferViewSet
@@ -15,4 +16,5 @@ router.register("workers", WorkerViewSet, basename="worker")
 router.register("advertisements", AdvertisementViewSet, basename="advertisement")
 router.register("offers", OfferViewSet, basename="offer")
 router.register("leases", LeaseViewSet, basename="lease")
+router.register("datasets", DatasetViewSet, basename="dataset")
 urlpatterns = router.urls
