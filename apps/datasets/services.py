@@ -1,0 +1,298 @@
+"""Dataset workflows: data nodes registering datasets, and each job's claims on its slices, epoch by epoch.
+
+How a job's training consumes its dataset:
+
+1. ``prepare_job(job, name)`` creates epoch 0: one AVAILABLE :class:`JobSlice` per slice of the dataset.
+2. A trainer's lease asks ``claim_next(job, lease)`` for a slice; it gets the lowest-index AVAILABLE slice of
+   the current epoch, ASSIGNED to its lease. Claims are made with the database, not Python locks: the candidate
+   rows are locked with ``SELECT … FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent claimers each take a
+   different row without waiting on each other; on SQLite the IMMEDIATE transaction serialises all writers.
+3. Once the trainer has consumed the slice it calls ``acknowledge(job, lease, index)``: ASSIGNED → USED.
+4. When a lease ends, ``release_for_lease(lease)`` puts its unacknowledged slices back to AVAILABLE.
+5. When every slice of the epoch is USED, the next claim starts epoch + 1 (new AVAILABLE rows) and claims
+   from it. While some slices are still ASSIGNED (being trained on) and none is AVAILABLE, ``claim_next``
+   returns ``None``: the caller waits and asks again (a released slice becomes claimable, an acknowledged last
+   slice opens the next epoch). The original stole other peers' slices instead; with acknowledgements and
+   releases nothing is lost, so a fast trainer waits for the epoch to finish rather than training twice on data
+   another trainer holds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from django.db import IntegrityError, transaction
+from django.db.models import Count, Max, Q
+from django.utils import timezone
+
+from apps.datasets.exceptions import (
+    DatasetConflict,
+    DatasetNotFound,
+    InvalidDataset,
+    JobAlreadyPrepared,
+    JobNotPrepared,
+    LeaseNotEligible,
+    SliceNotFound,
+)
+from apps.datasets.models import DataNode, Dataset, DatasetReplica, JobSlice, Slice, hash_token
+from apps.leases.models import Lease
+
+SLUG = re.compile(r"^[-a-zA-Z0-9_]+$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+# --- data nodes ---------------------------------------------------------------------------------------------
+
+
+def create_data_node(*, name: str, url: str, owner=None) -> tuple[DataNode, str]:
+    """Register a data node; returns it with its token (shown once, stored hashed)."""
+    return DataNode.create_with_token(name=name, url=url, owner=owner)
+
+
+def authenticate_data_node(token: str) -> DataNode | None:
+    """The data node holding ``token``, or ``None``."""
+    return DataNode.objects.filter(token_hash=hash_token(token)).first()
+
+
+# --- datasets -----------------------------------------------------------------------------------------------
+
+
+def _validated_slices(name: str, slices: Iterable[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """Slices sorted by index, checked to be exactly ``0..n-1`` with sizes and lowercase SHA-256 digests."""
+    if not SLUG.match(name or "") or len(name) > 200:
+        raise InvalidDataset(f"dataset name {name!r} must be a slug (letters, digits, '-', '_'; ≤ 200 chars)")
+    checked = []
+    for entry in slices:
+        try:
+            index, size, sha256 = entry
+        except (TypeError, ValueError):
+            raise InvalidDataset(f"dataset {name}: slice {entry!r} is not (index, size, sha256)") from None
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidDataset(f"dataset {name}: slice index {index!r} is not a non-negative integer")
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise InvalidDataset(
+                f"dataset {name}: slice {index} has size {size!r}; it must be a positive integer"
+            )
+        if not isinstance(sha256, str) or not SHA256_HEX.match(sha256):
+            raise InvalidDataset(f"dataset {name}: slice {index} has no lowercase hex SHA-256 ({sha256!r})")
+        checked.append((index, size, sha256))
+    checked.sort()
+    if not checked:
+        raise InvalidDataset(f"dataset {name} has no slices")
+    indices = [index for index, _size, _sha256 in checked]
+    if indices != list(range(len(checked))):
+        # The original counted whatever its directory listing held, in OS order; ours must be 0..n-1 exactly.
+        raise InvalidDataset(
+            f"dataset {name}: slice indices must be 0..{len(checked) - 1}, each once; got {indices}"
+        )
+    return checked
+
+
+def register_dataset(node: DataNode, name: str, slices: Iterable[tuple[int, int, str]]) -> Dataset:
+    """Record that ``node`` serves dataset ``name`` made of ``slices`` = ``[(index, size_bytes, sha256), …]``.
+
+    The first registration of a name creates the dataset and its slices. Registering the same slices again
+    (by the same node: idempotent; by another node: it becomes a replica) changes nothing else. Any
+    difference (slice count, a size or a digest) raises :class:`DatasetConflict` and registers nothing:
+    every replica must serve identical bytes, and jobs may already be training on them. Malformed slices raise
+    :class:`InvalidDataset`. The node is marked online and seen now.
+    """
+    checked = _validated_slices(name, slices)
+    with transaction.atomic():
+        dataset = Dataset.objects.select_for_update().filter(name=name).first()
+        if dataset is None:
+            try:
+                with transaction.atomic():  # a savepoint: a concurrent first registration may win the name
+                    dataset = Dataset.objects.create(
+                        name=name,
+                        slice_count=len(checked),
+                        total_bytes=sum(size for _index, size, _sha256 in checked),
+                    )
+                    Slice.objects.bulk_create(
+                        Slice(dataset=dataset, index=index, size_bytes=size, sha256=sha256)
+                        for index, size, sha256 in checked
+                    )
+            except IntegrityError:
+                dataset = Dataset.objects.select_for_update().get(name=name)
+                _check_same_slices(dataset, node, checked)
+        else:
+            _check_same_slices(dataset, node, checked)
+        DatasetReplica.objects.get_or_create(dataset=dataset, node=node)
+        DataNode.objects.filter(pk=node.pk).update(online=True, last_seen_at=timezone.now())
+    node.refresh_from_db(fields=["online", "last_seen_at"])
+    return dataset
+
+
+def _check_same_slices(dataset: Dataset, node: DataNode, checked: list[tuple[int, int, str]]) -> None:
+    registered = list(dataset.slices.order_by("index").values_list("index", "size_bytes", "sha256"))
+    if registered == checked:
+        return
+    if len(registered) != len(checked):
+        difference = f"it has {len(registered)} slices, {node.name} announced {len(checked)}"
+    else:
+        index = next(i for i, (old, new) in enumerate(zip(registered, checked, strict=True)) if old != new)
+        difference = (
+            f"slice {index} is {registered[index][1]} bytes with SHA-256 {registered[index][2]}, "
+            f"{node.name} announced {checked[index][1]} bytes with SHA-256 {checked[index][2]}"
+        )
+    nodes = (
+        ", ".join(dataset.replicas.values_list("node__name", flat=True).order_by("node__name")) or "nobody"
+    )
+    raise DatasetConflict(
+        f"dataset {dataset.name} is already registered (served by {nodes}) with different slices: {difference}; "
+        "every replica must serve identical files: register changed data under a new name"
+    )
+
+
+def replicas(dataset: Dataset) -> list[DataNode]:
+    """The data nodes serving ``dataset``, online ones first, then by name (trainers download from these)."""
+    return list(DataNode.objects.filter(replicas__dataset=dataset).order_by("-online", "name"))
+
+
+# --- a job's slices -----------------------------------------------------------------------------------------
+
+
+def prepare_job(job, dataset_name: str) -> Dataset:
+    """Create epoch 0 of ``job`` on dataset ``dataset_name``: one AVAILABLE job slice per slice.
+
+    Idempotent for the same dataset; :class:`JobAlreadyPrepared` if the job trains on another dataset,
+    :class:`DatasetNotFound` if no data node registered that name.
+    """
+    with transaction.atomic():
+        dataset = Dataset.objects.filter(name=dataset_name).first()
+        if dataset is None:
+            raise DatasetNotFound(f"no dataset {dataset_name!r} is registered")
+        # Lock the job, so two preparations of one job cannot both insert epoch 0.
+        list(type(job).objects.select_for_update().filter(pk=job.pk).values_list("pk", flat=True))
+        existing = JobSlice.objects.filter(job=job).select_related("slice__dataset").first()
+        if existing is not None:
+            if existing.slice.dataset_id != dataset.pk:
+                raise JobAlreadyPrepared(
+                    f"job {job.pk} trains on dataset {existing.slice.dataset.name}, not {dataset.name}"
+                )
+            return dataset
+        JobSlice.objects.bulk_create(
+            JobSlice(job=job, slice=slice_, epoch=0) for slice_ in dataset.slices.order_by("index")
+        )
+    return dataset
+
+
+def current_epoch(job) -> int:
+    """The job's newest epoch; :class:`JobNotPrepared` if it has none."""
+    epoch = JobSlice.objects.filter(job=job).aggregate(epoch=Max("epoch"))["epoch"]
+    if epoch is None:
+        raise JobNotPrepared(f"job {job.pk} has no slices; prepare it for a dataset first")
+    return epoch
+
+
+def _lock_eligible_lease(job, lease: Lease) -> Lease:
+    # Holding the lease's row lock until commit means the lease cannot end (its transitions are conditional
+    # UPDATEs, which wait for this lock) between this check and the assignment: a lease that ends after the
+    # claim commits finds the slice ASSIGNED to it and ``release_for_lease`` puts it back.
+    locked = Lease.objects.select_for_update().filter(pk=lease.pk).first()
+    if locked is None or locked.job_id != job.pk or locked.status != Lease.Status.ACTIVE:
+        state = "missing" if locked is None else f"{locked.status}, of job {locked.job_id}"
+        raise LeaseNotEligible(f"lease {lease.pk} ({state}) is not an active lease of job {job.pk}")
+    return locked
+
+
+def _available(job, epoch: int) -> JobSlice | None:
+    return (
+        JobSlice.objects.select_for_update(skip_locked=True, of=("self",))
+        .filter(job=job, epoch=epoch, status=JobSlice.Status.AVAILABLE)
+        .select_related("slice")
+        .order_by("slice__index")
+        .first()
+    )
+
+
+def claim_next(job, lease: Lease) -> JobSlice | None:
+    """Assign the lowest-index AVAILABLE slice of the job's current epoch to ``lease`` and return it.
+
+    When every slice of the epoch is USED, starts the next epoch and claims from it. Returns ``None`` when no
+    slice is AVAILABLE but some are still ASSIGNED (to this or other leases): the caller waits and asks again.
+    Each call claims one more slice (a trainer may prefetch); asking again does not return the slice it holds.
+    Raises :class:`LeaseNotEligible` unless ``lease`` is an ACTIVE lease of ``job``, :class:`JobNotPrepared`
+    if the job has no slices.
+    """
+    with transaction.atomic():
+        lease = _lock_eligible_lease(job, lease)
+        epoch = current_epoch(job)
+        candidate = _available(job, epoch)
+        if candidate is None:
+            # Rows other claimers hold locked are still AVAILABLE or ASSIGNED here, so they count as not USED:
+            # a new epoch starts only when the whole epoch is acknowledged.
+            if JobSlice.objects.filter(job=job, epoch=epoch).exclude(status=JobSlice.Status.USED).exists():
+                return None
+            # Two claimers may both see the epoch finished: the unique (job, slice, epoch) makes the second
+            # insert wait for the first and then skip, and both claim from the same new rows.
+            slice_ids = JobSlice.objects.filter(job=job, epoch=epoch).values_list("slice_id", flat=True)
+            JobSlice.objects.bulk_create(
+                [JobSlice(job=job, slice_id=slice_id, epoch=epoch + 1) for slice_id in slice_ids],
+                ignore_conflicts=True,
+            )
+            candidate = _available(job, epoch + 1)
+            if candidate is None:
+                return None
+        candidate.assign(lease)
+    return candidate
+
+
+def acknowledge(job, lease: Lease, index: int) -> JobSlice:
+    """Mark slice ``index`` of the job's current epoch USED by ``lease``, which it must be assigned to.
+
+    Idempotent: acknowledging again a slice this lease already used returns it unchanged (a lost reply is
+    retried). Raises :class:`SliceNotFound` for an index outside the epoch, and
+    :class:`~apps.datasets.exceptions.SliceTransitionRefused` if the slice is not ASSIGNED to ``lease``.
+    """
+    with transaction.atomic():
+        epoch = current_epoch(job)
+        job_slice = (
+            JobSlice.objects.select_for_update(of=("self",))
+            .filter(job=job, epoch=epoch, slice__index=index)
+            .select_related("slice")
+            .first()
+        )
+        if job_slice is None:
+            raise SliceNotFound(f"job {job.pk} has no slice {index} in epoch {epoch}")
+        if job_slice.status == JobSlice.Status.USED and job_slice.assigned_lease_id == lease.pk:
+            return job_slice
+        job_slice.ack(lease)
+    return job_slice
+
+
+def release_for_lease(
+    lease: Lease, *, reason: str = "lease ended before the acknowledgement"
+) -> list[JobSlice]:
+    """Put the slices ASSIGNED to ``lease`` back to AVAILABLE; call it once the lease has ended.
+
+    Slices the lease acknowledged stay USED. Returns the released slices, by epoch and index. Raises
+    :class:`~apps.datasets.exceptions.SliceTransitionRefused` (releasing nothing) while the lease is live.
+    """
+    with transaction.atomic():
+        held = list(
+            JobSlice.objects.select_for_update(of=("self",))
+            .filter(assigned_lease=lease, status=JobSlice.Status.ASSIGNED)
+            .select_related("slice")
+            .order_by("epoch", "slice__index")
+        )
+        for job_slice in held:
+            job_slice.release(lease, reason=reason)
+    return held
+
+
+def progress(job) -> dict:
+    """``{epoch, available, assigned, used, total}`` of the job's current epoch (``epoch`` is ``None`` and
+    every count 0 before ``prepare_job``)."""
+    rows = JobSlice.objects.filter(job=job)
+    epoch = rows.aggregate(epoch=Max("epoch"))["epoch"]
+    if epoch is None:
+        return {"epoch": None, "available": 0, "assigned": 0, "used": 0, "total": 0}
+    counts = rows.filter(epoch=epoch).aggregate(
+        available=Count("pk", filter=Q(status=JobSlice.Status.AVAILABLE)),
+        assigned=Count("pk", filter=Q(status=JobSlice.Status.ASSIGNED)),
+        used=Count("pk", filter=Q(status=JobSlice.Status.USED)),
+        total=Count("pk"),
+    )
+    return {"epoch": epoch, **counts}
