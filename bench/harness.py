@@ -8,8 +8,8 @@ with a test run. Otherwise → *embedded*: one ``hypha-server`` process with a p
 Children run in their own process groups with their output in log files; :func:`control_plane` stops them
 (SIGTERM, then SIGKILL after 5 s) however the benchmark ends, and prints the log tails if it failed.
 
-(The end-to-end tests have their own copy of this in ``tests/e2e/conftest.py``: tests do not import
-benchmarks, and benchmarks do not import tests.)
+The isolation helpers (children that die with their parent, a throw-away database, a claimed Redis database)
+are the end-to-end tests' own, from ``tests/e2e/isolation.py``: one implementation for both.
 """
 
 from __future__ import annotations
@@ -19,38 +19,29 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as `python bench/allocation.py`: the repo root is not on the path
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.e2e.isolation import (  # noqa: E402
+    claimed_redis_database,
+    free_port,
+    stop_with_parent,
+    throwaway_database,
+)
+
 BIN_DIR = Path(sys.executable).parent
 STOP_GRACE = 5.0
 STARTUP_DEADLINE = 90.0
-
-
-def _stop_with_parent() -> None:
-    """Run in each child between fork and exec: the kernel SIGKILLs it if the process that started it dies.
-
-    Children lead their own sessions, so nothing else would reach them when the parent is killed outright
-    (SIGKILL, an OOM kill, a CI job cancelled): without this they outlive it, holding ports and databases.
-    Linux only; elsewhere a no-op.
-    """
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
-        os._exit(1)
 
 
 @dataclass
@@ -85,7 +76,7 @@ class ControlPlane:
         with log.open("ab") as output:
             popen = subprocess.Popen(
                 argv, cwd=REPO_ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=output,
-                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_stop_with_parent,
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=stop_with_parent,
             )  # fmt: skip
         child = Child(name=name, popen=popen, log=log)
         self.children.append(child)
@@ -125,109 +116,6 @@ class ControlPlane:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"{self.base_url}/healthz did not answer within {STARTUP_DEADLINE:g}s")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _with_path(url: str, path: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=path))
-
-
-#: The same key as tests/e2e/conftest.py's, so a benchmark and an e2e run never claim the same database.
-CLAIM_KEY = "hypha:claimed-by-a-run"
-
-
-def _owner() -> str:
-    """Who holds a throw-away database or a claimed Redis database: this host and process."""
-    return f"{socket.gethostname()} {os.getpid()}"
-
-
-def _abandoned(owner: str | None) -> bool:
-    """True if ``owner`` (see :func:`_owner`) is a process of this host that no longer runs: a run killed
-    outright cannot clean up after itself, so the next one does."""
-    host, _, pid = (owner or "").partition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-@contextlib.contextmanager
-def throwaway_database(database_url: str) -> Iterator[tuple[str, str]]:
-    """A fresh PostgreSQL database next to ``database_url``'s; yields (its URL, the server version).
-
-    Its comment names its owner; benchmark databases of owners that died are dropped first.
-    """
-    import psycopg
-    from psycopg import sql
-
-    name = f"hypha_bench_{secrets.token_hex(4)}"
-    maintenance = _with_path(database_url, "/postgres")
-    with psycopg.connect(maintenance, autocommit=True, connect_timeout=5) as connection:
-        leftovers = connection.execute(
-            "SELECT datname, shobj_description(oid, 'pg_database') FROM pg_database "
-            "WHERE datname LIKE 'hypha\\_bench\\_%'"
-        ).fetchall()
-        for leftover, owner in leftovers:
-            if _abandoned(owner):
-                connection.execute(f'DROP DATABASE IF EXISTS "{leftover}" WITH (FORCE)')
-        connection.execute(f'CREATE DATABASE "{name}"')
-        connection.execute(
-            sql.SQL("COMMENT ON DATABASE {} IS {}").format(sql.Identifier(name), sql.Literal(_owner()))
-        )
-        version = connection.execute("SHOW server_version").fetchone()[0]
-    try:
-        yield _with_path(database_url, f"/{name}"), version
-    finally:
-        with psycopg.connect(maintenance, autocommit=True, connect_timeout=5) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextlib.contextmanager
-def claimed_redis_database(redis_url: str) -> Iterator[tuple[str, str]]:
-    """An empty Redis database number (not ``redis_url``'s own, not 0), claimed with a key set NX whose value
-    names the owner (a dead owner's claim is flushed and taken over), flushed at the end; yields (its URL,
-    the server version). Falls back to flushing ``redis_url``'s own database when every other is in use."""
-    import redis
-
-    configured = int(urlsplit(redis_url).path.strip("/") or 0)
-    admin = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
-    version = str(admin.info("server").get("redis_version", "?"))
-    count = int(admin.config_get("databases").get("databases", 16))
-    chosen = configured
-    for number in [n for n in range(count - 1, 0, -1) if n != configured]:
-        client = redis.Redis.from_url(_with_path(redis_url, f"/{number}"), socket_connect_timeout=5)
-        try:
-            claim = client.get(CLAIM_KEY)
-            if claim is not None and _abandoned(claim.decode(errors="replace")):
-                client.flushdb()
-            if client.dbsize() == 0 and client.set(CLAIM_KEY, _owner(), nx=True):
-                if client.dbsize() == 1:
-                    chosen = number
-                    break
-                client.delete(CLAIM_KEY)  # someone else started using it meanwhile
-        finally:
-            client.close()
-    else:
-        admin.flushdb()
-    admin.close()
-    url = _with_path(redis_url, f"/{chosen}")
-    try:
-        yield url, version
-    finally:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5)
-        with contextlib.suppress(redis.RedisError):
-            client.flushdb()
-        client.close()
 
 
 def resolve_mode(requested: str) -> str:
@@ -270,13 +158,16 @@ def control_plane(
     failed = True
     with contextlib.ExitStack() as stack:
         if mode == "services":
-            database_url, postgres_version = stack.enter_context(
-                throwaway_database(os.environ["DATABASE_URL"])
+            database_url = stack.enter_context(
+                throwaway_database(os.environ["DATABASE_URL"], prefix="hypha_bench")
             )
-            redis_url, redis_version = stack.enter_context(claimed_redis_database(os.environ["REDIS_URL"]))
+            redis_url = stack.enter_context(claimed_redis_database(os.environ["REDIS_URL"]))
             env.update(DATABASE_URL=database_url, REDIS_URL=redis_url)
             env.setdefault("SECRET_KEY", f"bench-{secrets.token_urlsafe(40)}")
-            plane.details = {"PostgreSQL": postgres_version, "Redis": redis_version}
+            plane.details = {
+                "PostgreSQL": _postgres_version(database_url),
+                "Redis": _redis_version(redis_url),
+            }
         stack.callback(plane.stop)  # before the database is dropped: an ExitStack unwinds in reverse
         try:
             common = [server, "--log-level", log_level]
@@ -294,6 +185,21 @@ def control_plane(
             if failed:
                 for child in plane.children:
                     print(f"--- {child.name} log (tail) ---\n{child.tail()}", file=sys.stderr)
+
+
+def _postgres_version(database_url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(database_url, connect_timeout=5) as connection:
+        return str(connection.execute("SHOW server_version").fetchone()[0])
+
+
+def _redis_version(redis_url: str) -> str:
+    import redis
+
+    return str(
+        redis.Redis.from_url(redis_url, socket_connect_timeout=5).info("server").get("redis_version", "?")
+    )
 
 
 def machine_details() -> dict[str, str]:

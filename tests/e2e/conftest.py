@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,10 +32,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
+
+from tests.e2e.isolation import claimed_redis_database, free_port, stop_with_parent, throwaway_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(sys.executable).parent
@@ -108,23 +108,6 @@ class Child:
         return "\n".join(parts)
 
 
-def _stop_with_parent() -> None:
-    """Run in each child between fork and exec: the kernel SIGKILLs it if the process that started it dies.
-
-    Children lead their own sessions, so nothing else would reach them when the parent is killed outright
-    (SIGKILL, an OOM kill, a CI job cancelled): without this they outlive it, holding ports and databases.
-    Linux only; elsewhere a no-op.
-    """
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
-        os._exit(1)
-
-
 #: Every group not yet stopped; failure reports and the atexit hook walk it.
 _LIVE_GROUPS: list[ProcessGroup] = []
 
@@ -154,7 +137,7 @@ class ProcessGroup:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=_stop_with_parent,
+                preexec_fn=stop_with_parent,
             )
         child = Child(name=name, argv=argv, popen=popen, stdout=stdout, stderr=stderr)
         self.children.append(child)
@@ -228,13 +211,6 @@ def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
 # --- small helpers ---------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_until(
     probe: Callable[[], Any], *, timeout: float, interval: float = 0.1, message: str = "condition"
 ) -> Any:
@@ -277,114 +253,6 @@ def wait_for_healthz(base_url: str, *, children: list[Child], timeout: float = S
 
 def services_mode() -> bool:
     return bool(os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"))
-
-
-def _with_path(url: str, path: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path=path))
-
-
-def _owner() -> str:
-    """Who holds a throw-away database or a claimed Redis database: this host and process."""
-    return f"{socket.gethostname()} {os.getpid()}"
-
-
-def _abandoned(owner: str | None) -> bool:
-    """True if ``owner`` (see :func:`_owner`) is a process of this host that no longer runs.
-
-    A run killed outright (SIGKILL) cannot drop its database or flush its Redis database; the next run does.
-    """
-    host, _, pid = (owner or "").partition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-@contextlib.contextmanager
-def throwaway_database(database_url: str) -> Iterator[str]:
-    """A fresh database ``hypha_e2e_<random>`` on the server of ``database_url``; yields its URL, drops it.
-
-    The database's comment names its owner; databases of owners that died are dropped first.
-    """
-    import psycopg
-    from psycopg import sql
-
-    name = f"hypha_e2e_{secrets.token_hex(4)}"
-    maintenance = _with_path(database_url, "/postgres")
-    with psycopg.connect(maintenance, autocommit=True, connect_timeout=5) as connection:
-        leftovers = connection.execute(
-            "SELECT datname, shobj_description(oid, 'pg_database') FROM pg_database "
-            "WHERE datname LIKE 'hypha\\_e2e\\_%'"
-        ).fetchall()
-        for leftover, owner in leftovers:
-            if _abandoned(owner):
-                connection.execute(f'DROP DATABASE IF EXISTS "{leftover}" WITH (FORCE)')
-        connection.execute(f'CREATE DATABASE "{name}"')
-        connection.execute(
-            sql.SQL("COMMENT ON DATABASE {} IS {}").format(sql.Identifier(name), sql.Literal(_owner()))
-        )
-    try:
-        yield _with_path(database_url, f"/{name}")
-    finally:
-        with psycopg.connect(maintenance, autocommit=True, connect_timeout=5) as connection:
-            # FORCE: a connection a killed child left half-open must not keep the database alive.
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-#: The same key as bench/harness.py's, so an e2e run and a benchmark never claim the same database.
-CLAIM_KEY = "hypha:claimed-by-a-run"
-
-
-@contextlib.contextmanager
-def claimed_redis_database(redis_url: str) -> Iterator[str]:
-    """An empty Redis database number for this run (not the one ``redis_url`` names, not 0); yields its URL.
-
-    The claim is a key set with NX in an empty database, so two concurrent runs never pick the same one; its
-    value names the owner, and a database claimed by an owner that died is flushed and claimed again. The
-    database is flushed at the end. When every database is in use, the one of ``redis_url`` is flushed and
-    used instead.
-    """
-    import redis
-
-    parts = urlsplit(redis_url)
-    configured = int(parts.path.strip("/") or 0)
-    admin = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
-    try:
-        count = int(admin.config_get("databases").get("databases", 16))
-    except redis.RedisError:
-        count = 16
-    chosen = None
-    for number in [n for n in range(count - 1, 0, -1) if n != configured]:
-        client = redis.Redis.from_url(_with_path(redis_url, f"/{number}"), socket_connect_timeout=5)
-        try:
-            claim = client.get(CLAIM_KEY)
-            if claim is not None and _abandoned(claim.decode(errors="replace")):
-                client.flushdb()
-            if client.dbsize() == 0 and client.set(CLAIM_KEY, _owner(), nx=True):
-                if client.dbsize() == 1:
-                    chosen = number
-                    break
-                client.delete(CLAIM_KEY)  # someone else started using it meanwhile
-        finally:
-            client.close()
-    if chosen is None:
-        chosen = configured
-        admin.flushdb()
-    admin.close()
-    url = _with_path(redis_url, f"/{chosen}")
-    try:
-        yield url
-    finally:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5)
-        with contextlib.suppress(redis.RedisError):
-            client.flushdb()
-        client.close()
 
 
 # --- the control plane ---------------------------------------------------------------------------------
