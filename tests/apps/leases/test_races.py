@@ -7,15 +7,12 @@ there; they run when DATABASE_URL names PostgreSQL.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 
-import pytest
-from django.db import connection, connections
 from django.utils import timezone
 
 from apps.jobs import services as job_services
@@ -26,40 +23,11 @@ from apps.market import services as market
 from apps.market.exceptions import OfferRefused
 from apps.market.models import Advertisement, Offer
 from tests.apps.conftest import CAPACITY, REQUIREMENTS, offer_on
+from tests.apps.races import RACE_TEST_MARKS, run_together
 
 ITERATIONS = 20
 
-pytestmark = [
-    pytest.mark.skipif(
-        connection.vendor != "postgresql",
-        reason="race tests need PostgreSQL (set DATABASE_URL): SQLite serialises all writers of a process",
-    ),
-    pytest.mark.django_db(transaction=True),
-]
-
-
-def run_together(*actions: Callable[[], object]) -> list[object]:
-    """Run each action in its own thread, all released at once; return each result or the exception it raised."""
-    barrier = threading.Barrier(len(actions))
-    results: list[object] = [None] * len(actions)
-
-    def run(index: int, action: Callable[[], object]) -> None:
-        try:
-            connection.ensure_connection()  # connect first, so the barrier releases queries, not handshakes
-            barrier.wait(timeout=10)
-            results[index] = action()
-        except Exception as error:  # the test inspects it
-            results[index] = error
-        finally:
-            connections.close_all()  # this thread's connection; the test database is dropped at the end
-
-    threads = [threading.Thread(target=run, args=item) for item in enumerate(actions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(thread.is_alive() for thread in threads), "a racing thread hung (deadlock?)"
-    return results
+pytestmark = RACE_TEST_MARKS
 
 
 def at(instant, action: Callable[[], object]) -> Callable[[], object]:
