@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 
+from apps.datasets import services as dataset_services
 from apps.jobs import tasks
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
 from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job
@@ -391,7 +392,8 @@ def _end_unless_ended(lease: Lease, *, reason: str, expired: bool = False, tell_
 def _end_lease(
     lease: Lease, *, reason: str, expired: bool = False, tell_worker: bool = True, notify_job: bool = True
 ) -> None:
-    """End a live lease (expire or release), tell its daemon, void its offer, and let the job react."""
+    """End a live lease (expire or release), tell its daemon, void its offer, return the data slices it held
+    but had not acknowledged, and let the job react."""
     _lock_job(lease.job_id)
     was_active = lease.status == Lease.Status.ACTIVE
     if expired:
@@ -401,6 +403,8 @@ def _end_lease(
     if tell_worker:
         _tell_lease_ended(lease)
     market.offer_lease_ended(lease)
+    if was_active:
+        dataset_services.release_for_lease(lease, reason=f"lease {lease.status} before the acknowledgement")
     if not (was_active and notify_job):
         return
     job = Job.objects.get(pk=lease.job_id)

@@ -10,7 +10,9 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
+from apps.datasets import services as dataset_services
 from apps.jobs import services as job_services
 from apps.jobs.exceptions import JobNotCancellable
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, JobEvent
@@ -30,6 +32,7 @@ from tests.apps.conftest import (
     offer_on,
     submit_job,
 )
+from tests.apps.datasets.conftest import TINY_TEXT_SLICES, active_lease, job_slices
 from worker_daemon import protocol
 
 ALLOCATED = "ALLOCATED: all 3 leases active (2 of 2 trainers, 1 of 1 parameter server)"
@@ -627,3 +630,26 @@ def test_revoking_a_worker_ends_its_leases_and_its_token(
     with pytest.raises(AuthenticationFailed) as refused:
         worker_services.authenticate(rig_a.token)
     assert refused.value.code == protocol.CloseCode.TOKEN_REVOKED
+
+
+@pytest.mark.django_db
+def test_a_trainer_lease_that_expires_returns_its_unacknowledged_slices(job, rig_a, rig_b):
+    # given: a prepared job whose two trainers each claimed a slice; rig-a acknowledged its own
+    node, _token = dataset_services.create_data_node(name="data-east", url="https://east.example")
+    dataset_services.register_dataset(node, "tiny-text", TINY_TEXT_SLICES)
+    dataset_services.prepare_job(job, "tiny-text")
+    lease_a, lease_b = active_lease(rig_a, job), active_lease(rig_b, job)
+    dataset_services.claim_next(job, lease_a)
+    dataset_services.claim_next(job, lease_b)
+    dataset_services.acknowledge(job, lease_a, 0)
+    Lease.objects.filter(pk=lease_b.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+    # when: the lease clock expires rig-b's lease
+    job_services.tick_leases()
+
+    # then: its slice is available again; rig-a's acknowledged slice stays used
+    assert job_slices(job) == [
+        (0, 0, "used", lease_a.pk),
+        (0, 1, "available", None),
+        (0, 2, "available", None),
+    ]
