@@ -1,0 +1,147 @@
+"""JSON shapes of Hypha's job bridge (§1.2, §1.3): references, data slices, request bodies, progress.
+
+References are internally tagged by a lowercase ``"type"``; a peers reference's ``strategy`` is itself
+tagged (``{"type": "All"}``, never a bare string). As in Hypha (serde without ``deny_unknown_fields``),
+unknown fields are ignored and optional fields may be missing (then ``null``). ``model_dump(mode="json")``
+gives exactly the JSON Hypha writes, ``null`` fields included.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class SelectionStrategy(_Shape):
+    type: Literal["All", "One", "Random"]
+
+
+class DataSlice(_Shape):
+    dataset: str
+    index: Annotated[int, Field(ge=0)]
+
+
+class UriReference(_Shape):
+    type: Literal["uri"] = "uri"
+    value: str
+
+
+class HuggingFaceReference(_Shape):
+    type: Literal["huggingface"] = "huggingface"
+    repository: str
+    revision: str | None = None
+    """``None`` means ``"main"``."""
+    filenames: list[str]
+    token: str | None = None
+
+
+class PeersReference(_Shape):
+    type: Literal["peers"] = "peers"
+    peers: list[str]
+    strategy: SelectionStrategy
+    resource: DataSlice | None = None
+
+
+class SchedulerReference(_Shape):
+    type: Literal["scheduler"] = "scheduler"
+    peer: str
+    dataset: str
+
+
+Reference = Annotated[
+    UriReference | HuggingFaceReference | PeersReference | SchedulerReference, Field(discriminator="type")
+]
+"""Any resource reference; what ``/resources/fetch`` deserialises."""
+
+FetchReference = UriReference | HuggingFaceReference | SchedulerReference
+"""The references a fetch accepts after the bridge's own checks."""
+
+reference_adapter: TypeAdapter[Any] = TypeAdapter(Reference)
+
+
+class SendRequest(_Shape):
+    """Body of ``/resources/send``: a peers reference (any strategy) and a file relative to the work dir."""
+
+    resource: PeersReference
+    path: str
+
+
+class ReceiveRequest(_Shape):
+    """Body of ``/resources/receive``: a peers reference with strategy ``All`` (an empty ``peers`` list
+    means "from anyone") and a directory relative to the work dir."""
+
+    resource: PeersReference
+    path: str = "incoming"
+
+    @model_validator(mode="after")
+    def _strategy_all(self) -> ReceiveRequest:
+        if self.resource.strategy.type != "All":
+            raise ValueError("receive needs a peers reference with strategy All")
+        return self
+
+
+# --- Progress (/status/send): externally tagged, kebab-case tags -------------------------------------------
+
+
+class StatusBody(BaseModel):
+    """``{"batch_size": n}``; other fields (the executor's ``round_time``) are kept."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    batch_size: Annotated[int, Field(ge=0)]
+
+
+class MetricsBody(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    round: Annotated[int, Field(ge=0)]
+    metrics: dict[str, float]
+
+
+class StatusProgress(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    status: StatusBody
+
+
+class MetricsProgress(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    metrics: MetricsBody
+
+
+UNIT_PROGRESS = ("update", "update-received", "updated")
+
+
+class UnitProgress(BaseModel):
+    """A unit variant, given as a bare string (``"update"``) or as ``{"update": null}``."""
+
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["update", "update-received", "updated"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_wire(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"kind": value}
+        if isinstance(value, dict) and len(value) == 1:
+            ((key, inner),) = value.items()
+            if key in UNIT_PROGRESS and inner is None:
+                return {"kind": key}
+        raise ValueError(f"expected one of {', '.join(UNIT_PROGRESS)} (or {{tag: null}}), got {value!r}")
+
+
+Progress = StatusProgress | MetricsProgress | UnitProgress
+
+
+def parse_progress(value: Any) -> Progress:
+    """The Progress variant ``value`` is; raises ``ValueError`` (pydantic's ``ValidationError``) otherwise.
+
+    The bridge only checks the shape: it forwards the original JSON value, unknown fields included.
+    """
+    if isinstance(value, dict) and "status" in value:
+        return StatusProgress.model_validate(value)
+    if isinstance(value, dict) and "metrics" in value:
+        return MetricsProgress.model_validate(value)
+    return UnitProgress.model_validate(value)
