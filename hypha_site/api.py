@@ -47,6 +47,7 @@ _DESCRIPTIONS = {
     401: "No or invalid credentials (send `Authorization: Token <key>` or use a session).",
     404: "No such object, or it is not one the caller may see.",
     409: "The object's current state does not allow this action; nothing was changed.",
+    415: "The body's content type is not one this endpoint reads; nothing was changed.",
 }
 
 

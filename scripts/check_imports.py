@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMON_PACKAGES = ("worker_daemon", "parameter_server")
+DAEMON_PACKAGES = ("worker_daemon", "parameter_server", "data_node")
 FORBIDDEN = frozenset(
     {
         "apps",

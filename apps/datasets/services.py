@@ -296,3 +296,20 @@ def progress(job) -> dict:
         total=Count("pk"),
     )
     return {"epoch": epoch, **counts}
+
+
+def register_from_node(
+    node: DataNode, *, name: str, url: str, slices: Iterable[tuple[int, int, str]]
+) -> tuple[Dataset, bool]:
+    """A data node's own announcement: record its public ``url`` and :func:`register_dataset` ``name``.
+
+    Returns the dataset and whether this call created it. All or nothing: when the registration is refused
+    (:class:`InvalidDataset`, :class:`DatasetConflict`) the node's URL is left unchanged too.
+    """
+    with transaction.atomic():
+        existed = Dataset.objects.filter(name=name).exists()
+        if node.url != url:
+            DataNode.objects.filter(pk=node.pk).update(url=url)
+            node.url = url
+        dataset = register_dataset(node, name, slices)
+    return dataset, not existed

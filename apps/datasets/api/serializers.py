@@ -1,4 +1,5 @@
-"""Serializers of the datasets API (read-only): datasets, their slices and the data nodes serving them."""
+"""Serializers of the datasets API: datasets, their slices and the data nodes serving them (read-only), and a
+data node's registration of a dataset (input)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from apps.datasets.models import DataNode, Dataset, Slice
+from hypha_site.api import StrictSerializer
 
 
 class DataNodeSerializer(serializers.ModelSerializer):
@@ -53,3 +55,25 @@ class DatasetDetailSerializer(DatasetSerializer):
     class Meta(DatasetSerializer.Meta):
         fields = [*DatasetSerializer.Meta.fields, "slices"]
         read_only_fields = fields
+
+
+class SliceAnnouncementSerializer(StrictSerializer):
+    """One slice file as a data node announces it."""
+
+    index = serializers.IntegerField(min_value=0, help_text="Slice index; a dataset's slices are 0..n-1.")
+    size = serializers.IntegerField(min_value=1, help_text="Size of the slice file in bytes.")
+    sha256 = serializers.RegexField(
+        r"^[0-9a-f]{64}$", help_text="SHA-256 of the slice file, lowercase hex.", max_length=64
+    )
+
+
+class DatasetRegistrationSerializer(StrictSerializer):
+    """A data node announcing a dataset it serves, and the public URL it serves it from."""
+
+    name = serializers.RegexField(
+        r"^[-a-zA-Z0-9_]+$", max_length=200, help_text="The dataset directory's basename (a slug)."
+    )
+    url = serializers.URLField(max_length=500, help_text="Public base URL the slices are downloaded from.")
+    slices = serializers.ListField(
+        child=SliceAnnouncementSerializer(), allow_empty=False, help_text="Every slice, indices 0..n-1."
+    )

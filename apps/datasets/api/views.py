@@ -1,15 +1,74 @@
-"""The datasets API (read-only): every authenticated user sees every dataset and the data nodes serving it,
-since trainers of any job download from them."""
+"""The datasets API: every authenticated user sees every dataset and the data nodes serving it, since trainers
+of any job download from them; a data node, with its own ``hd_…`` token, registers the datasets it serves."""
 
 from __future__ import annotations
 
+from django.contrib.auth.models import AnonymousUser
 from django.db.models import Prefetch, QuerySet
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema, extend_schema_view
-from rest_framework import viewsets
+from rest_framework import authentication, exceptions, permissions, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
 
-from apps.datasets.api.serializers import DatasetDetailSerializer, DatasetSerializer
-from apps.datasets.models import Dataset, DatasetReplica
+from apps.datasets import services
+from apps.datasets.api.serializers import (
+    DatasetDetailSerializer,
+    DatasetRegistrationSerializer,
+    DatasetSerializer,
+)
+from apps.datasets.exceptions import DatasetConflict, InvalidDataset
+from apps.datasets.models import DATA_NODE_TOKEN_PREFIX, DataNode, Dataset, DatasetReplica
 from hypha_site.api import error_responses
+
+
+class DataNodeAuthentication(authentication.BaseAuthentication):
+    """``Authorization: Bearer hd_…``: the caller is the data node holding that token, not a user.
+
+    ``request.user`` stays anonymous and ``request.auth`` is the :class:`DataNode`. Other schemes are left to
+    other authenticators (none, on the endpoints that use this one), so a user token gets a 401 there.
+    """
+
+    keyword = "Bearer"
+
+    def authenticate(self, request: Request) -> tuple[object, DataNode] | None:
+        parts = authentication.get_authorization_header(request).split()
+        if not parts or parts[0].lower() != self.keyword.lower().encode():
+            return None
+        if len(parts) != 2:
+            raise exceptions.AuthenticationFailed("Invalid bearer header: send `Bearer <data node token>`.")
+        try:
+            token = parts[1].decode()
+        except UnicodeDecodeError:
+            raise exceptions.AuthenticationFailed("Invalid data node token.") from None
+        node = services.authenticate_data_node(token) if token.startswith(DATA_NODE_TOKEN_PREFIX) else None
+        if node is None:
+            raise exceptions.AuthenticationFailed("Invalid data node token.")
+        return AnonymousUser(), node
+
+    def authenticate_header(self, request: Request) -> str:
+        # Makes DRF answer 401 (with WWW-Authenticate), not 403, when no or bad credentials are sent.
+        return f'{self.keyword} realm="data nodes"'
+
+
+class IsDataNode(permissions.BasePermission):
+    """Only a request authenticated by :class:`DataNodeAuthentication`."""
+
+    def has_permission(self, request: Request, view) -> bool:
+        return isinstance(request.auth, DataNode)
+
+
+class DataNodeAuthenticationScheme(OpenApiAuthenticationExtension):
+    target_class = "apps.datasets.api.views.DataNodeAuthentication"
+    name = "dataNodeToken"
+
+    def get_security_definition(self, auto_schema) -> dict:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A data node's token (`hd_…`, from `manage.py create_data_node_token`).",
+        }
 
 
 @extend_schema_view(
@@ -37,3 +96,50 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_serializer_class(self):
         return DatasetSerializer if self.action == "list" else DatasetDetailSerializer
+
+    @extend_schema(
+        summary="Register a dataset a data node serves",
+        description=(
+            "Called by a data node with its own token. Records the node's public URL and marks it online. "
+            "The first registration of a name creates the dataset (201); registering identical slices again, "
+            "or from another node (a replica), changes nothing else (200). Different slices under a registered "
+            "name are refused (409)."
+        ),
+        request=DatasetRegistrationSerializer,
+        responses={
+            200: DatasetDetailSerializer,
+            201: DatasetDetailSerializer,
+            **error_responses(400, 401, 409),
+        },
+    )
+    @action(
+        detail=False,
+        methods=["post"],
+        url_path="register",
+        authentication_classes=[DataNodeAuthentication],
+        permission_classes=[IsDataNode],
+    )
+    def register(self, request: Request) -> Response:
+        serializer = DatasetRegistrationSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        try:
+            dataset, created = services.register_from_node(
+                request.auth,
+                name=data["name"],
+                url=data["url"],
+                slices=[(entry["index"], entry["size"], entry["sha256"]) for entry in data["slices"]],
+            )
+        except InvalidDataset as error:
+            return Response({"slices": [str(error)]}, status=status.HTTP_400_BAD_REQUEST)
+        except DatasetConflict as error:
+            return Response({"detail": str(error)}, status=status.HTTP_409_CONFLICT)
+        dataset = (
+            Dataset.objects.prefetch_related(
+                Prefetch("replicas", queryset=DatasetReplica.objects.select_related("node")), "slices"
+            )
+        ).get(pk=dataset.pk)
+        return Response(
+            DatasetDetailSerializer(dataset).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )

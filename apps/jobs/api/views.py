@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from django.db.models import Prefetch, QuerySet
-from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.parsers import JSONParser
+from rest_framework.exceptions import ParseError
+from rest_framework.parsers import BaseParser, JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.jobs import services
+from apps.jobs import services, spec
 from apps.jobs.api.serializers import JobCreateSerializer, JobDetailSerializer, JobSerializer
-from apps.jobs.exceptions import JobNotCancellable
+from apps.jobs.exceptions import JobNotCancellable, SpecError
 from apps.jobs.models import Job
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
@@ -30,6 +32,41 @@ INVALID_JOB_EXAMPLE = OpenApiExample(
     response_only=True,
     status_codes=["400"],
 )
+
+
+class TomlParser(BaseParser):
+    """A Hypha scheduler TOML document as text (``Content-Type: application/toml``)."""
+
+    media_type = "application/toml"
+
+    def parse(self, stream, media_type=None, parser_context=None) -> str:
+        try:
+            return stream.read().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ParseError(f"TOML must be UTF-8: {error}") from None
+
+
+def spec_error_body(error: SpecError) -> dict[str, list[str]]:
+    """A :class:`SpecError` as a 400 body like every other: each field (a dotted path) with its messages."""
+    body: dict[str, list[str]] = {}
+    for item in error.errors:
+        body.setdefault(item["field"] or "non_field_errors", []).append(item["message"])
+    return body
+
+
+DILOCO_EXAMPLE = {
+    "name": "tiny-gpt",
+    "model": {
+        "source": {"type": "huggingface", "repository": "hypha-space/lenet", "filenames": ["config.json"]},
+        "type": "causal-lm",
+        "input_names": ["input_ids", "labels"],
+    },
+    "dataset": {"name": "tiny-text"},
+    "inner_optimizer": {"learning_rate": 0.001},
+    "outer_optimizer": {"learning_rate": 0.7, "momentum": 0.9},
+    "rounds": {"update_rounds": 10, "inner_steps": 50},
+    "num_trainers": 2,
+}
 
 
 @extend_schema_view(
@@ -83,6 +120,49 @@ class JobViewSet(
         # Re-read: outside a server the allocation ran right after the commit and changed the job.
         job = self.get_queryset().get(pk=job.pk)
         return Response(JobDetailSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Submit a DiLoCo training job from its full specification",
+        description=(
+            "The body is a DiLoCo specification as JSON (model, dataset, inner and outer optimizer, rounds, "
+            "batch size, trainers, and per role resources and prices; an optional `name`), or Hypha's scheduler "
+            "TOML (`Content-Type: application/toml`, the `[scheduler.job]` table with the keys the original "
+            "reads, and the spellings its docs used; the name then comes from `?name=`). Every mistake is "
+            "reported at once, keyed by its dotted field path. The roles are advertised as for `POST /api/jobs/`; "
+            "training itself is not dispatched yet."
+        ),
+        parameters=[OpenApiParameter("name", OpenApiTypes.STR, description="job name, for a TOML body")],
+        request={"application/json": OpenApiTypes.OBJECT, "application/toml": OpenApiTypes.STR},
+        responses={201: JobDetailSerializer, **error_responses(400, 401, 415)},
+        examples=[OpenApiExample("a small causal LM", value=DILOCO_EXAMPLE, request_only=True)],
+    )
+    @action(detail=False, methods=["post"], url_path="diloco", parser_classes=[JSONParser, TomlParser])
+    def diloco(self, request: Request) -> Response:
+        body = request.data
+        try:
+            if isinstance(body, str):
+                name = request.query_params.get("name", "")
+                parsed = spec.parse_toml(body)
+            else:
+                body = dict(body) if isinstance(body, dict) else body
+                name = body.pop("name", "") if isinstance(body, dict) else ""
+                parsed = spec.parse_json(body)
+        except SpecError as error:
+            return Response(spec_error_body(error), status=status.HTTP_400_BAD_REQUEST)
+        if not isinstance(name, str) or len(name) > 200:
+            return Response(
+                {"name": ["A string of at most 200 characters."]}, status=status.HTTP_400_BAD_REQUEST
+            )
+        job = services.create_job(
+            owner=request.user,
+            name=name,
+            num_trainers=parsed.num_trainers,
+            requirements=spec.to_requirements(parsed),
+            spec=parsed.model_dump(mode="json"),
+        )
+        return Response(
+            JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_201_CREATED
+        )
 
     @extend_schema(
         summary="Cancel a job",

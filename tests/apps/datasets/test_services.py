@@ -425,3 +425,27 @@ def test_release_for_a_live_lease_is_refused(prepared_job, lease_a):
 
     # then
     assert snapshot(prepared_job) == before
+
+
+@pytest.mark.django_db
+def test_create_data_node_token_prints_a_token_that_authenticates(capsys):
+    # when
+    from django.core.management import call_command
+
+    call_command("create_data_node_token", "data-north", "--url", "http://north.example:8100")
+
+    # then
+    token = capsys.readouterr().out.strip()
+    node = services.authenticate_data_node(token)
+    assert (node.name, node.url, token[:3]) == ("data-north", "http://north.example:8100", "hd_")
+
+
+@pytest.mark.django_db
+def test_create_data_node_token_refuses_a_bad_url_and_creates_nothing():
+    from django.core.management import CommandError, call_command
+
+    from apps.datasets.models import DataNode
+
+    with pytest.raises(CommandError, match="invalid --url"):
+        call_command("create_data_node_token", "data-north", "--url", "ftp://north")
+    assert DataNode.objects.count() == 0

@@ -1,0 +1,145 @@
+"""``hypha-data-node``: serve a dataset directory's slices over HTTP and register it with the control plane.
+
+    hypha-data-node --server URL --token TOKEN --dataset DIR [--host 127.0.0.1] [--port 0] [--public-url URL]
+
+The dataset's name is DIR's basename; its slices are DIR/00000.safetensors, … (see ``hypha-data``). The node
+hashes every slice, starts serving, registers (retrying while the control plane is unreachable), logs one
+line, and serves until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_TOKEN_REFUSED = 3
+EXIT_DATASET_INVALID = 4
+EXIT_REGISTRATION_REFUSED = 5
+EXIT_CANNOT_LISTEN = 6
+
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}  stopped by SIGTERM/SIGINT
+  {EXIT_USAGE}  bad command line
+  {EXIT_TOKEN_REFUSED}  the control plane refused the token (401)
+  {EXIT_DATASET_INVALID}  DIR is not a dataset (no slices 00000.safetensors…, a gap, or a name that is no slug)
+  {EXIT_REGISTRATION_REFUSED}  the control plane refused the dataset (400, or 409: other slices under that name)
+  {EXIT_CANNOT_LISTEN}  cannot listen on --host/--port
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hypha-data-node",
+        description=__doc__.split("\n\n", 1)[0].strip("`").split(": ", 1)[1],
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--server", required=True, help="control plane base URL, e.g. https://hypha.example")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("HYPHA_DATA_NODE_TOKEN"),
+        help="data node token hd_… (default: $HYPHA_DATA_NODE_TOKEN)",
+    )
+    parser.add_argument("--dataset", required=True, type=Path, metavar="DIR", help="dataset directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    parser.add_argument(
+        "--public-url", help="base URL trainers download from (default http://HOST:PORT as bound)"
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+async def run(
+    *, server: str, token: str, directory: Path, host: str, port: int, public_url: str | None
+) -> int:
+    import asyncio
+    import signal
+
+    from aiohttp import web
+
+    from data_node.server import RegistrationRefused, ServedDataset, TokenRefused, build_app, log, register
+    from data_node.slices import InvalidDatasetDirectory, dataset_name, scan
+
+    try:
+        dataset = ServedDataset(name=dataset_name(directory), slices=scan(directory))
+    except InvalidDatasetDirectory as error:
+        log.error("%s", error)
+        return EXIT_DATASET_INVALID
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    runner = web.AppRunner(build_app(dataset), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as error:
+            log.error("cannot listen on %s:%s: %s", host, port, error)
+            return EXIT_CANNOT_LISTEN
+        bound_host, bound_port = runner.addresses[0][:2]
+        url = public_url or f"http://{host if ':' not in host else f'[{host}]'}:{bound_port}"
+        registration = asyncio.create_task(
+            register(server=server, token=token, dataset=dataset, public_url=url.rstrip("/"))
+        )
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({registration, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not registration.done():  # SIGTERM while the control plane was still unreachable
+            registration.cancel()
+            return EXIT_OK
+        try:
+            registration.result()
+        except TokenRefused as error:
+            log.error("%s: check --token", error)
+            return EXIT_TOKEN_REFUSED
+        except RegistrationRefused as error:
+            log.error("%s", error)
+            return EXIT_REGISTRATION_REFUSED
+        log.info(
+            "serving dataset %s (%d slices, %d bytes) at %s on %s:%s; registered with %s",
+            dataset.name,
+            len(dataset.slices),
+            dataset.total_bytes,
+            url,
+            bound_host,
+            bound_port,
+            server,
+        )
+        await stopping
+        return EXIT_OK
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    arguments = parser.parse_args(argv)
+    if not arguments.token:
+        parser.error("--token (or $HYPHA_DATA_NODE_TOKEN) is required")
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=arguments.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(
+        run(
+            server=arguments.server,
+            token=arguments.token,
+            directory=arguments.dataset,
+            host=arguments.host,
+            port=arguments.port,
+            public_url=arguments.public_url,
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The data node's HTTP server and its registration with the control plane.
+
+``GET /datasets/<name>/slices/<index>`` streams slice file ``index`` from disk (aiohttp's ``FileResponse``:
+``Content-Length``, ``Range`` → 206, sendfile where available), with the slice's SHA-256 as ``X-Sha256``.
+The ``ETag`` is aiohttp's own (mtime and size): aiohttp matches ``If-None-Match``/``If-Range`` against the tag
+it computes, so replacing it with the digest would break those conditional requests. An unknown dataset or an index outside ``0..n-1`` is a 404 (the original's ``index > len`` check
+let ``index == len`` crash the node). The slice list and digests are computed once at start-up: the files must
+not change while the node serves them (the control plane holds their digests).
+
+Downloads are not authenticated yet (no job-scoped download tokens): serve only data you would publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from data_node.slices import SliceFile
+
+log = logging.getLogger("data_node")
+
+REGISTER_PATH = "/api/datasets/register/"
+
+
+class RegistrationRefused(Exception):
+    """The control plane refused the registration for good (bad body or a conflict): retrying cannot help."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"the control plane answered {status}: {detail}")
+        self.status = status
+
+
+class TokenRefused(RegistrationRefused):
+    """The control plane does not know the data node token (401)."""
+
+
+@dataclass(frozen=True)
+class ServedDataset:
+    name: str
+    slices: list[SliceFile]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(slice_.size for slice_ in self.slices)
+
+
+def build_app(dataset: ServedDataset) -> web.Application:
+    """The aiohttp application serving ``dataset``'s slices."""
+
+    async def get_slice(request: web.Request) -> web.StreamResponse:
+        index_text = request.match_info["index"]
+        if request.match_info["name"] != dataset.name or not index_text.isdecimal():
+            raise web.HTTPNotFound(text="no such dataset or slice\n")
+        index = int(index_text)
+        if index >= len(dataset.slices):  # ``>=``: index == count is past the end too
+            raise web.HTTPNotFound(text=f"dataset {dataset.name} has slices 0..{len(dataset.slices) - 1}\n")
+        slice_ = dataset.slices[index]
+        return web.FileResponse(
+            slice_.path,
+            headers={
+                "X-Sha256": slice_.sha256,
+                "Content-Type": "application/octet-stream",
+            },
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"dataset": dataset.name, "slices": len(dataset.slices)})
+
+    app = web.Application()
+    app.router.add_get("/datasets/{name}/slices/{index}", get_slice)
+    app.router.add_get("/healthz", health)
+    return app
+
+
+async def register(
+    *,
+    server: str,
+    token: str,
+    dataset: ServedDataset,
+    public_url: str,
+    timeout: float = 10.0,
+    max_delay: float = 30.0,
+) -> dict:
+    """POST the dataset to the control plane until it answers; returns the registered dataset's JSON.
+
+    Connection errors, timeouts and 5xx answers are retried with exponential backoff and full jitter (1 s
+    doubling up to ``max_delay``), forever: a data node waits for its control plane. A 401 raises
+    :class:`TokenRefused`, another 4xx :class:`RegistrationRefused`.
+    """
+    body = {
+        "name": dataset.name,
+        "url": public_url,
+        "slices": [{"index": s.index, "size": s.size, "sha256": s.sha256} for s in dataset.slices],
+    }
+    url = server.rstrip("/") + REGISTER_PATH
+    headers = {"Authorization": f"Bearer {token}"}
+    attempt = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        while True:
+            try:
+                async with session.post(url, json=body, headers=headers) as response:
+                    text = await response.text()
+                    if response.status in (200, 201):
+                        return await response.json(content_type=None)
+                    if response.status == 401:
+                        raise TokenRefused(response.status, text)
+                    if 400 <= response.status < 500:
+                        raise RegistrationRefused(response.status, text)
+                    problem = f"{response.status} {text[:200]}"
+            except (TimeoutError, aiohttp.ClientError) as error:
+                problem = f"{type(error).__name__}: {error}"
+            delay = random.uniform(0, min(max_delay, 2.0**attempt))
+            attempt += 1
+            log.warning("registration with %s failed (%s); retrying in %.1f s", url, problem, delay)
+            await asyncio.sleep(delay)
