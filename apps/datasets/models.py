@@ -17,8 +17,6 @@ re-checks its WHERE clause against the committed row.
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import uuid
 
 from django.conf import settings
@@ -27,13 +25,9 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.datasets.exceptions import SliceTransitionRefused
+from apps.workers.models import hash_token, new_token
 
 DATA_NODE_TOKEN_PREFIX = "hd_"
-
-
-def hash_token(token: str) -> str:
-    """Tokens are 32 random bytes, so an unsalted SHA-256 is enough to store them safely."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class Dataset(models.Model):
@@ -74,7 +68,7 @@ class DataNode(models.Model):
     @classmethod
     def create_with_token(cls, *, name: str, url: str, owner=None) -> tuple[DataNode, str]:
         """Create a data node and return it with its token, which is shown once and stored only hashed."""
-        token = DATA_NODE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+        token = new_token(DATA_NODE_TOKEN_PREFIX)
         node = cls.objects.create(name=name, url=url, owner=owner, token_hash=hash_token(token))
         return node, token
 

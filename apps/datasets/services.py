@@ -35,8 +35,9 @@ from apps.datasets.exceptions import (
     LeaseNotEligible,
     SliceNotFound,
 )
-from apps.datasets.models import DataNode, Dataset, DatasetReplica, JobSlice, Slice, hash_token
+from apps.datasets.models import DataNode, Dataset, DatasetReplica, JobSlice, Slice
 from apps.leases.models import Lease
+from apps.workers.models import hash_token
 
 SLUG = re.compile(r"^[-a-zA-Z0-9_]+$")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")

@@ -78,7 +78,7 @@ def allocate(job_id) -> None:
         refresh_status(job)
 
 
-def refresh_status(job: Job, *, note: str = "") -> None:
+def refresh_status(job: Job) -> None:
     """Recompute the job's allocation status and its visible reason from its leases and adverts."""
     if job.status not in ALLOCATING_STATES:
         return
@@ -97,9 +97,9 @@ def refresh_status(job: Job, *, note: str = "") -> None:
         waiting = _waiting_note(job)
         if waiting:
             reason += f"; {waiting}"
-        note = note or _loss_note(job, {role for role, (have, want) in counts.items() if have < want})
-    if note:
-        reason += f" — {note}"
+        loss = _loss_note(job, {role for role, (have, want) in counts.items() if have < want})
+        if loss:
+            reason += f" — {loss}"
     try:
         job.transition(target, reason=reason)
     except JobTransitionRefused:
@@ -278,9 +278,8 @@ def tick_leases() -> LeaseTick:
                 result.expired += 1
             except LeaseTransitionRefused:
                 pass  # renewed or released concurrently: nothing to do
-    ttl = lease_services.lease_ttl()
+    expires_in = lease_services.lease_ttl().total_seconds()
     for lease in lease_services.claim_due_renewals():
-        expires_in = ttl.total_seconds()
         worker_services.send_to_worker(
             lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in)
         )
@@ -402,10 +401,11 @@ def _end_lease(
         lease.release(reason=reason)
     if tell_worker:
         _tell_lease_ended(lease)
-    market.offer_lease_ended(lease)
-    if was_active:
-        dataset_services.release_for_lease(lease, reason=f"lease {lease.status} before the acknowledgement")
-    if not (was_active and notify_job):
+    if not was_active:  # a TEMPORARY lease: its offer was still open
+        market.offer_lease_ended(lease)
+        return
+    dataset_services.release_for_lease(lease, reason=f"lease {lease.status} before the acknowledgement")
+    if not notify_job:
         return
     job = Job.objects.get(pk=lease.job_id)
     if job.status not in ALLOCATING_STATES:

@@ -15,6 +15,11 @@ from worker_daemon.protocol import ExecutorDescriptor, Resources
 TOKEN_PREFIX = "hw_"
 
 
+def new_token(prefix: str) -> str:
+    """A bearer token: ``prefix`` (what kind of token it is) and 32 random bytes, URL-safe."""
+    return prefix + secrets.token_urlsafe(32)
+
+
 def hash_token(token: str) -> str:
     """Tokens are 32 random bytes, so an unsalted SHA-256 is enough to store them safely."""
     return hashlib.sha256(token.encode()).hexdigest()
@@ -79,7 +84,7 @@ class Worker(ResourceColumns):
     @classmethod
     def create_with_token(cls, *, name: str, owner=None) -> tuple[Worker, str]:
         """Create a worker and return it with its token, which is shown once and stored only hashed."""
-        token = cls._new_token()
+        token = new_token(TOKEN_PREFIX)
         worker = cls.objects.create(
             name=name, owner=owner, token_hash=hash_token(token), token_hint=token[:10]
         )
@@ -87,7 +92,7 @@ class Worker(ResourceColumns):
 
     def rotate_token(self) -> str:
         """Issue a new token (un-revoking the worker); the old token stops working at once."""
-        token = self._new_token()
+        token = new_token(TOKEN_PREFIX)
         self.token_hash = hash_token(token)
         self.token_hint = token[:10]
         self.token_revoked_at = None
@@ -105,10 +110,6 @@ class Worker(ResourceColumns):
     @property
     def is_revoked(self) -> bool:
         return self.token_revoked_at is not None
-
-    @staticmethod
-    def _new_token() -> str:
-        return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
     # --- presence -----------------------------------------------------------------------------------
 

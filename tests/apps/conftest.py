@@ -28,12 +28,27 @@ from django.conf import settings as django_settings
 from django.contrib.auth import get_user_model
 
 from apps.jobs import services as job_services
-from apps.jobs.models import DEFAULT_EXECUTORS, PARAMETER_SERVER, TRAINER, Job
-from apps.market.models import Advertisement
+from apps.jobs.models import DEFAULT_EXECUTORS, PARAMETER_SERVER, TRAINER, Job, JobEvent
+from apps.leases.models import Lease, LeaseEvent
+from apps.market.models import Advertisement, Offer
 from apps.workers import services as worker_services
 from apps.workers.models import Worker
 from hypha_site.celery import app as celery_app
 from worker_daemon import protocol
+
+
+def market_rows() -> dict[str, list]:
+    """Every row the market workflows write, to show that a refused call wrote nothing."""
+    return {
+        "workers": list(Worker.objects.values()),
+        "jobs": list(Job.objects.values()),
+        "job events": list(JobEvent.objects.values()),
+        "adverts": list(Advertisement.objects.values()),
+        "offers": list(Offer.objects.values()),
+        "leases": list(Lease.objects.values()),
+        "lease events": list(LeaseEvent.objects.values()),
+    }
+
 
 CAPACITY = protocol.Resources(cpu=8, memory=32, storage=100, gpu=24)
 TRAIN = protocol.ExecutorDescriptor.model_validate(DEFAULT_EXECUTORS[TRAINER])

@@ -29,6 +29,7 @@ from tests.apps.conftest import (
     TRAINER_MINIMUM,
     advert,
     connect,
+    market_rows,
     offer_on,
     submit_job,
 )
@@ -44,19 +45,6 @@ ADVERTISED = (
 
 def job_events(job: Job) -> list[tuple[str, str, str]]:
     return list(JobEvent.objects.filter(job=job).values_list("from_status", "to_status", "reason"))
-
-
-def everything() -> dict[str, list]:
-    """Every row the market workflows write, to show that a refused call wrote nothing."""
-    return {
-        "jobs": list(Job.objects.values()),
-        "job events": list(JobEvent.objects.values()),
-        "adverts": list(Advertisement.objects.values()),
-        "offers": list(Offer.objects.values()),
-        "leases": list(Lease.objects.values()),
-        "lease events": list(LeaseEvent.objects.values()),
-        "workers": list(Worker.objects.values()),
-    }
 
 
 @pytest.fixture
@@ -161,13 +149,13 @@ def test_create_job_advertises_both_roles_after_commit(
 @pytest.mark.django_db
 def test_allocate_is_idempotent(job):
     # given
-    before = everything()
+    before = market_rows()
 
     # when
     job_services.allocate(job.pk)
 
     # then: only the job's updated_at moved (its status was refreshed to the same value)
-    after = everything()
+    after = market_rows()
     for row in before["jobs"] + after["jobs"]:
         row.pop("updated_at")
     assert after == before
@@ -450,14 +438,14 @@ def test_giving_back_an_ended_lease_changes_nothing(allocated_job, rig_a):
     # given
     lease = lease_of(rig_a)
     job_services.lease_given_back(worker=rig_a, lease_id=lease.pk, reason="")
-    before = everything()
+    before = market_rows()
 
     # when
     found = job_services.lease_given_back(worker=rig_a, lease_id=lease.pk, reason="again")
 
     # then
     assert found is True
-    assert everything() == before
+    assert market_rows() == before
 
 
 @pytest.mark.django_db
@@ -465,7 +453,7 @@ def test_giving_back_an_ended_lease_changes_nothing(allocated_job, rig_a):
 def test_a_worker_cannot_answer_for_a_lease_it_does_not_hold(allocated_job, rig_a, rig_b, lease_owner):
     # given: rig-b speaks about rig-a's lease, or about a lease that does not exist
     lease_id = lease_of(rig_a).pk if lease_owner == "another worker" else uuid.uuid4()
-    before = everything()
+    before = market_rows()
 
     # when
     renewed = job_services.renewal_confirmed(worker=rig_b, lease_id=lease_id)
@@ -473,7 +461,7 @@ def test_a_worker_cannot_answer_for_a_lease_it_does_not_hold(allocated_job, rig_
 
     # then
     assert (renewed, given_back) == (False, False)
-    assert everything() == before
+    assert market_rows() == before
 
 
 @pytest.mark.django_db
@@ -508,12 +496,12 @@ def test_cancel_job_releases_every_lease_and_cancels_its_adverts(job, online_rig
     assert job_events(job)[-1] == ("allocating", "cancelled", "CANCELLED: cancelled by its owner")
 
     # when: cancelled again
-    before = everything()
+    before = market_rows()
     with pytest.raises(JobNotCancellable):
         job_services.cancel_job(job)
 
     # then
-    assert everything() == before
+    assert market_rows() == before
 
 
 @pytest.mark.django_db
@@ -602,13 +590,13 @@ def test_a_disconnect_voids_open_offers_but_keeps_active_leases(job, job_owner, 
 def test_the_disconnect_of_a_superseded_connection_changes_nothing(allocated_job, rig_a):
     # given: rig-a reconnected on a new channel, holding its lease
     connect(rig_a, channel_name="test.rig-a.new", leases=(lease_of(rig_a).pk,))
-    before = everything()
+    before = market_rows()
 
     # when: the old connection's close arrives late
     job_services.worker_disconnected(worker=rig_a, channel_name="test.rig-a")
 
     # then
-    assert everything() == before
+    assert market_rows() == before
 
 
 @pytest.mark.django_db

@@ -19,13 +19,13 @@ from django.db import connections
 from django.utils import timezone
 
 from apps.jobs import services as job_services
-from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, JobEvent
-from apps.leases.models import Lease, LeaseEvent
+from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job
+from apps.leases.models import Lease
 from apps.market import services as market
-from apps.market.models import Advertisement, Offer
+from apps.market.models import Offer
 from apps.workers.models import Worker
 from hypha_site.asgi import router
-from tests.apps.conftest import CAPACITY, REQUIREMENTS, advert, connect, hello, offer_on
+from tests.apps.conftest import CAPACITY, REQUIREMENTS, advert, connect, hello, market_rows, offer_on
 from worker_daemon import protocol
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -33,19 +33,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 3.0  # generous: a loaded CI machine runs the database calls in a thread pool
 
 
-def everything() -> dict[str, list]:
-    return {
-        "workers": list(Worker.objects.values()),
-        "jobs": list(Job.objects.values()),
-        "job events": list(JobEvent.objects.values()),
-        "adverts": list(Advertisement.objects.values()),
-        "offers": list(Offer.objects.values()),
-        "leases": list(Lease.objects.values()),
-        "lease events": list(LeaseEvent.objects.values()),
-    }
-
-
-snapshot = database_sync_to_async(everything)
+snapshot = database_sync_to_async(market_rows)
 
 
 @pytest.fixture
