@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from django.urls import path
 from rest_framework.routers import DefaultRouter
 
 from apps.datasets.api.views import DatasetViewSet
-from apps.jobs.api.views import JobViewSet
+from apps.jobs.api.views import JobModelView, JobViewSet, job_model_download
 from apps.leases.api.views import LeaseViewSet
 from apps.market.api.views import AdvertisementViewSet, OfferViewSet
 from apps.workers.api.views import WorkerViewSet
@@ -17,4 +18,8 @@ router.register("advertisements", AdvertisementViewSet, basename="advertisement"
 router.register("offers", OfferViewSet, basename="offer")
 router.register("leases", LeaseViewSet, basename="lease")
 router.register("datasets", DatasetViewSet, basename="dataset")
-urlpatterns = router.urls
+urlpatterns = [
+    path("jobs/<uuid:pk>/model", job_model_download, name="job-model"),
+    path("jobs/<uuid:pk>/model/<str:filename>", JobModelView.as_view(), name="job-model-file"),
+    *router.urls,
+]

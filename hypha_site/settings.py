@@ -354,6 +354,8 @@ HYPHA_READVERTISE_MAX = env_float("HYPHA_READVERTISE_MAX", 30.0, minimum=0.05, m
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
 #: Largest websocket frame accepted from a daemon.
+#: The largest file of a final model the parameter server may upload (bytes).
+HYPHA_MAX_MODEL_FILE_BYTES = env_int("HYPHA_MAX_MODEL_FILE_BYTES", 20 << 30, minimum=1 << 20, maximum=1 << 40)
 HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
 
 if HYPHA_OFFER_TTL <= HYPHA_OFFER_WINDOW:

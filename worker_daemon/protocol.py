@@ -20,6 +20,15 @@ Conversation (``→`` daemon to control plane, ``←`` control plane to daemon):
     → release_lease              the daemon gives a lease back (shutdown, cannot serve it)
     ← lease_ended                the lease is EXPIRED or RELEASED; the daemon frees its resources
     ← advertisement_closed       the advertisement is filled or cancelled; stop offering on it
+    ← dispatch_job               run a task of a job under an ACTIVE lease (the JOB_JSON and how to reach peers)
+    → job_started                the task's process runs (and the parameter server's URL, once it listens)
+    → job_exited                 the task's process ended: exit code, signal, last log lines
+    ← cancel_job                 stop a task (SIGTERM, then SIGKILL after a grace period)
+    → status                     a progress value from an executor's bridge (verbatim), with a request id
+    ← status_reply               the control plane's reply to it (``{"type": "Continue"}``, …)
+    → fetch_slice                a trainer's bridge wants the next data slice of the job
+    ← slice_assigned             which slice, its size and digest, and the data nodes that serve it
+    → slice_ack                  the executor has the slice: it becomes USED
     ← error                      the last frame was malformed, unknown, or refused; nothing changed
 
 Renewal is a round trip on purpose: a lease is only extended when its daemon answers, so a daemon that
@@ -37,7 +46,7 @@ from __future__ import annotations
 import enum
 import uuid
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -173,8 +182,60 @@ class ReleaseLease(_Message):
     reason: str = Field(default="", max_length=500)
 
 
+class JobStarted(_Message):
+    """The task's process runs. A parameter server reports its URL later, in a ``ready`` status."""
+
+    type: Literal["job_started"] = "job_started"
+    task_id: uuid.UUID
+
+
+class JobExited(_Message):
+    """The task's process ended by itself, or after ``cancel_job``/lease loss (``cancelled``)."""
+
+    type: Literal["job_exited"] = "job_exited"
+    task_id: uuid.UUID
+    exit_code: int | None = Field(default=None, description="The exit status; None when killed by a signal.")
+    signal: int | None = None
+    cancelled: bool = False
+    reason: str = Field(default="", max_length=2000)
+    log_tail: str = Field(default="", max_length=8000, description="The last lines of its output.")
+
+
+class StatusReport(_Message):
+    """A progress value exactly as the task's bridge received it (Hypha's ``Progress``: ``{"status": …}``,
+    ``{"metrics": …}``, ``"update"``, ``"update-received"``; a parameter server also sends ``{"ready": …}``
+    and ``{"round": …}``). The control plane answers with :class:`StatusReply` of the same ``request_id``."""
+
+    type: Literal["status"] = "status"
+    request_id: uuid.UUID
+    task_id: uuid.UUID
+    progress: dict[str, Any] | str
+
+
+class FetchSlice(_Message):
+    type: Literal["fetch_slice"] = "fetch_slice"
+    request_id: uuid.UUID
+    task_id: uuid.UUID
+    dataset: str = Field(max_length=200)
+
+
+class SliceAck(_Message):
+    type: Literal["slice_ack"] = "slice_ack"
+    task_id: uuid.UUID
+    index: int = Field(ge=0)
+
+
 DaemonMessage = Annotated[
-    Hello | Offer | LeaseRenewed | RenewRefused | ReleaseLease,
+    Hello
+    | Offer
+    | LeaseRenewed
+    | RenewRefused
+    | ReleaseLease
+    | JobStarted
+    | JobExited
+    | StatusReport
+    | FetchSlice
+    | SliceAck,
     Field(discriminator="type"),
 ]
 
@@ -255,6 +316,53 @@ class LeaseEnded(_Message):
     reason: str = ""
 
 
+class DispatchJob(_Message):
+    """Run a task of a job under the ACTIVE lease ``lease_id``.
+
+    ``spec`` is the JOB_JSON envelope handed to the executor unchanged (reference §2). ``peers`` maps the peer
+    ids its references name to base URLs (the parameter server's, ``http://host:port``). ``transfer_token``
+    authorises this task's uploads and downloads at those peers. A parameter server also gets
+    ``transfer_key`` (to verify the trainers' tokens) and ``server_url`` (where to upload the final model).
+    """
+
+    type: Literal["dispatch_job"] = "dispatch_job"
+    task_id: uuid.UUID
+    lease_id: uuid.UUID
+    job_id: uuid.UUID
+    role: str
+    spec: dict[str, Any]
+    peers: dict[str, str] = Field(default_factory=dict)
+    transfer_token: str | None = None
+    transfer_key: str | None = None
+
+
+class CancelJob(_Message):
+    type: Literal["cancel_job"] = "cancel_job"
+    task_id: uuid.UUID
+    reason: str = ""
+
+
+class StatusReply(_Message):
+    type: Literal["status_reply"] = "status_reply"
+    request_id: uuid.UUID
+    reply: dict[str, Any] = Field(description='Passed to the executor as is, e.g. {"type": "Continue"}.')
+
+
+class SliceAssigned(_Message):
+    """The answer to :class:`FetchSlice`: a slice (``index`` with its size, digest and the URLs that serve it),
+    or none for now (``index`` is None; ask again after ``retry_in`` seconds), or an ``error``."""
+
+    type: Literal["slice_assigned"] = "slice_assigned"
+    request_id: uuid.UUID
+    dataset: str
+    index: int | None = Field(default=None, ge=0)
+    size: int = Field(default=0, ge=0)
+    sha256: str = ""
+    urls: list[str] = Field(default_factory=list)
+    retry_in: float | None = Field(default=None, ge=0)
+    error: str | None = None
+
+
 class Error(_Message):
     type: Literal["error"] = "error"
     code: ErrorCode
@@ -273,6 +381,10 @@ ServerMessage = Annotated[
     | LeaseGranted
     | RenewLease
     | LeaseEnded
+    | DispatchJob
+    | CancelJob
+    | StatusReply
+    | SliceAssigned
     | Error,
     Field(discriminator="type"),
 ]
@@ -280,7 +392,20 @@ ServerMessage = Annotated[
 _daemon_adapter: TypeAdapter[DaemonMessage] = TypeAdapter(DaemonMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
 
-DAEMON_MESSAGE_TYPES = frozenset({"hello", "offer", "lease_renewed", "renew_refused", "release_lease"})
+DAEMON_MESSAGE_TYPES = frozenset(
+    {
+        "hello",
+        "offer",
+        "lease_renewed",
+        "renew_refused",
+        "release_lease",
+        "job_started",
+        "job_exited",
+        "status",
+        "fetch_slice",
+        "slice_ack",
+    }
+)
 SERVER_MESSAGE_TYPES = frozenset(
     {
         "welcome",
@@ -291,6 +416,10 @@ SERVER_MESSAGE_TYPES = frozenset(
         "lease_granted",
         "renew_lease",
         "lease_ended",
+        "dispatch_job",
+        "cancel_job",
+        "status_reply",
+        "slice_assigned",
         "error",
     }
 )
@@ -347,6 +476,74 @@ def parse_daemon_message(text: str | bytes) -> DaemonMessage:
 def parse_server_message(text: str | bytes) -> ServerMessage:
     """Parse a frame sent by the control plane; raise :class:`ProtocolError` with a reason otherwise."""
     return _parse(text, _server_adapter, SERVER_MESSAGE_TYPES)
+
+
+# --- transfer tokens ---------------------------------------------------------------------------------------
+#
+# Bulk bytes (weights, pseudo-gradients, the final model) go straight to the parameter server or the control
+# plane over HTTP, never over this websocket. Each transfer carries ``Authorization: Bearer <token>``, where
+# the token is ``base64url(JSON claims) "." base64url(HMAC-SHA256(job key, first part))``. The job key is
+# derived by the control plane from its secret and the job id; the control plane hands it to the job's
+# parameter server in ``dispatch_job.transfer_key`` so that the parameter server can verify the trainers'
+# tokens without asking anyone. Claims: ``job`` (uuid), ``peer`` (worker id), ``lease`` (uuid), ``role``
+# (``trainer`` or ``parameter_server``) and ``exp`` (unix seconds).
+
+
+class TransferTokenError(ValueError):
+    """A transfer token that is malformed, wrongly signed, expired, or for another job."""
+
+
+def _b64encode(raw: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _b64decode(text: str) -> bytes:
+    import base64
+
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def sign_transfer_token(key: str, claims: dict[str, Any]) -> str:
+    """A token carrying ``claims`` (JSON-serialisable), signed with the job key ``key``."""
+    import hashlib
+    import hmac
+    import json
+
+    body = _b64encode(json.dumps(claims, sort_keys=True, separators=(",", ":")).encode())
+    signature = hmac.new(key.encode(), body.encode(), hashlib.sha256).digest()
+    return f"{body}.{_b64encode(signature)}"
+
+
+def verify_transfer_token(key: str, token: str, *, job_id: str, now: float | None = None) -> dict[str, Any]:
+    """The claims of ``token`` if it is signed with ``key``, names job ``job_id`` and has not expired;
+    :class:`TransferTokenError` saying why otherwise."""
+    import binascii
+    import hashlib
+    import hmac
+    import json
+    import time
+
+    body, separator, signature = token.partition(".")
+    if not separator or not body or not signature:
+        raise TransferTokenError("malformed transfer token")
+    expected = hmac.new(key.encode(), body.encode(), hashlib.sha256).digest()
+    try:
+        given = _b64decode(signature)
+        claims = json.loads(_b64decode(body))
+    except (binascii.Error, ValueError):
+        raise TransferTokenError("malformed transfer token") from None
+    if not hmac.compare_digest(expected, given):
+        raise TransferTokenError("transfer token signature does not match")
+    if not isinstance(claims, dict):
+        raise TransferTokenError("malformed transfer token")
+    if claims.get("job") != str(job_id):
+        raise TransferTokenError(f"transfer token is for another job, not {job_id}")
+    expires = claims.get("exp")
+    if not isinstance(expires, int | float) or expires < (time.time() if now is None else now):
+        raise TransferTokenError("transfer token expired")
+    return claims
 
 
 def encode(message: _Message) -> str:

@@ -154,8 +154,9 @@ def replicas(dataset: Dataset) -> list[DataNode]:
 # --- a job's slices -----------------------------------------------------------------------------------------
 
 
-def prepare_job(job, dataset_name: str) -> Dataset:
-    """Create epoch 0 of ``job`` on dataset ``dataset_name``: one AVAILABLE job slice per slice.
+def prepare_job(job, dataset_name: str, *, exclude: Iterable[int] = ()) -> Dataset:
+    """Create epoch 0 of ``job`` on dataset ``dataset_name``: one AVAILABLE job slice per slice, except the
+    slice indices in ``exclude`` (held out for evaluation: never trained on).
 
     Idempotent for the same dataset; :class:`JobAlreadyPrepared` if the job trains on another dataset,
     :class:`DatasetNotFound` if no data node registered that name.
@@ -174,7 +175,8 @@ def prepare_job(job, dataset_name: str) -> Dataset:
                 )
             return dataset
         JobSlice.objects.bulk_create(
-            JobSlice(job=job, slice=slice_, epoch=0) for slice_ in dataset.slices.order_by("index")
+            JobSlice(job=job, slice=slice_, epoch=0)
+            for slice_ in dataset.slices.exclude(index__in=list(exclude)).order_by("index")
         )
     return dataset
 

@@ -2,7 +2,10 @@
 
 JobError
 ├── JobTransitionRefused    the job's state machine does not allow this transition now
-└── JobNotCancellable       the job has already ended
+├── JobNotCancellable       the job has already ended
+├── SpecError               the submitted specification is invalid (every mistake, by field path)
+└── TaskRefused             a daemon spoke about a task that is not its own, or not running
+    └── TransferRefused     a transfer token or upload the control plane does not accept
 """
 
 from __future__ import annotations
@@ -34,3 +37,15 @@ class SpecError(JobError, ValueError):
         self.errors = errors
         summary = "; ".join(f"{error['field'] or '(document)'}: {error['message']}" for error in errors)
         super().__init__(f"invalid DiLoCo specification: {summary}")
+
+
+class TaskRefused(JobError):
+    """A daemon's message about a task it does not run (another worker's, unknown, or already ended)."""
+
+
+class TransferRefused(JobError):
+    """An upload to the control plane that is refused: ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, *, status: int = 403) -> None:
+        super().__init__(message)
+        self.status = status

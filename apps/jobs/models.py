@@ -7,7 +7,8 @@ State machine (every transition records a :class:`JobEvent`; ``status_reason`` a
        └────────────┴──────────────┴─────────────┴──▶ CANCELLED | FAILED
 
 ALLOCATED → ALLOCATING happens when a lease is lost (expired or released) and the role is re-advertised.
-RUNNING and COMPLETED are entered by training (dispatch), which builds on this allocation.
+RUNNING is entered when training is dispatched (the parameter server first, then the trainers, see
+``apps.jobs.training``); COMPLETED when the last round is applied and the final model stored.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class Job(models.Model):
     requirements = models.JSONField()
     #: The rest of the DiLoCo specification (model, data, optimizers, rounds), kept for dispatch.
     spec = models.JSONField(default=dict, blank=True)
+    #: ``{filename: {"size": bytes, "sha256": hex}}`` of the final model the parameter server uploaded.
+    model_files = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     allocated_at = models.DateTimeField(null=True, blank=True)
@@ -151,3 +154,103 @@ class JobEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.from_status}→{self.to_status}: {self.reason}"
+
+
+class Task(models.Model):
+    """One role's process of a running job, on the worker that holds ``lease``: the parameter server or a trainer.
+
+    State machine::
+
+        DISPATCHED ──▶ RUNNING ──▶ EXITED | FAILED
+             └────────────┴──────▶ CANCELLED
+
+    A trainer also carries its place in the sync protocol (``sync_state``, ``round``, ``steps_in_round``):
+    TRAINING ─(H steps)▶ SCHEDULED ─("update")▶ UPDATING ─("update-received")▶ TRAINING … ▶ DONE.
+    """
+
+    class Status(models.TextChoices):
+        DISPATCHED = "dispatched", "dispatched"
+        RUNNING = "running", "running"
+        EXITED = "exited", "exited"
+        FAILED = "failed", "failed"
+        CANCELLED = "cancelled", "cancelled"
+
+    class Sync(models.TextChoices):
+        TRAINING = "training", "training"
+        SCHEDULED = "scheduled", "update scheduled"
+        UPDATING = "updating", "updating"
+        DONE = "done", "done"
+
+    LIVE = (Status.DISPATCHED, Status.RUNNING)
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tasks")
+    lease = models.OneToOneField("leases.Lease", on_delete=models.CASCADE, related_name="task")
+    role = models.CharField(max_length=32)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DISPATCHED)
+    #: The parameter server's public base URL, once it listens.
+    url = models.CharField(max_length=500, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    signal = models.IntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=2000, blank=True)
+    log_tail = models.TextField(blank=True)
+    sync_state = models.CharField(max_length=16, choices=Sync.choices, default=Sync.TRAINING)
+    #: Rounds this trainer has completed (merged the parameter server's update of).
+    round = models.PositiveIntegerField(default=0)
+    steps_in_round = models.PositiveIntegerField(default=0)
+    samples_in_round = models.PositiveBigIntegerField(default=0)
+    steps_total = models.PositiveBigIntegerField(default=0)
+    samples_total = models.PositiveBigIntegerField(default=0)
+    last_loss = models.FloatField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    first_step_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["dispatched_at", "id"]
+        indexes = [models.Index(fields=["job", "role", "status"])]
+
+    def __str__(self) -> str:
+        return f"{self.role} task {self.id} of job {self.job_id} ({self.status})"
+
+    @property
+    def is_live(self) -> bool:
+        return self.status in self.LIVE
+
+    def finish(self, status: str, **fields) -> bool:
+        """End a live task (conditional update, so a late duplicate report changes nothing); False if it had ended."""
+        changes = {"status": status, "ended_at": timezone.now(), **fields}
+        updated = Task.objects.filter(pk=self.pk, status__in=self.LIVE).update(**changes)
+        if updated:
+            for field, value in changes.items():
+                setattr(self, field, value)
+        return bool(updated)
+
+
+class Round(models.Model):
+    """One outer round of a job: what the parameter server aggregated and what the trainers reported."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="rounds")
+    number = models.PositiveIntegerField(help_text="1 for the first round.")
+    closed = models.BooleanField(default=False, help_text="The parameter server has applied this round.")
+    participants = models.JSONField(default=list, help_text="Worker ids whose updates were averaged.")
+    left_out = models.JSONField(default=list, help_text="Expected workers whose update was missing or late.")
+    refused = models.JSONField(default=dict, help_text="Worker id → why its update was refused.")
+    samples = models.PositiveBigIntegerField(default=0)
+    duration = models.FloatField(null=True, blank=True, help_text="Seconds from first update to close.")
+    bytes_in = models.PositiveBigIntegerField(default=0)
+    bytes_out = models.PositiveBigIntegerField(default=0)
+    eval_loss = models.FloatField(null=True, blank=True)
+    #: Worker id → the metrics its trainer sent for this round (``loss``, ``samples``, …).
+    trainer_metrics = models.JSONField(default=dict)
+    mean_loss = models.FloatField(null=True, blank=True, help_text="Mean of the trainers' training losses.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="jobs_unique_round_number")]
+
+    def __str__(self) -> str:
+        return f"round {self.number} of job {self.job_id}"

@@ -13,9 +13,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.datasets import services as dataset_services
-from apps.jobs import tasks
+from apps.jobs import tasks, training
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
-from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
 from apps.leases import services as lease_services
 from apps.leases.exceptions import LeaseTransitionRefused
 from apps.leases.models import Lease
@@ -48,6 +48,36 @@ def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec:
         )
         enqueue_on_commit(tasks.allocate_job, str(job.pk))
     return job
+
+
+def training_problems(parsed) -> dict[str, list[str]]:
+    """What keeps a valid DiLoCo spec from training here, as 400 field errors (empty when it can run)."""
+    from apps.datasets.models import Dataset
+
+    problems: dict[str, list[str]] = {}
+    if parsed.model.source.type == "upload":
+        problems["model.source.type"] = [
+            "Uploaded model files are not supported yet; use a huggingface, url or config source."
+        ]
+    if parsed.preprocessor is not None and parsed.preprocessor.source.type == "upload":
+        problems["preprocessor.source.type"] = ["Uploaded preprocessor files are not supported yet."]
+    dataset = Dataset.objects.filter(name=parsed.dataset.name).first()
+    if dataset is None:
+        problems["dataset.name"] = [
+            f"No data node has registered a dataset named {parsed.dataset.name!r}; start "
+            "`hypha-data-node --dataset DIR` first (see GET /api/datasets/)."
+        ]
+    elif parsed.evaluation is not None:
+        held_out = training.evaluation_indices(parsed, dataset)
+        if any(index >= dataset.slice_count for index in held_out):
+            problems["evaluation.slices"] = [
+                f"Dataset {dataset.name!r} has slices 0..{dataset.slice_count - 1}."
+            ]
+        elif len(held_out) >= dataset.slice_count:
+            problems["evaluation"] = [
+                f"Holding out {len(held_out)} of {dataset.slice_count} slices leaves none to train on."
+            ]
+    return problems
 
 
 def allocate(job_id) -> None:
@@ -100,24 +130,41 @@ def refresh_status(job: Job) -> None:
         loss = _loss_note(job, {role for role, (have, want) in counts.items() if have < want})
         if loss:
             reason += f" — {loss}"
+    if job.status == Job.Status.RUNNING and target == Job.Status.RUNNING:
+        return  # a running job's reason tells its training progress; a lease refresh must not replace it
     try:
         job.transition(target, reason=reason)
     except JobTransitionRefused:
         logger.info("job %s: status not refreshed (%s)", job.pk, job.status)
+        return
+    if target == Job.Status.ALLOCATED:
+        problem = training.start(job)
+        if problem is not None:
+            _end_job(job, Job.Status.FAILED, reason=f"FAILED: cannot start training: {problem}")
 
 
 def cancel_job(job: Job, *, reason: str = "cancelled by its owner") -> Job:
-    """Cancel a job: close its adverts and release every lease it holds."""
+    """Cancel a job: close its adverts, stop its tasks and release every lease it holds."""
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job.pk)
         if job.is_final:
             raise JobNotCancellable(f"job {job.pk} is already {job.status}")
-        job.transition(Job.Status.CANCELLED, reason=f"CANCELLED: {reason}")
-        for ad in job.advertisements.filter(status=Advertisement.Status.OPEN):
-            market.cancel(ad, reason="job cancelled")
-        for lease in job.leases.filter(status__in=Lease.LIVE).select_related("worker"):
-            _end_lease(lease, reason="job cancelled", notify_job=False)
+        _end_job(job, Job.Status.CANCELLED, reason=f"CANCELLED: {reason}")
     return job
+
+
+def _end_job(job: Job, status: str, *, reason: str) -> None:
+    """Move the (locked) job to a final status, close its adverts, mark its tasks cancelled and release every
+    lease (each daemon stops the tasks bound to its lease when it hears the lease ended)."""
+    job.transition(status, reason=reason)
+    ending = {Job.Status.CANCELLED: "job cancelled", Job.Status.COMPLETED: "job completed"}.get(
+        status, "job failed"
+    )
+    for ad in job.advertisements.filter(status=Advertisement.Status.OPEN):
+        market.cancel(ad, reason=ending)
+    training.cancel_tasks(job, reason=ending)
+    for lease in job.leases.filter(status__in=Lease.LIVE).select_related("worker"):
+        _end_lease(lease, reason=ending, notify_job=False)
 
 
 # --- the gateway: what daemons say -------------------------------------------------------------------------
@@ -252,6 +299,78 @@ def rotate_token(worker: Worker) -> str:
     with transaction.atomic():
         token = worker_services.rotate_token(worker)
     return token
+
+
+# --- the gateway: what daemons say about their tasks ----------------------------------------------------------
+
+
+def task_started(*, worker: Worker, message: protocol.JobStarted) -> None:
+    """The daemon started the task's process (raises TaskRefused for another worker's task)."""
+    training.task_started(worker, message.task_id)
+
+
+def task_exited(*, worker: Worker, message: protocol.JobExited) -> None:
+    """A task's process ended: a failure fails the job; a clean parameter-server exit may complete it."""
+    with transaction.atomic():
+        task = training.own_task(worker, message.task_id)
+        _lock_job(task.job_id)
+        ended = training.record_exit(worker, message)
+        if ended is None:
+            return
+        job = Job.objects.get(pk=ended.job_id)
+        if job.status != Job.Status.RUNNING:
+            return
+        if ended.status == Task.Status.FAILED:
+            _end_job(job, Job.Status.FAILED, reason=f"FAILED: {training.describe_exit(ended)}")
+        elif ended.status == Task.Status.EXITED and ended.role == PARAMETER_SERVER:
+            _complete_or_fail(job)
+
+
+def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protocol.StatusReply:
+    """The reply to a progress value from a task's bridge (``{"type": "Error"}`` when it is refused)."""
+    with transaction.atomic():
+        task = training.own_task(worker, message.task_id)
+        if task.role == PARAMETER_SERVER:
+            # Its reports dispatch trainers and move the job: lock order job → task. A trainer's per-step
+            # report locks only its own task row, so trainers never queue behind one another on the job.
+            _lock_job(task.job_id)
+        reply = training.handle_status(worker, message)
+    return protocol.StatusReply(request_id=message.request_id, reply=reply)
+
+
+def slice_requested(*, worker: Worker, message: protocol.FetchSlice) -> protocol.SliceAssigned:
+    return training.assign_slice(worker, message)
+
+
+def slice_acknowledged(*, worker: Worker, message: protocol.SliceAck) -> None:
+    training.acknowledge_slice(worker, message)
+
+
+def model_uploaded(*, job: Job, filename: str, token: str | None, chunks, limit: int) -> dict:
+    """Store one file of the final model the job's parameter server uploads (TransferRefused when refused)."""
+    training.authorise_model_upload(job, token)
+    entry = training.store_model_file(job, filename, chunks, limit=limit)
+    with transaction.atomic():
+        _lock_job(job.pk)
+        job = Job.objects.get(pk=job.pk)
+        if job.status == Job.Status.RUNNING and training.completion_reason(job) is not None:
+            _complete_or_fail(job)
+    return entry
+
+
+def _complete_or_fail(job: Job) -> None:
+    """The parameter server exited cleanly: complete the job, or fail it if the run is not finished."""
+    reason = training.completion_reason(job)
+    if reason is not None:
+        _end_job(job, Job.Status.COMPLETED, reason=reason)
+        return
+    server = job.tasks.filter(role=PARAMETER_SERVER).first()
+    if server is not None and server.status == Task.Status.EXITED:
+        _end_job(
+            job,
+            Job.Status.FAILED,
+            reason="FAILED: the parameter server exited before the last round was applied and its model stored",
+        )
 
 
 # --- clocks ----------------------------------------------------------------------------------------------
@@ -410,12 +529,29 @@ def _end_lease(
     job = Job.objects.get(pk=lease.job_id)
     if job.status not in ALLOCATING_STATES:
         return
+    if job.status == Job.Status.RUNNING and training.is_training_job(job):
+        # Replacing a worker of a running job (re-dispatch, rejoining at a round boundary) is the fault
+        # tolerance that follows; until then the job fails, saying which lease it lost.
+        label = ROLE_LABELS.get(lease.role, (lease.role,))[0]
+        _end_job(
+            job,
+            Job.Status.FAILED,
+            reason=f"FAILED: the {label} lease on {lease.worker.name} {lease.status} while training: "
+            f"{lease.status_reason}",
+        )
+        return
     refresh_status(job)
     enqueue_on_commit(tasks.allocate_job, str(job.pk))
 
 
 __all__ = [
     "PARAMETER_SERVER",
+    "model_uploaded",
+    "slice_acknowledged",
+    "slice_requested",
+    "status_reported",
+    "task_exited",
+    "task_started",
     "TRAINER",
     "allocate",
     "cancel_job",

@@ -260,6 +260,13 @@ class RoundsSpec(_Spec):
     inner_steps: Integer | None = Field(default=None, ge=1, le=MAX_STEPS)
     avg_samples_between_updates: Integer | None = Field(default=None, ge=1, le=MAX_STEPS)
     max_batch_size: Integer | None = Field(default=None, ge=1, le=1_000_000)
+    round_timeout: Float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Seconds the parameter server waits, after a round's first update, for the others.",
+    )
+    weighted: bool = Field(default=True, description="Weight each trainer's update by its samples.")
 
     @model_validator(mode="after")
     def _one_sync_rule(self) -> RoundsSpec:
@@ -270,6 +277,23 @@ class RoundsSpec(_Spec):
                 "Give exactly one of inner_steps and avg_samples_between_updates ({given} given).",
                 {"given": "both" if given == 2 else "neither"},
             )
+        return self
+
+
+class EvaluationSpec(_Spec):
+    """Held-out slices of the dataset: never trained on; the global model's loss on them is computed after
+    every round. Name them by index (``slices``) or hold out the last ``holdout`` slices."""
+
+    slices: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(
+        default=None, min_length=1, max_length=1000
+    )
+    holdout: Integer | None = Field(default=None, ge=1, le=1000)
+    batch_size: Integer = Field(default=16, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> EvaluationSpec:
+        if (self.slices is None) == (self.holdout is None):
+            raise PydanticCustomError("evaluation", "Give exactly one of slices and holdout.")
         return self
 
 
@@ -322,6 +346,16 @@ class DiLoCoSpec(_Spec):
     num_trainers: Integer = Field(default=2, ge=1, le=MAX_TRAINERS)
     trainer: RoleSpec = Field(default_factory=RoleSpec)
     parameter_server: RoleSpec = Field(default_factory=RoleSpec)
+    evaluation: EvaluationSpec | None = None
+    seed: Integer = Field(default=0, ge=0, le=2**31 - 1, description="Seeds a model built from a config.")
+
+    def steps_per_round(self) -> int:
+        """H: the optimizer steps each trainer runs per round (fixed-H sync). With a sample target, the
+        target is split evenly: ``ceil(avg_samples_between_updates / (num_trainers · batch_size))``."""
+        if self.rounds.inner_steps is not None:
+            return self.rounds.inner_steps
+        per_step = self.num_trainers * self.batch_size
+        return max(1, -(-self.rounds.avg_samples_between_updates // per_step))
 
 
 # --- parsing ----------------------------------------------------------------------------------------------
@@ -488,9 +522,27 @@ def to_train_job_json(
 
 
 def to_aggregate_job_json(
-    spec: DiLoCoSpec, *, job_id: str, updates_reference: dict, results_reference: dict
+    spec: DiLoCoSpec,
+    *,
+    job_id: str,
+    updates_reference: dict,
+    results_reference: dict,
+    model_source: dict | None = None,
+    evaluation: dict | None = None,
 ) -> dict:
-    """The parameter server's envelope (reference §2.3): receive ``updates``, send ``results``, Nesterov."""
+    """The parameter server's envelope (reference §2.3): receive ``updates``, send ``results``, Nesterov.
+
+    Our parameter server also builds the initial model and evaluates it (docs/training.md), so the envelope
+    carries ``model`` (task, source, input names, seed), ``rounds`` and ``eval`` as well; Hypha's keys come
+    first and keep their shape. ``model_source`` defaults to the spec's source (a ``config`` source as is).
+    """
+    source = spec.model.source
+    if model_source is None:
+        model_source = (
+            {"type": "config", "config": dict(source.config)}
+            if isinstance(source, ConfigSource)
+            else source_reference(source)
+        )
     config = {
         "updates": updates_reference,
         "results": results_reference,
@@ -498,6 +550,18 @@ def to_aggregate_job_json(
             "learning-rate": spec.outer_optimizer.learning_rate,
             "momentum": spec.outer_optimizer.momentum,
         },
+        "model": {
+            "task": spec.model.type,
+            "source": model_source,
+            "input-names": list(spec.model.input_names),
+            "seed": spec.seed,
+        },
+        "rounds": {
+            "update_rounds": spec.rounds.update_rounds,
+            "round_timeout": spec.rounds.round_timeout,
+            "weighted": spec.rounds.weighted,
+        },
+        "eval": evaluation,
     }
     return _envelope(job_id, "aggregate", PARAMETER_SERVER_EXECUTOR["name"], config)
 

@@ -16,7 +16,9 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from apps.datasets.exceptions import DatasetError
 from apps.jobs import services as job_services
+from apps.jobs.exceptions import TaskRefused
 from apps.market.exceptions import OfferRefused
 from apps.workers import services as worker_services
 from apps.workers.exceptions import AuthenticationFailed
@@ -121,6 +123,31 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                 )
                 if not found:
                     await self._unknown_lease(message)
+            case protocol.StatusReport():
+                try:
+                    reply = await database_sync_to_async(job_services.status_reported)(
+                        worker=self.worker, message=message
+                    )
+                except TaskRefused as refused:
+                    # The bridge waits for a reply: answer Error (as Hypha's scheduler does) and say why.
+                    await self._error(protocol.ErrorCode.REFUSED, str(refused), ref=message.type)
+                    reply = protocol.StatusReply(request_id=message.request_id, reply={"type": "Error"})
+                await self.send(text_data=protocol.encode(reply))
+            case protocol.FetchSlice():
+                reply = await database_sync_to_async(job_services.slice_requested)(
+                    worker=self.worker, message=message
+                )
+                await self.send(text_data=protocol.encode(reply))
+            case protocol.SliceAck() | protocol.JobStarted() | protocol.JobExited():
+                handler = {
+                    "slice_ack": job_services.slice_acknowledged,
+                    "job_started": job_services.task_started,
+                    "job_exited": job_services.task_exited,
+                }[message.type]
+                try:
+                    await database_sync_to_async(handler)(worker=self.worker, message=message)
+                except (TaskRefused, DatasetError) as refused:
+                    await self._error(protocol.ErrorCode.REFUSED, str(refused), ref=message.type)
 
     async def _hello(self, hello: protocol.Hello) -> None:
         if hello.protocol_version not in protocol.SUPPORTED_VERSIONS:

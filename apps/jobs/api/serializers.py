@@ -5,7 +5,8 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
-from apps.jobs.models import DEFAULT_EXECUTORS, PARAMETER_SERVER, ROLES, TRAINER, Job, JobEvent
+from apps.datasets import services as dataset_services
+from apps.jobs.models import DEFAULT_EXECUTORS, PARAMETER_SERVER, ROLES, TRAINER, Job, JobEvent, Round, Task
 from apps.leases.models import Lease
 from hypha_site.api import (
     EnumField,
@@ -156,6 +157,14 @@ def submitted_role(job: Job, role: str) -> dict:
     }
 
 
+class DataProgressSerializer(serializers.Serializer):
+    epoch = serializers.IntegerField(allow_null=True)
+    available = serializers.IntegerField()
+    assigned = serializers.IntegerField()
+    used = serializers.IntegerField()
+    total = serializers.IntegerField()
+
+
 class JobLeaseSerializer(serializers.ModelSerializer):
     """A lease the job holds (or held) on a worker."""
 
@@ -217,11 +226,81 @@ class JobSerializer(serializers.ModelSerializer):
         return submitted_role(job, PARAMETER_SERVER)
 
 
+class RoundSerializer(serializers.ModelSerializer):
+    """One outer round: what the parameter server averaged, the global model's eval loss, and the trainers'
+    reported metrics (by worker id)."""
+
+    class Meta:
+        model = Round
+        fields = [
+            "number",
+            "closed",
+            "participants",
+            "left_out",
+            "refused",
+            "samples",
+            "duration",
+            "bytes_in",
+            "bytes_out",
+            "mean_loss",
+            "eval_loss",
+            "trainer_metrics",
+            "created_at",
+            "closed_at",
+        ]
+        read_only_fields = fields
+
+
+class TaskSerializer(serializers.ModelSerializer):
+    """A role's process on a worker: its status, exit, and (trainers) its progress in the sync protocol."""
+
+    worker = serializers.CharField(source="lease.worker.name", read_only=True, help_text="the worker's name")
+    worker_id = serializers.UUIDField(source="lease.worker_id", read_only=True)
+    status = EnumField(Task.Status, read_only=True)
+    sync_state = EnumField(Task.Sync, read_only=True)
+
+    class Meta:
+        model = Task
+        fields = [
+            "id",
+            "role",
+            "worker",
+            "worker_id",
+            "status",
+            "url",
+            "sync_state",
+            "round",
+            "steps_in_round",
+            "steps_total",
+            "samples_total",
+            "last_loss",
+            "exit_code",
+            "signal",
+            "reason",
+            "log_tail",
+            "dispatched_at",
+            "started_at",
+            "first_step_at",
+            "ended_at",
+        ]
+        read_only_fields = fields
+
+
 class JobDetailSerializer(JobSerializer):
-    """A job with its leases and the history of its status."""
+    """A job with its leases, tasks, rounds, data-slice progress, model files and the history of its status."""
 
     events = JobEventSerializer(many=True, read_only=True)
+    tasks = TaskSerializer(many=True, read_only=True)
+    rounds = RoundSerializer(many=True, read_only=True)
+    data = serializers.SerializerMethodField(help_text="slices of the current epoch by state")
+    model_files = serializers.DictField(
+        read_only=True, help_text="the final model's files: {name: {size, sha256}}; download at …/model"
+    )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "events"]
+        fields = [*JobSerializer.Meta.fields, "tasks", "rounds", "data", "model_files", "events"]
         read_only_fields = fields
+
+    @extend_schema_field(DataProgressSerializer)
+    def get_data(self, job: Job) -> dict:
+        return dataset_services.progress(job)

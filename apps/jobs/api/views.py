@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db.models import Prefetch, QuerySet
+from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema, extend_schema_view
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
 from rest_framework import mixins, status, viewsets
-from rest_framework.decorators import action
+from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser, JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from apps.jobs import services, spec
+from apps.jobs import services, spec, training
 from apps.jobs.api.serializers import JobCreateSerializer, JobDetailSerializer, JobSerializer
-from apps.jobs.exceptions import JobNotCancellable, SpecError
-from apps.jobs.models import Job
+from apps.jobs.exceptions import JobNotCancellable, SpecError, TransferRefused
+from apps.jobs.models import Job, Task
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
 
@@ -101,7 +110,9 @@ class JobViewSet(
             Prefetch("leases", queryset=Lease.objects.select_related("worker").order_by("created_at"))
         )
         if self.action != "list":
-            jobs = jobs.prefetch_related("events")
+            jobs = jobs.prefetch_related(
+                "events", "rounds", Prefetch("tasks", queryset=Task.objects.select_related("lease__worker"))
+            )
         if not self.request.user.is_staff:
             jobs = jobs.filter(owner=self.request.user)
         return jobs
@@ -129,7 +140,8 @@ class JobViewSet(
             "TOML (`Content-Type: application/toml`, the `[scheduler.job]` table with the keys the original "
             "reads, and the spellings its docs used; the name then comes from `?name=`). Every mistake is "
             "reported at once, keyed by its dotted field path. The roles are advertised as for `POST /api/jobs/`; "
-            "training itself is not dispatched yet."
+            "once all are leased the parameter server and then the trainers are dispatched (docs/training.md). "
+            "The dataset must already be registered by a data node."
         ),
         parameters=[OpenApiParameter("name", OpenApiTypes.STR, description="job name, for a TOML body")],
         request={"application/json": OpenApiTypes.OBJECT, "application/toml": OpenApiTypes.STR},
@@ -149,6 +161,9 @@ class JobViewSet(
                 parsed = spec.parse_json(body)
         except SpecError as error:
             return Response(spec_error_body(error), status=status.HTTP_400_BAD_REQUEST)
+        problems = services.training_problems(parsed)
+        if problems:
+            return Response(problems, status=status.HTTP_400_BAD_REQUEST)
         if not isinstance(name, str) or len(name) > 200:
             return Response(
                 {"name": ["A string of at most 200 characters."]}, status=status.HTTP_400_BAD_REQUEST
@@ -181,3 +196,70 @@ class JobViewSet(
         except JobNotCancellable as error:
             return Response({"detail": str(error)}, status=status.HTTP_409_CONFLICT)
         return Response(JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+
+MODEL_UPLOAD_CHUNK = 1 << 20
+
+
+class JobModelView(APIView):
+    """The final model of a job: the parameter server uploads it (transfer token), users download it."""
+
+    authentication_classes: list = []
+    permission_classes: list = []
+
+    @extend_schema(
+        summary="Upload a file of a job's final model (the job's parameter server only)",
+        description=(
+            "Called by the job's parameter server after its last round, with its transfer token "
+            "(`Authorization: Bearer <token>`, signed by the control plane for that job). The body is the file."
+        ),
+        request={"application/octet-stream": OpenApiTypes.BINARY},
+        responses={
+            201: OpenApiResponse(description="stored: `{name, size, sha256}`"),
+            **error_responses(400, 401, 404, 409),
+        },
+    )
+    def put(self, request: Request, pk: str, filename: str) -> Response:
+        job = Job.objects.filter(pk=pk).first()
+        if job is None:
+            return Response({"detail": "No such job."}, status=status.HTTP_404_NOT_FOUND)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        stream = request.stream
+
+        def chunks():
+            while stream is not None and (chunk := stream.read(MODEL_UPLOAD_CHUNK)):
+                yield chunk
+
+        try:
+            entry = services.model_uploaded(
+                job=job,
+                filename=filename,
+                token=token.strip() if scheme.lower() == "bearer" else None,
+                chunks=chunks(),
+                limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
+            )
+        except TransferRefused as refused:
+            return Response({"detail": str(refused)}, status=refused.status)
+        return Response({"name": filename, **entry}, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(
+    summary="Download a job's final model",
+    description="A zip of the model files (`config.json`, `model.safetensors`) once the job has completed.",
+    responses={
+        (200, "application/zip"): OpenApiTypes.BINARY,
+        **error_responses(401, 404, 409),
+    },
+)
+@api_view(["GET"])
+def job_model_download(request: Request, pk: str):
+    jobs = Job.objects.all() if request.user.is_staff else Job.objects.filter(owner=request.user)
+    job = jobs.filter(pk=pk).first()
+    if job is None:
+        return Response({"detail": "No such job."}, status=status.HTTP_404_NOT_FOUND)
+    archive = training.model_archive(job)
+    if archive is None:
+        return Response(
+            {"detail": f"job {job.pk} has no model yet (it is {job.status})"}, status=status.HTTP_409_CONFLICT
+        )
+    return FileResponse(archive.open("rb"), as_attachment=True, filename=f"model-{job.pk}.zip")

@@ -43,6 +43,11 @@ def job_body(job: Job, *, trainer: dict, parameter_server: dict, leases: list, e
         "created_at": iso(job.created_at),
         "allocated_at": iso(job.allocated_at),
         "ended_at": iso(job.ended_at),
+        # A job without a DiLoCo spec is never dispatched: no tasks, rounds, slices or model.
+        "tasks": [],
+        "rounds": [],
+        "data": {"epoch": None, "available": 0, "assigned": 0, "used": 0, "total": 0},
+        "model_files": {},
         "events": events,
     }
 

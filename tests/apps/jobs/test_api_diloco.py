@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from apps.datasets import services as dataset_services
 from apps.jobs.models import Job
 from apps.market.models import Advertisement
 from tests.apps.jobs.test_spec import HYPHA_DEFAULT_TOML
 
 URL = "/api/jobs/diloco/"
+
+
+@pytest.fixture(autouse=True)
+def _registered_datasets(db):
+    """The datasets the specs below train on, as a data node registers them (4 slices each)."""
+    node, _ = dataset_services.create_data_node(name="node-1", url="http://127.0.0.1:9")
+    for name in ("tiny-text", "mnist"):
+        dataset_services.register_dataset(node, name, [(index, 100, "a" * 64) for index in range(4)])
 
 SPEC = {
     "name": "tiny-gpt",
@@ -49,6 +58,8 @@ def test_a_json_spec_creates_a_job_with_its_requirements_and_spec(alice):
         "inner_steps": 50,
         "avg_samples_between_updates": None,
         "max_batch_size": None,
+        "round_timeout": 120.0,
+        "weighted": True,
     }
     assert job.spec["model"]["type"] == "causal-lm"
     wanted = dict(Advertisement.objects.filter(job=job).values_list("role", "wanted"))

@@ -649,6 +649,26 @@ def test_the_aggregate_envelope():
                     "resource": None,
                 },
                 "optimizer": {"learning-rate": 0.7, "momentum": 0.9},
+                # Our parameter server also builds and evaluates the model (docs/training.md).
+                "model": {
+                    "task": "image-classification",
+                    "source": {
+                        "type": "huggingface",
+                        "repository": "hypha-space/lenet",
+                        "revision": None,
+                        "filenames": [
+                            "config.json",
+                            "model.safetensors",
+                            "configuration_lenet.py",
+                            "modeling_lenet.py",
+                        ],
+                        "token": None,
+                    },
+                    "input-names": ["pixel_values", "labels"],
+                    "seed": 0,
+                },
+                "rounds": {"update_rounds": 100, "round_timeout": 120.0, "weighted": True},
+                "eval": None,
             },
         },
     }

@@ -1,0 +1,606 @@
+"""Training workflows of a RUNNING job: dispatch, the sync protocol, data slices, rounds and the final model.
+
+The order of events is in ``docs/training.md``. In short: once every lease of a job with a DiLoCo spec is
+ACTIVE, the parameter server is dispatched first; when it reports ``ready`` with its URL the trainers are
+dispatched; trainers report every step and are told when to sync (fixed H steps per round); the parameter
+server reports every round; the job completes when the last round is applied, the final model is stored and
+the parameter server exited cleanly.
+
+These functions run inside the caller's transaction (``apps.jobs.services`` wraps them and owns every
+workflow that ends leases or jobs); messages to daemons go out after commit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.datasets import services as dataset_services
+from apps.datasets.exceptions import DatasetError
+from apps.datasets.models import Dataset, Slice
+from apps.jobs import spec as job_spec
+from apps.jobs.exceptions import TaskRefused, TransferRefused
+from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
+from apps.leases.models import Lease
+from apps.workers import services as worker_services
+from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
+
+#: The peer id trainers' ``scheduler`` references name: the control plane answers their slice requests.
+CONTROL_PLANE_PEER = "control-plane"
+#: Files of the global model trainers fetch from the parameter server, and the parameter server uploads.
+MODEL_FILES = ("config.json", "model.safetensors")
+#: How long transfer tokens live. Long enough for a job of a day; refreshable short-lived tokens are part of
+#: the security work that follows (docs/training.md).
+TRANSFER_TOKEN_LIFETIME = 24 * 3600
+#: Seconds a trainer waits before asking again when every slice of the epoch is assigned to someone.
+SLICE_RETRY_SECONDS = 1.0
+MODEL_FILENAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
+
+OK = {"type": "Ok"}
+CONTINUE = {"type": "Continue"}
+DONE = {"type": "Done"}
+ERROR = {"type": "Error"}
+
+
+# --- keys and tokens -----------------------------------------------------------------------------------------
+
+
+def transfer_key(job_id) -> str:
+    """The job's transfer key: signs its tokens; the job's parameter server gets it to verify them."""
+    return hmac.new(settings.SECRET_KEY.encode(), f"transfer:{job_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def transfer_token(lease: Lease) -> str:
+    return protocol.sign_transfer_token(
+        transfer_key(lease.job_id),
+        {
+            "job": str(lease.job_id),
+            "peer": str(lease.worker_id),
+            "lease": str(lease.pk),
+            "role": lease.role,
+            "exp": int(time.time()) + TRANSFER_TOKEN_LIFETIME,
+        },
+    )
+
+
+# --- the spec of a running job ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: job_spec.DiLoCoSpec
+    steps_per_round: int
+    update_rounds: int
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(job_id, spec_json: str) -> Plan:
+    import json
+
+    parsed = job_spec.parse_json(json.loads(spec_json))
+    return Plan(
+        spec=parsed, steps_per_round=parsed.steps_per_round(), update_rounds=parsed.rounds.update_rounds
+    )
+
+
+def plan(job: Job) -> Plan:
+    """The validated spec of ``job`` and what follows from it (parsed once per job and process)."""
+    import json
+
+    return _plan(job.pk, json.dumps(job.spec, sort_keys=True))
+
+
+def is_training_job(job: Job) -> bool:
+    return bool(job.spec)
+
+
+# --- dispatch -------------------------------------------------------------------------------------------------
+
+
+def _peers_reference(worker_ids: list[str]) -> dict:
+    return {"type": "peers", "peers": worker_ids, "strategy": {"type": "All"}, "resource": None}
+
+
+def _slice_entry(dataset: Dataset, slice_: Slice) -> dict:
+    return {
+        "index": slice_.index,
+        "size": slice_.size_bytes,
+        "sha256": slice_.sha256,
+        "urls": slice_urls(dataset, slice_.index),
+    }
+
+
+def slice_urls(dataset: Dataset, index: int) -> list[str]:
+    return [
+        f"{node.url.rstrip('/')}/datasets/{dataset.name}/slices/{index}"
+        for node in dataset_services.replicas(dataset)
+        if node.url
+    ]
+
+
+def evaluation_indices(parsed: job_spec.DiLoCoSpec, dataset: Dataset) -> list[int]:
+    """The held-out slice indices of the job (empty without an evaluation block)."""
+    evaluation = parsed.evaluation
+    if evaluation is None:
+        return []
+    if evaluation.slices is not None:
+        return sorted(set(evaluation.slices))
+    count = dataset.slice_count
+    return list(range(max(0, count - evaluation.holdout), count))
+
+
+def start(job: Job) -> str | None:
+    """Dispatch the parameter server of an ALLOCATED training job and move it to RUNNING.
+
+    Returns ``None`` when dispatched (or nothing to do), else the reason the job cannot start (the caller fails
+    the job with it). Idempotent: a job with tasks is left alone.
+    """
+    if not is_training_job(job) or job.status != Job.Status.ALLOCATED or job.tasks.exists():
+        return None
+    parsed = plan(job).spec
+    dataset = Dataset.objects.filter(name=parsed.dataset.name).first()
+    if dataset is None:
+        return f"no data node serves dataset {parsed.dataset.name!r}"
+    held_out = evaluation_indices(parsed, dataset)
+    if held_out and (held_out[-1] >= dataset.slice_count or len(held_out) >= dataset.slice_count):
+        return (
+            f"evaluation slices {held_out} do not leave training slices in dataset {dataset.name!r} "
+            f"({dataset.slice_count} slices)"
+        )
+    try:
+        dataset_services.prepare_job(job, dataset.name, exclude=held_out)
+    except DatasetError as error:
+        return str(error)
+    leases = list(job.leases.filter(status=Lease.Status.ACTIVE).select_related("worker"))
+    server_lease = next(lease for lease in leases if lease.role == PARAMETER_SERVER)
+    trainers = [str(lease.worker_id) for lease in leases if lease.role == TRAINER]
+    evaluation = None
+    if held_out:
+        evaluation = {
+            "dataset": dataset.name,
+            "batch_size": parsed.evaluation.batch_size,
+            "slices": [
+                _slice_entry(dataset, slice_)
+                for slice_ in dataset.slices.filter(index__in=held_out).order_by("index")
+            ],
+        }
+    task = Task.objects.create(job=job, lease=server_lease, role=PARAMETER_SERVER)
+    envelope = job_spec.to_aggregate_job_json(
+        parsed,
+        job_id=str(job.pk),
+        updates_reference=_peers_reference(trainers),
+        results_reference=_peers_reference(trainers),
+        evaluation=evaluation,
+    )
+    worker_services.send_to_worker(
+        server_lease.worker_id,
+        protocol.DispatchJob(
+            task_id=task.pk,
+            lease_id=server_lease.pk,
+            job_id=job.pk,
+            role=PARAMETER_SERVER,
+            spec=envelope,
+            transfer_token=transfer_token(server_lease),
+            transfer_key=transfer_key(job.pk),
+        ),
+    )
+    job.transition(
+        Job.Status.RUNNING,
+        reason=f"RUNNING: parameter server dispatched to {server_lease.worker.name}; waiting for it to listen",
+    )
+    return None
+
+
+def _dispatch_trainers(job: Job, server: Task) -> int:
+    parsed = plan(job).spec
+    server_peer = str(server.lease.worker_id)
+    dispatched = 0
+    for lease in job.leases.filter(role=TRAINER, status=Lease.Status.ACTIVE).select_related("worker"):
+        if Task.objects.filter(lease=lease).exists():
+            continue
+        task = Task.objects.create(job=job, lease=lease, role=TRAINER)
+        envelope = job_spec.to_train_job_json(
+            parsed,
+            job_id=str(job.pk),
+            data_reference={"type": "scheduler", "peer": CONTROL_PLANE_PEER, "dataset": parsed.dataset.name},
+            updates_reference=_peers_reference([server_peer]),
+            results_reference=_peers_reference([server_peer]),
+            model_reference={"type": "parameter-server", "peer": server_peer, "filenames": list(MODEL_FILES)},
+        )
+        worker_services.send_to_worker(
+            lease.worker_id,
+            protocol.DispatchJob(
+                task_id=task.pk,
+                lease_id=lease.pk,
+                job_id=job.pk,
+                role=TRAINER,
+                spec=envelope,
+                peers={server_peer: server.url},
+                transfer_token=transfer_token(lease),
+            ),
+        )
+        dispatched += 1
+    return dispatched
+
+
+# --- what daemons report about their tasks ----------------------------------------------------------------------
+
+
+def own_task(worker, task_id, *, lock: bool = False) -> Task:
+    """The task ``task_id`` if it runs on ``worker``'s lease; :class:`TaskRefused` otherwise."""
+    tasks = Task.objects.select_related("job", "lease")
+    if lock:
+        tasks = tasks.select_for_update(of=("self",))
+    task = tasks.filter(pk=task_id, lease__worker_id=worker.pk).first()
+    if task is None:
+        raise TaskRefused(f"task {task_id} is not a task of this worker")
+    return task
+
+
+def task_started(worker, task_id) -> None:
+    task = own_task(worker, task_id)
+    Task.objects.filter(pk=task.pk, status=Task.Status.DISPATCHED, started_at__isnull=True).update(
+        started_at=timezone.now()
+    )
+
+
+def record_exit(worker, message: protocol.JobExited) -> Task | None:
+    """End the task as the daemon reports; returns it if this report ended it (``None`` for a repeat)."""
+    task = own_task(worker, message.task_id)
+    if message.cancelled:
+        status = Task.Status.CANCELLED
+    elif message.exit_code == 0:
+        status = Task.Status.EXITED
+    else:
+        status = Task.Status.FAILED
+    ended = task.finish(
+        status,
+        exit_code=message.exit_code,
+        signal=message.signal,
+        reason=message.reason[:2000],
+        log_tail=message.log_tail,
+    )
+    return task if ended else None
+
+
+def describe_exit(task: Task) -> str:
+    how = f"exit code {task.exit_code}" if task.exit_code is not None else f"signal {task.signal}"
+    label = "parameter server" if task.role == PARAMETER_SERVER else "trainer"
+    detail = f": {task.reason}" if task.reason else ""
+    last_line = next((line for line in reversed(task.log_tail.splitlines()) if line.strip()), "")
+    tail = f" — last output: {last_line[:200]}" if last_line else ""
+    return f"the {label} on {task.lease.worker.name} failed with {how}{detail}{tail}"
+
+
+def cancel_tasks(job: Job, *, reason: str) -> None:
+    """Mark every live task of the job cancelled (their daemons stop them when their leases end)."""
+    for task in job.tasks.filter(status__in=Task.LIVE):
+        task.finish(Task.Status.CANCELLED, reason=reason[:2000])
+
+
+# --- status: the sync protocol ------------------------------------------------------------------------------
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _kind(progress: dict | str) -> str:
+    if isinstance(progress, str):
+        return progress
+    if len(progress) == 1:
+        return next(iter(progress))
+    return ""
+
+
+def handle_status(worker, message: protocol.StatusReport) -> dict:
+    """The reply to one progress value a task's bridge forwarded (``{"type": "Error"}`` when refused)."""
+    with transaction.atomic():
+        task = own_task(worker, message.task_id, lock=True)
+        job = task.job
+        if not task.is_live or job.status != Job.Status.RUNNING:
+            return ERROR
+        if task.role == PARAMETER_SERVER:
+            return _server_status(task, message.progress)
+        return _trainer_status(task, message.progress)
+
+
+def _trainer_status(task: Task, progress: dict | str) -> dict:
+    kind = _kind(progress)
+    current = plan(task.job)
+    now = timezone.now()
+    changes: dict[str, Any] = {}
+    if task.status == Task.Status.DISPATCHED:
+        changes["status"] = Task.Status.RUNNING
+    if kind == "status":
+        body = progress["status"] if isinstance(progress["status"], dict) else {}
+        batch_size = body.get("batch_size")
+        batch_size = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else 0
+        batch_size = max(0, min(batch_size, 10**9))
+        if task.sync_state not in (Task.Sync.TRAINING, Task.Sync.SCHEDULED):
+            return ERROR
+        steps = task.steps_in_round + 1
+        changes.update(
+            steps_in_round=steps,
+            samples_in_round=task.samples_in_round + batch_size,
+            steps_total=task.steps_total + 1,
+            samples_total=task.samples_total + batch_size,
+        )
+        loss = _finite(body.get("loss"))
+        if loss is not None:
+            changes["last_loss"] = loss
+        if task.first_step_at is None:
+            changes["first_step_at"] = now
+        reply = CONTINUE
+        if task.sync_state == Task.Sync.TRAINING and steps >= current.steps_per_round:
+            # ScheduleUpdate{0}: "stop after this batch" (the executor's counter reaches 0 at once).
+            changes["sync_state"] = Task.Sync.SCHEDULED
+            reply = {"type": "ScheduleUpdate", "counter": 0}
+    elif kind == "update":
+        if task.sync_state == Task.Sync.DONE:
+            return ERROR
+        changes["sync_state"] = Task.Sync.UPDATING
+        reply = OK
+    elif kind == "update-received":
+        if task.sync_state == Task.Sync.DONE:
+            return DONE
+        completed = task.round + 1
+        # Decided by this trainer's own round count, not by the parameter server's report: the trainer may
+        # merge the last update before the control plane hears of the round (Hypha's end-of-training race).
+        done = completed >= current.update_rounds
+        changes.update(
+            round=completed,
+            steps_in_round=0,
+            samples_in_round=0,
+            sync_state=Task.Sync.DONE if done else Task.Sync.TRAINING,
+        )
+        reply = DONE if done else CONTINUE
+    elif kind == "metrics":
+        _record_trainer_metrics(task, progress["metrics"])
+        reply = OK
+    else:
+        return ERROR
+    for field, value in changes.items():
+        setattr(task, field, value)
+    Task.objects.filter(pk=task.pk).update(**changes)
+    return reply
+
+
+def _record_trainer_metrics(task: Task, body: Any) -> None:
+    if not isinstance(body, dict):
+        return
+    number = body.get("round")
+    metrics = body.get("metrics")
+    if not isinstance(number, int) or isinstance(number, bool) or not isinstance(metrics, dict):
+        return
+    if not 1 <= number <= plan(task.job).update_rounds:
+        return
+    finite = {str(name)[:64]: _finite(value) for name, value in list(metrics.items())[:32]}
+    clean = {name: value for name, value in finite.items() if value is not None}
+    round_ = _locked_round(task.job, number)
+    round_.trainer_metrics = {**round_.trainer_metrics, str(task.lease.worker_id): clean}
+    losses = [entry["loss"] for entry in round_.trainer_metrics.values() if "loss" in entry]
+    round_.mean_loss = sum(losses) / len(losses) if losses else None
+    round_.save(update_fields=["trainer_metrics", "mean_loss"])
+
+
+def _locked_round(job: Job, number: int) -> Round:
+    Round.objects.get_or_create(job=job, number=number)
+    return Round.objects.select_for_update().get(job=job, number=number)
+
+
+def _server_status(task: Task, progress: dict | str) -> dict:
+    kind = _kind(progress)
+    job = task.job
+    if kind == "ready":
+        body = progress["ready"] if isinstance(progress["ready"], dict) else {}
+        url = body.get("url")
+        if not isinstance(url, str) or not re.match(r"^https?://\S+$", url) or len(url) > 500:
+            return ERROR
+        Task.objects.filter(pk=task.pk).update(url=url, status=Task.Status.RUNNING)
+        task.url = url
+        count = _dispatch_trainers(job, task)
+        job.transition(
+            Job.Status.RUNNING,
+            reason=f"RUNNING: parameter server listening at {url}; {count} trainers dispatched",
+        )
+        return OK
+    if kind == "round":
+        return _record_round(task, progress["round"])
+    if kind in ("metrics", "updated"):
+        return OK
+    return ERROR
+
+
+def _record_round(task: Task, body: Any) -> dict:
+    job = task.job
+    update_rounds = plan(job).update_rounds
+    number = body.get("round") if isinstance(body, dict) else None
+    if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= update_rounds:
+        return ERROR
+
+    def ids(value: Any) -> list[str]:
+        return [str(item)[:64] for item in value[:1024]] if isinstance(value, list) else []
+
+    round_ = _locked_round(job, number)
+    round_.closed = True
+    round_.closed_at = timezone.now()
+    round_.participants = ids(body.get("participants"))
+    round_.left_out = ids(body.get("left_out"))
+    refused = body.get("refused")
+    round_.refused = (
+        {str(key)[:64]: str(value)[:500] for key, value in list(refused.items())[:1024]}
+        if isinstance(refused, dict)
+        else {}
+    )
+    for field in ("samples", "bytes_in", "bytes_out"):
+        value = body.get(field)
+        setattr(
+            round_,
+            field,
+            value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0,
+        )
+    round_.duration = _finite(body.get("duration"))
+    round_.eval_loss = _finite(body.get("eval_loss"))
+    round_.save()
+    evaluation = f", eval loss {round_.eval_loss:.4f}" if round_.eval_loss is not None else ""
+    left_out = f", {len(round_.left_out)} left out" if round_.left_out else ""
+    job.transition(
+        Job.Status.RUNNING,
+        reason=f"RUNNING: round {number} of {update_rounds} applied "
+        f"({len(round_.participants)} trainers{left_out}{evaluation})",
+    )
+    return DONE if number >= update_rounds else OK
+
+
+# --- data slices -------------------------------------------------------------------------------------------------
+
+
+def assign_slice(worker, message: protocol.FetchSlice) -> protocol.SliceAssigned:
+    """Claim the next slice for the trainer task, or say when to ask again (never raises for a bad request)."""
+
+    def refused(text: str) -> protocol.SliceAssigned:
+        return protocol.SliceAssigned(request_id=message.request_id, dataset=message.dataset, error=text)
+
+    try:
+        task = own_task(worker, message.task_id)
+    except TaskRefused as error:
+        return refused(str(error))
+    if task.role != TRAINER or not task.is_live or task.job.status != Job.Status.RUNNING:
+        return refused(f"task {task.pk} is not a running trainer")
+    name = plan(task.job).spec.dataset.name
+    if message.dataset != name:
+        return refused(f"job {task.job_id} trains on dataset {name!r}, not {message.dataset!r}")
+    try:
+        job_slice = dataset_services.claim_next(task.job, task.lease)
+    except DatasetError as error:
+        return refused(str(error))
+    if job_slice is None:
+        return protocol.SliceAssigned(
+            request_id=message.request_id, dataset=name, retry_in=SLICE_RETRY_SECONDS
+        )
+    dataset = job_slice.slice.dataset
+    return protocol.SliceAssigned(
+        request_id=message.request_id,
+        dataset=name,
+        index=job_slice.slice.index,
+        size=job_slice.slice.size_bytes,
+        sha256=job_slice.slice.sha256,
+        urls=slice_urls(dataset, job_slice.slice.index),
+    )
+
+
+def acknowledge_slice(worker, message: protocol.SliceAck) -> None:
+    """The trainer has slice ``index``: it is USED (raises TaskRefused/DatasetError when refused)."""
+    task = own_task(worker, message.task_id)
+    if task.role != TRAINER:
+        raise TaskRefused(f"task {task.pk} is not a trainer")
+    dataset_services.acknowledge(task.job, task.lease, message.index)
+
+
+# --- the final model -------------------------------------------------------------------------------------------
+
+
+def model_directory(job_id) -> Path:
+    return Path(settings.HYPHA_DATA_DIR) / "models" / str(job_id)
+
+
+def authorise_model_upload(job: Job, token: str | None) -> Task:
+    """The parameter-server task whose transfer token ``token`` is; :class:`TransferRefused` otherwise."""
+    if not token:
+        raise TransferRefused("a transfer token is required (Authorization: Bearer …)", status=401)
+    try:
+        claims = protocol.verify_transfer_token(transfer_key(job.pk), token, job_id=str(job.pk))
+    except protocol.TransferTokenError as error:
+        raise TransferRefused(str(error), status=401) from None
+    task = (
+        Task.objects.select_related("lease")
+        .filter(job=job, role=PARAMETER_SERVER, lease_id=claims.get("lease"))
+        .first()
+    )
+    if claims.get("role") != PARAMETER_SERVER or task is None:
+        raise TransferRefused("only the job's parameter server uploads its model")
+    if not task.is_live or job.status != Job.Status.RUNNING:
+        raise TransferRefused(
+            f"job {job.pk} is {job.status}; its model can no longer be replaced", status=409
+        )
+    return task
+
+
+def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
+    """Write one uploaded model file atomically; returns ``{"size", "sha256"}`` (recorded on the job)."""
+    if not MODEL_FILENAME.match(filename):
+        raise TransferRefused(f"{filename!r} is not an allowed model file name", status=400)
+    directory = model_directory(job.pk)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{filename}.part"
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with partial.open("wb") as handle:
+            for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise TransferRefused(f"the model file exceeds {limit} bytes", status=413)
+                digest.update(chunk)
+                handle.write(chunk)
+        partial.replace(directory / filename)
+    finally:
+        partial.unlink(missing_ok=True)
+    entry = {"size": size, "sha256": digest.hexdigest()}
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        locked.model_files = {**locked.model_files, filename: entry}
+        locked.save(update_fields=["model_files", "updated_at"])
+    (directory / "model.zip").unlink(missing_ok=True)
+    return entry
+
+
+def model_archive(job: Job) -> Path | None:
+    """A zip of the job's stored model files (built once), or ``None`` when no model is stored."""
+    import zipfile
+
+    if not job.model_files:
+        return None
+    directory = model_directory(job.pk)
+    archive = directory / "model.zip"
+    if not archive.exists():
+        partial = directory / ".model.zip.part"
+        # Stored, not deflated: safetensors barely compress and the archive is written once per job.
+        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as bundle:
+            for filename in sorted(job.model_files):
+                bundle.write(directory / filename, arcname=filename)
+        partial.replace(archive)
+    return archive
+
+
+def completion_reason(job: Job) -> str | None:
+    """The COMPLETED reason once the last round is applied, the model stored and the parameter server exited
+    cleanly; ``None`` while any of them is missing."""
+    update_rounds = plan(job).update_rounds
+    last = job.rounds.filter(number=update_rounds, closed=True).first()
+    server = job.tasks.filter(role=PARAMETER_SERVER).first()
+    if last is None or server is None or server.status != Task.Status.EXITED:
+        return None
+    if "model.safetensors" not in job.model_files:
+        return None
+    evaluation = f"; eval loss {last.eval_loss:.4f}" if last.eval_loss is not None else ""
+    loss = f"; training loss {last.mean_loss:.4f}" if last.mean_loss is not None else ""
+    return f"COMPLETED: {update_rounds} rounds{loss}{evaluation}"

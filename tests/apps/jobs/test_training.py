@@ -1,0 +1,439 @@
+"""Training workflows: dispatch, the fixed-H sync protocol, slices, rounds, the final model, and job endings."""
+
+from __future__ import annotations
+
+import io
+import uuid
+import zipfile
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from apps.datasets import services as dataset_services
+from apps.jobs import services as job_services
+from apps.jobs import spec as job_spec
+from apps.jobs import training
+from apps.jobs.exceptions import TaskRefused
+from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
+from apps.leases.models import Lease
+from apps.workers import services as worker_services
+from tests.apps.conftest import advert, offer_on
+from worker_daemon import protocol
+
+SPEC = {
+    "model": {
+        "source": {
+            "type": "config",
+            "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2},
+        },
+        "type": "causal-lm",
+        "input_names": ["input_ids", "labels"],
+    },
+    "dataset": {"name": "tiny-text"},
+    "inner_optimizer": {"learning_rate": 0.001},
+    "outer_optimizer": {"learning_rate": 0.7, "momentum": 0.9},
+    "rounds": {"update_rounds": 2, "inner_steps": 3, "round_timeout": 30.0},
+    "batch_size": 4,
+    "num_trainers": 2,
+    "evaluation": {"holdout": 1, "batch_size": 8},
+    "trainer": {
+        "resources": {"cpu": 4, "memory": 16, "storage": 50, "gpu": 16},
+        "price": {"bid": 100, "max": 130},
+    },
+    "parameter_server": {"resources": {"cpu": 2, "memory": 8, "storage": 20, "gpu": 0}},
+}
+SLICES = [(index, 1000 + index, f"{index:x}" * 64) for index in range(4)]
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[tuple[uuid.UUID, protocol._Message]]:
+    """Every message the control plane sends to a daemon, in order (still delivered as usual)."""
+    messages: list = []
+    original = worker_services.send_to_worker
+
+    def record(worker_id, message):
+        messages.append((worker_id, message))
+        original(worker_id, message)
+
+    monkeypatch.setattr(worker_services, "send_to_worker", record)
+    return messages
+
+
+def dispatches(sent) -> dict[str, protocol.DispatchJob]:
+    return {message.role: message for _, message in sent if isinstance(message, protocol.DispatchJob)}
+
+
+@pytest.fixture
+def data_node(db):
+    node, _ = dataset_services.create_data_node(name="data-east", url="http://east.example:8100")
+    dataset_services.register_dataset(node, "tiny-text", SLICES)
+    return node
+
+
+@pytest.fixture
+def running_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks) -> Job:
+    """A DiLoCo job whose leases are all ACTIVE: rig-a and rig-b train, rig-c is the parameter server."""
+    parsed = job_spec.parse_json(SPEC)
+    with django_capture_on_commit_callbacks(execute=True):
+        job = job_services.create_job(
+            owner=job_owner,
+            name="tiny-gpt",
+            num_trainers=2,
+            requirements=job_spec.to_requirements(parsed),
+            spec=parsed.model_dump(mode="json"),
+        )
+    rig_a, rig_b, rig_c = online_rigs
+    with django_capture_on_commit_callbacks(execute=True):
+        job_services.offer_made(worker=rig_a, message=offer_on(advert(job, TRAINER), price=120.0))
+        job_services.offer_made(worker=rig_b, message=offer_on(advert(job, TRAINER), price=125.0))
+        job_services.offer_made(worker=rig_c, message=offer_on(advert(job, PARAMETER_SERVER), price=100.0))
+    job.refresh_from_db()
+    return job
+
+
+def status(worker, task: Task, progress) -> dict:
+    message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=task.pk, progress=progress)
+    return job_services.status_reported(worker=worker, message=message).reply
+
+
+def task_of(job: Job, worker) -> Task:
+    return Task.objects.get(job=job, lease__worker=worker)
+
+
+def ready(job, rig_c, *, url: str = "http://10.0.0.3:7070") -> dict:
+    return status(rig_c, task_of(job, rig_c), {"ready": {"url": url, "round": 0}})
+
+
+# --- dispatch ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_an_allocated_training_job_dispatches_its_parameter_server_first(running_job, online_rigs, sent):
+    rig_a, rig_b, rig_c = online_rigs
+
+    # then: RUNNING, one task (the parameter server's) and its dispatch, with the held-out slice for eval
+    assert running_job.status == Job.Status.RUNNING
+    assert running_job.status_reason == (
+        "RUNNING: parameter server dispatched to rig-c; waiting for it to listen"
+    )
+    server = Task.objects.get(job=running_job)
+    assert (server.role, server.lease.worker_id, server.status) == (PARAMETER_SERVER, rig_c.pk, "dispatched")
+    dispatch = dispatches(sent)[PARAMETER_SERVER]
+    assert set(dispatches(sent)) == {PARAMETER_SERVER}
+    config = dispatch.spec["executor"]["config"]
+    assert dispatch.spec["executor"]["class"] == "aggregate"
+    assert sorted(config["updates"]["peers"]) == sorted([str(rig_a.pk), str(rig_b.pk)])
+    assert config["rounds"] == {"update_rounds": 2, "round_timeout": 30.0, "weighted": True}
+    assert config["model"]["source"]["type"] == "config"
+    assert config["eval"] == {
+        "dataset": "tiny-text",
+        "batch_size": 8,
+        "slices": [
+            {
+                "index": 3,
+                "size": 1003,
+                "sha256": "3" * 64,
+                "urls": ["http://east.example:8100/datasets/tiny-text/slices/3"],
+            }
+        ],
+    }
+    # the held-out slice is never trained on
+    assert dataset_services.progress(running_job)["total"] == 3
+    # the token verifies with the key the parameter server got, and names its lease and role
+    claims = protocol.verify_transfer_token(
+        dispatch.transfer_key, dispatch.transfer_token, job_id=str(running_job.pk)
+    )
+    assert (claims["peer"], claims["role"], claims["lease"]) == (
+        str(rig_c.pk),
+        PARAMETER_SERVER,
+        str(server.lease_id),
+    )
+
+
+@pytest.mark.django_db
+def test_the_trainers_are_dispatched_once_the_parameter_server_listens(running_job, online_rigs, sent):
+    rig_a, rig_b, rig_c = online_rigs
+
+    # when
+    reply = ready(running_job, rig_c)
+
+    # then
+    assert reply == {"type": "Ok"}
+    running_job.refresh_from_db()
+    assert running_job.status_reason == (
+        "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers dispatched"
+    )
+    trainer = dispatches(sent)[TRAINER]
+    key = dispatches(sent)[PARAMETER_SERVER].transfer_key
+    assert trainer.peers == {str(rig_c.pk): "http://10.0.0.3:7070"}
+    config = trainer.spec["executor"]["config"]
+    assert config["model"]["artifact"] == {
+        "type": "parameter-server",
+        "peer": str(rig_c.pk),
+        "filenames": ["config.json", "model.safetensors"],
+    }
+    assert config["data"] == {"type": "scheduler", "peer": "control-plane", "dataset": "tiny-text"}
+    assert config["updates"]["peers"] == [str(rig_c.pk)] == config["results"]["peers"]
+    assert config["batch_size"] == 4
+    claims = protocol.verify_transfer_token(key, trainer.transfer_token, job_id=str(running_job.pk))
+    assert claims["role"] == TRAINER
+    assert Task.objects.filter(job=running_job, role=TRAINER).count() == 2
+    # a repeated ready (a restarted parameter server) dispatches nobody twice
+    ready(running_job, rig_c)
+    assert sum(isinstance(m, protocol.DispatchJob) for _, m in sent) == 3
+
+
+@pytest.mark.django_db
+def test_an_unknown_parameter_server_url_is_refused(running_job, online_rigs):
+    rig_c = online_rigs[2]
+    assert ready(running_job, rig_c, url="file:///etc/passwd") == {"type": "Error"}
+    assert not Task.objects.filter(job=running_job, role=TRAINER).exists()
+
+
+# --- the sync protocol -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_trainers_sync_every_h_steps_and_finish_after_the_last_round(running_job, online_rigs):
+    rig_a, _rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    task = task_of(running_job, rig_a)
+    step = {"status": {"batch_size": 4, "loss": 2.5, "step_time": 0.1}}
+
+    # round 1: H = 3 steps, then "stop after this batch"
+    replies = [status(rig_a, task, step) for _ in range(3)]
+    assert replies == [{"type": "Continue"}, {"type": "Continue"}, {"type": "ScheduleUpdate", "counter": 0}]
+    assert status(rig_a, task, step) == {"type": "Continue"}  # one more batch in flight: no second schedule
+    assert status(rig_a, task, "update") == {"type": "Ok"}
+    assert status(rig_a, task, {"metrics": {"round": 1, "metrics": {"loss": 2.25, "junk": "x"}}}) == {
+        "type": "Ok"
+    }
+    assert status(rig_a, task, "update-received") == {"type": "Continue"}
+    task.refresh_from_db()
+    assert (task.round, task.steps_in_round, task.steps_total, task.samples_total, task.sync_state) == (
+        1,
+        0,
+        4,
+        16,
+        "training",
+    )
+    assert Round.objects.get(job=running_job, number=1).trainer_metrics == {str(rig_a.pk): {"loss": 2.25}}
+
+    # round 2, the last: update-received answers Done, and later statuses are errors
+    assert [status(rig_a, task, step) for _ in range(3)][-1] == {"type": "ScheduleUpdate", "counter": 0}
+    assert status(rig_a, task, {"update": None}) == {"type": "Ok"}
+    assert status(rig_a, task, "update-received") == {"type": "Done"}
+    assert status(rig_a, task, step) == {"type": "Error"}
+    assert status(rig_a, task, {"nonsense": 1}) == {"type": "Error"}
+
+
+@pytest.mark.django_db
+def test_a_worker_cannot_report_for_another_workers_task(running_job, online_rigs):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    with pytest.raises(TaskRefused):
+        status(rig_b, task_of(running_job, rig_a), "update")
+    assert task_of(running_job, rig_a).sync_state == "training"
+
+
+@pytest.mark.django_db
+def test_round_reports_are_recorded_and_the_last_one_is_answered_done(running_job, online_rigs):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    server = task_of(running_job, rig_c)
+    report = {
+        "round": 1,
+        "participants": [str(rig_a.pk)],
+        "left_out": [str(rig_b.pk)],
+        "refused": {},
+        "samples": 24,
+        "duration": 1.5,
+        "bytes_in": 1000,
+        "bytes_out": 2000,
+        "eval_loss": 4.5,
+    }
+
+    assert status(rig_c, server, {"round": report}) == {"type": "Ok"}
+    assert status(rig_c, server, {"round": {**report, "round": 2, "eval_loss": 4.0}}) == {"type": "Done"}
+    assert status(rig_c, server, {"round": {**report, "round": 3}}) == {"type": "Error"}
+
+    first = Round.objects.get(job=running_job, number=1)
+    assert (first.closed, first.participants, first.left_out, first.samples, first.eval_loss) == (
+        True,
+        [str(rig_a.pk)],
+        [str(rig_b.pk)],
+        24,
+        4.5,
+    )
+    running_job.refresh_from_db()
+    assert (
+        running_job.status_reason
+        == "RUNNING: round 2 of 2 applied (1 trainers, 1 left out, eval loss 4.0000)"
+    )
+
+
+# --- slices ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_trainers_claim_distinct_slices_and_acknowledge_them(running_job, online_rigs):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+
+    def fetch(worker):
+        message = protocol.FetchSlice(
+            request_id=uuid.uuid4(), task_id=task_of(running_job, worker).pk, dataset="tiny-text"
+        )
+        return job_services.slice_requested(worker=worker, message=message)
+
+    first, second, third = fetch(rig_a), fetch(rig_b), fetch(rig_a)
+    assert [first.index, second.index, third.index] == [0, 1, 2]
+    assert first.urls == ["http://east.example:8100/datasets/tiny-text/slices/0"]
+    assert (first.size, first.sha256) == (1000, "0" * 64)
+    # every training slice is assigned (slice 3 is held out): ask again later
+    waiting = fetch(rig_b)
+    assert (waiting.index, waiting.retry_in, waiting.error) == (None, 1.0, None)
+
+    job_services.slice_acknowledged(
+        worker=rig_a, message=protocol.SliceAck(task_id=task_of(running_job, rig_a).pk, index=0)
+    )
+    assert dataset_services.progress(running_job) == {
+        "epoch": 0,
+        "available": 0,
+        "assigned": 2,
+        "used": 1,
+        "total": 3,
+    }
+    other = protocol.FetchSlice(
+        request_id=uuid.uuid4(), task_id=task_of(running_job, rig_a).pk, dataset="mnist"
+    )
+    assert "trains on dataset 'tiny-text'" in job_services.slice_requested(worker=rig_a, message=other).error
+
+
+# --- endings ------------------------------------------------------------------------------------------------
+
+
+def finish_rounds(job, rig_c) -> None:
+    server = task_of(job, rig_c)
+    for number in (1, 2):
+        status(rig_c, server, {"round": {"round": number, "participants": [], "eval_loss": 3.0 - number}})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_job_completes_when_the_model_is_stored_and_the_parameter_server_exits(
+    running_job, online_rigs, client
+):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    finish_rounds(running_job, rig_c)
+    token = dispatches_token(running_job, rig_c)
+    url = f"/api/jobs/{running_job.pk}/model"
+
+    # a trainer's token, a forged one, or none may not upload the model
+    trainer_token = training.transfer_token(task_of(running_job, rig_a).lease)
+    for header, expected in ((f"Bearer {trainer_token}", 403), ("Bearer forged.token", 401), ("", 401)):
+        response = client.put(
+            f"{url}/model.safetensors",
+            b"x",
+            content_type="application/octet-stream",
+            HTTP_AUTHORIZATION=header,
+        )
+        assert response.status_code == expected, response.content
+    assert (
+        client.put(
+            f"{url}/..secret",
+            b"x",
+            content_type="application/octet-stream",
+            HTTP_AUTHORIZATION=f"Bearer {token}",
+        ).status_code
+        == 400
+    )
+
+    # when: the parameter server uploads its model and exits cleanly
+    for name, body in (("config.json", b'{"model_type": "gpt2"}'), ("model.safetensors", b"weights")):
+        response = client.put(
+            f"{url}/{name}",
+            body,
+            content_type="application/octet-stream",
+            HTTP_AUTHORIZATION=f"Bearer {token}",
+        )
+        assert response.status_code == 201, response.content
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.RUNNING  # not before the parameter server exits
+    job_services.task_exited(
+        worker=rig_c, message=protocol.JobExited(task_id=task_of(running_job, rig_c).pk, exit_code=0)
+    )
+
+    # then
+    running_job.refresh_from_db()
+    assert (running_job.status, running_job.status_reason) == (
+        Job.Status.COMPLETED,
+        "COMPLETED: 2 rounds; eval loss 1.0000",
+    )
+    assert not running_job.leases.filter(status__in=Lease.LIVE).exists()
+    client.force_login(running_job.owner)
+    archive = client.get(url)
+    assert archive.status_code == 200
+    with zipfile.ZipFile(io.BytesIO(b"".join(archive.streaming_content))) as bundle:
+        assert {name: bundle.read(name) for name in bundle.namelist()} == {
+            "config.json": b'{"model_type": "gpt2"}',
+            "model.safetensors": b"weights",
+        }
+
+
+def dispatches_token(job, worker) -> str:
+    return training.transfer_token(task_of(job, worker).lease)
+
+
+@pytest.mark.django_db
+def test_a_failed_trainer_fails_the_job_and_releases_every_lease(running_job, online_rigs):
+    rig_a, _rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+
+    job_services.task_exited(
+        worker=rig_a,
+        message=protocol.JobExited(
+            task_id=task_of(running_job, rig_a).pk, exit_code=1, log_tail="loading\nValueError: bad batch\n"
+        ),
+    )
+
+    running_job.refresh_from_db()
+    assert (running_job.status, running_job.status_reason) == (
+        Job.Status.FAILED,
+        "FAILED: the trainer on rig-a failed with exit code 1 — last output: ValueError: bad batch",
+    )
+    assert not running_job.leases.filter(status__in=Lease.LIVE).exists()
+    assert set(Task.objects.filter(job=running_job).values_list("status", flat=True)) == {
+        "failed",
+        "cancelled",
+    }
+    # a late duplicate report changes nothing
+    job_services.task_exited(
+        worker=rig_a, message=protocol.JobExited(task_id=task_of(running_job, rig_a).pk, exit_code=0)
+    )
+    assert task_of(running_job, rig_a).status == "failed"
+
+
+@pytest.mark.django_db
+def test_a_lease_that_expires_while_training_fails_the_job(running_job, online_rigs):
+    rig_a = online_rigs[0]
+    Lease.objects.filter(job=running_job, worker=rig_a).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+
+    job_services.tick_leases()
+
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.FAILED
+    assert running_job.status_reason == (
+        "FAILED: the trainer lease on rig-a expired while training: not renewed before it ran out"
+    )
+
+
+@pytest.mark.django_db
+def test_a_job_on_an_unregistered_dataset_is_refused_at_submission(alice):
+    response = alice.client.post("/api/jobs/diloco/", SPEC, format="json")
+    assert response.status_code == 400
+    assert list(response.json()) == ["dataset.name"]
+    assert not Job.objects.exists()
