@@ -6,6 +6,13 @@ Modules:
 * ``weights``      the only file I/O on tensors: safetensors ``load`` / atomic ``save`` / ``validate``.
 * ``checkpoints``  one directory per round (weights + momentum), written atomically; ``load_latest``.
 * ``exceptions``   the package's errors, hierarchy in its docstring.
+* ``job``          the job JSON (``aggregate`` envelope + ``model``, ``rounds``, ``eval``) → ``JobConfig``.
+* ``model``        the initial model: built from a config or fetched (Hugging Face, URL); tied-weight names.
+* ``rounds``       ``RoundCoordinator``: who may send, when a round closes, the outer step (no HTTP).
+* ``server``       the HTTP API trainers use (aiohttp), transfer-token checks.
+* ``evaluation``   eval slices and the eval loss after each round.
+* ``reporting``    the bridge client (``ready``/``round`` reports) and the final model's upload.
+* ``service``      the whole life of one job's parameter server; ``__main__`` is its command line.
 
 Runs on GPU hosts without Django: never import ``apps``, ``hypha_site`` or ``django`` here
 (``scripts/check_imports.py`` enforces it).

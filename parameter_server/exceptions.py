@@ -8,7 +8,15 @@ Hierarchy::
     ├── WeightsFileError           a file is not usable safetensors: unreadable, random bytes, truncated,
     │                              bad alias metadata; ``path`` and ``reason``
     ├── NoUpdatesError             a mean was asked of zero updates (or of weights summing to zero)
-    └── CheckpointError            a round directory cannot be written, or the latest one cannot be read
+    ├── CheckpointError            a round directory cannot be written, or the latest one cannot be read
+    ├── JobConfigError             the job JSON (or a command-line argument) is unusable: exit code 2
+    ├── ModelSourceError           the initial model cannot be built or fetched from its source
+    ├── EvalDataError              an eval slice cannot be downloaded or does not match its size/SHA-256
+    ├── UploadError                the final model could not be uploaded to the control plane
+    └── RoundError                 an update or a result asked of the wrong round (HTTP status in ``status``)
+        ├── RoundConflict          409: the round is not open, already closed, or this peer already sent
+        ├── RoundPruned            410: the round's result is no longer kept
+        └── UnknownRound           404: no such round in this job (< 1 or > update_rounds)
 
 Programming errors in arguments that never come from the network (a negative learning rate, a non-finite
 sample weight) raise ``ValueError``; I/O failures of the operating system while *writing* surface as
@@ -48,3 +56,47 @@ class NoUpdatesError(ParameterServerError):
 
 class CheckpointError(ParameterServerError):
     """A round checkpoint cannot be written (e.g. the round already exists) or the latest one cannot be read."""
+
+
+class JobConfigError(ParameterServerError):
+    """The job JSON or a command-line argument is unusable (the process exits with code 2)."""
+
+
+class ModelSourceError(ParameterServerError):
+    """The initial model cannot be built from its config or fetched from its source."""
+
+
+class EvalDataError(ParameterServerError):
+    """An eval slice cannot be downloaded, or its size or SHA-256 is not the announced one."""
+
+
+class UploadError(ParameterServerError):
+    """The final model could not be uploaded to the control plane."""
+
+
+class RoundError(ParameterServerError):
+    """A request names a round it cannot have. ``status`` is the HTTP status the server answers with."""
+
+    status = 409
+    kind = "round_conflict"
+
+
+class RoundConflict(RoundError):
+    """The round is not open (closed, or not open yet), or this peer already sent its update for it."""
+
+    status = 409
+    kind = "round_conflict"
+
+
+class RoundPruned(RoundError):
+    """The round's result was dropped: only the last two rounds' results are kept."""
+
+    status = 410
+    kind = "round_pruned"
+
+
+class UnknownRound(RoundError):
+    """The round number is outside ``1..update_rounds``."""
+
+    status = 404
+    kind = "unknown_round"

@@ -37,7 +37,8 @@ environment:
   HYPHA_LOG_LEVEL    default for --log-level
 
 config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
-[offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured."""
+[offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured.
+Ours: kill_grace, [parameter_server] host/port/public_url."""
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -86,6 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--floor", type=float, metavar="F", help="lowest bid to accept (overrides offer.floor)"
+    )
+    parser.add_argument(
+        "--ps-host",
+        metavar="HOST",
+        help="address the built-in parameter server binds (overrides parameter_server.host)",
+    )
+    parser.add_argument(
+        "--ps-port",
+        type=int,
+        metavar="PORT",
+        help="port the built-in parameter server binds, 0 for any (overrides parameter_server.port)",
+    )
+    parser.add_argument(
+        "--ps-public-url",
+        metavar="URL",
+        help="base URL trainers use to reach the parameter server (overrides parameter_server.public_url)",
     )
     parser.add_argument(
         "--log-level",
@@ -167,7 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         url = websocket_url(server)
         config = load_config(
-            args.config, environ=environ, work_dir=args.work_dir, price=args.price, floor=args.floor
+            args.config,
+            environ=environ,
+            work_dir=args.work_dir,
+            price=args.price,
+            floor=args.floor,
+            ps_host=args.ps_host,
+            ps_port=args.ps_port,
+            ps_public_url=args.ps_public_url,
         )
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

@@ -20,11 +20,20 @@ Accepted keys (Hypha's worker keys, reference §7.3; the original's example file
     cmd = "uv"                       # process only, required there
     args = ["..."]                   # process only, optional
 
+Our own keys (not Hypha's)::
+
+    kill_grace = 5.0                 # seconds between SIGTERM and SIGKILL when a task is cancelled
+    [parameter_server]               # where the built-in parameter server listens
+    host = "127.0.0.1"
+    port = 0                         # 0: any free port
+    public_url = "http://gpu-01:8470"  # what trainers use; default: http://host:port once bound
+
 The original's libp2p and telemetry keys (``cert_pem``, ``gateway_addresses``, ``telemetry_*``, …) are
 accepted and ignored with one info line; other unknown keys get a warning naming them, never an error.
 
 Layering, as in the original: the TOML file, then ``HYPHA_*`` env vars for top-level keys
-(``HYPHA_WORK_DIR``), then CLI flags (``--work-dir``, ``--price``, ``--floor``). Any invalid value raises
+(``HYPHA_WORK_DIR``), then CLI flags (``--work-dir``, ``--price``, ``--floor``, ``--ps-host``, ``--ps-port``,
+``--ps-public-url``). Any invalid value raises
 :class:`~worker_daemon.exceptions.ConfigError` with a message naming the key.
 """
 
@@ -141,8 +150,32 @@ class ExecutorConfig(_ConfigModel):
         return protocol.ExecutorDescriptor(executor_class=self.executor_class, name=self.name)
 
 
+class ParameterServerConfig(_ConfigModel):
+    """``[parameter_server]``: where the built-in parameter server (runtime ``parameter-server``) listens.
+
+    ``public_url`` is the base URL trainers use to reach it; without it the parameter server reports
+    ``http://<host>:<bound port>``, which only works when ``host`` is reachable from the trainers."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=0, ge=0, le=65535, strict=True)
+    public_url: str | None = Field(default=None, min_length=1)
+
+    @field_validator("public_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urllib.parse.urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be an http:// or https:// URL with a host")
+            return value.rstrip("/")
+        return value
+
+
 def default_executors() -> list[ExecutorConfig]:
-    """The executors of a daemon that configures none: the built-in trainer and the parameter server."""
+    """The executors of a daemon that configures none: the built-in trainer (under ``accelerate launch``,
+    one process) and the parameter server."""
     return [
         ExecutorConfig(
             executor_class="train",
@@ -150,6 +183,10 @@ def default_executors() -> list[ExecutorConfig]:
             runtime="process",
             cmd=sys.executable,
             args=[
+                "-m",
+                "accelerate.commands.launch",
+                "--num_processes",
+                "1",
                 "-m",
                 "worker_daemon.executors.training",
                 "--socket",
@@ -173,6 +210,12 @@ class WorkerConfig(_ConfigModel):
     offer: OfferConfig = Field(default_factory=OfferConfig)
     # 64 is what hello may carry (protocol.Hello.executors).
     executors: list[ExecutorConfig] = Field(default_factory=list, max_length=64)
+    parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig)
+    kill_grace: float = Field(
+        default=5.0,
+        **_NUMBER,
+        description="Seconds between SIGTERM and SIGKILL when a task is cancelled.",
+    )
 
     @field_validator("work_dir", mode="before")
     @classmethod
@@ -232,6 +275,13 @@ class WorkerConfig(_ConfigModel):
         """The executors this daemon offers, as sent in ``hello``."""
         return [executor.descriptor() for executor in self.executors]
 
+    def find_executor(self, executor_class: str, name: str) -> ExecutorConfig | None:
+        """The configured executor of this class and name, if any."""
+        for executor in self.executors:
+            if (executor.executor_class, executor.name) == (executor_class, name):
+                return executor
+        return None
+
     def summary(self) -> str:
         """One log line describing the effective configuration."""
         capacity = self.capacity
@@ -275,6 +325,9 @@ def load_config(
     work_dir: str | None = None,
     price: float | None = None,
     floor: float | None = None,
+    ps_host: str | None = None,
+    ps_port: int | None = None,
+    ps_public_url: str | None = None,
 ) -> WorkerConfig:
     """Read the TOML file at ``path`` (none: defaults only), apply ``HYPHA_*`` env vars from ``environ``
     (default ``os.environ``) and then the CLI overrides that are not ``None``; validate and return.
@@ -315,6 +368,13 @@ def load_config(
             if floor is not None:
                 offer["floor"] = floor
             data["offer"] = offer
+    overrides = {"host": ps_host, "port": ps_port, "public_url": ps_public_url}
+    if any(value is not None for value in overrides.values()):
+        table = data.get("parameter_server")
+        if table is None or isinstance(table, dict):
+            table = dict(table or {})
+            table.update({key: value for key, value in overrides.items() if value is not None})
+            data["parameter_server"] = table
 
     try:
         config = WorkerConfig.model_validate(data)
@@ -351,6 +411,15 @@ def websocket_url(server: str) -> str:
     if not path.endswith(WEBSOCKET_PATH):
         path = path.rstrip("/") + WEBSOCKET_PATH
     return urllib.parse.urlunsplit((schemes[scheme], parts.netloc, path, parts.query, ""))
+
+
+def http_base_url(server: str) -> str:
+    """The control plane's HTTP(S) base URL for an address given as ``--server``: the inverse of
+    :func:`websocket_url` (``ws://h:p/prefix/ws/worker/`` becomes ``http://h:p/prefix``), no trailing slash."""
+    parts = urllib.parse.urlsplit(websocket_url(server))
+    scheme = "https" if parts.scheme == "wss" else "http"
+    path = parts.path.removesuffix(WEBSOCKET_PATH).rstrip("/")
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
 def _describe(error: ValidationError) -> str:

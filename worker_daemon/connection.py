@@ -8,7 +8,10 @@ Two layers, so that the decisions are testable without a network:
 * :class:`WorkerDaemon` drives it: connects with ``Authorization: Bearer <token>``, sends ``hello``, feeds
   received frames to the session and sends its replies, batches advertisements for a short window before
   evaluating them, prunes expired leases every 250 ms, reconnects with exponential backoff and full jitter,
-  and drains on shutdown (releases every lease, waits up to 3 s for ``lease_ended``, closes normally).
+  and drains on shutdown (stops its tasks, releases every lease, waits up to 3 s for ``lease_ended``, closes
+  normally). Task messages (``dispatch_job``, ``cancel_job`` and the replies to a bridge's requests) go to its
+  :class:`~worker_daemon.jobs.JobManager`, which sends through a :class:`~worker_daemon.link.ControlLink`
+  that the daemon connects after each ``welcome``; a task whose lease leaves the book is cancelled.
 
 :func:`run_daemon` runs one daemon to completion and returns the process exit code
 (:class:`~worker_daemon.exceptions.ExitCode`).
@@ -43,6 +46,7 @@ from worker_daemon.exceptions import (
     UnsupportedVersionError,
     WorkerDaemonError,
 )
+from worker_daemon.jobs import JobManager
 from worker_daemon.leases import LeaseBook
 
 logger = logging.getLogger(__name__)
@@ -185,6 +189,14 @@ class WorkerSession:
                 else:
                     logger.info("lease %s ended (%s)%s", message.lease_id, message.status, suffix)
                 return Outcome(reevaluate=True)
+            case (
+                protocol.DispatchJob()
+                | protocol.CancelJob()
+                | protocol.StatusReply()
+                | protocol.SliceAssigned()
+            ):
+                # Tasks are the job manager's business (worker_daemon.jobs); the daemon routes these to it.
+                return Outcome()
             case protocol.Error():
                 logger.warning(
                     "control plane error %s: %s%s",
@@ -449,9 +461,16 @@ class WorkerDaemon:
         shutdown_timeout: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         uniform: Callable[[float, float], float] = random.uniform,
+        jobs: JobManager | None = None,
     ) -> None:
         self.url = websocket_url(server_url)
         self.session = WorkerSession(config=config, daemon_version=daemon_version(), clock=clock)
+        #: Runs the dispatched tasks; it reads the session's lease book.
+        self.jobs = (
+            jobs
+            if jobs is not None
+            else JobManager(config=config, book=self.session.book, server_url=self.url)
+        )
         self._token = token
         self._batch_window = batch_window
         self._prune_interval = prune_interval
@@ -517,6 +536,8 @@ class WorkerDaemon:
             logger.error("%s", error)
             return error.exit_code
         finally:
+            # Tasks still running here were not stopped by a drain (no connection): stop them now.
+            await self.jobs.stop_all(reason=SHUTDOWN_REASON)
             pruner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pruner
@@ -609,6 +630,7 @@ class WorkerDaemon:
                     await task
             await websocket.close()
             self.session.disconnected()
+            self.jobs.link.disconnected()
             self._changed.set()
 
     def _check_close(self, code: int | None, reason: str) -> None:
@@ -640,8 +662,12 @@ class WorkerDaemon:
                 outcome = self.session.handle(message)
                 if isinstance(message, protocol.Welcome):
                     self._attempt = 0
+                    # Frames queued while disconnected (a task's job_exited, …) go out now, in order.
+                    self.jobs.link.connected(lambda reply, ws=websocket: self._send(ws, reply))
                 for reply in outcome.replies:
                     await self._send(websocket, reply)
+                self.jobs.handle(message)
+                self.jobs.cancel_orphans()
                 if outcome.reevaluate:
                     self._schedule_evaluation()
                 self._changed.set()
@@ -684,11 +710,17 @@ class WorkerDaemon:
         while True:
             await asyncio.sleep(self._prune_interval)
             if self.session.prune():
+                self.jobs.cancel_orphans()
                 self._changed.set()
                 self._schedule_evaluation()
 
     async def _drain(self, websocket: ClientConnection, receiver: asyncio.Task[None]) -> None:
-        """Release every lease, wait up to ``shutdown_timeout`` for their ``lease_ended``, close normally."""
+        """Stop the tasks (their ``job_exited`` sent first), release every lease, wait up to
+        ``shutdown_timeout`` for their ``lease_ended``, close normally."""
+        if self.jobs.tasks:
+            await self.jobs.stop_all(reason=SHUTDOWN_REASON)
+            await self.jobs.link.flush(timeout=self._shutdown_timeout)
+        self.jobs.closing = True
         releases = self.session.begin_shutdown()
         for release in releases:
             logger.info("releasing lease %s: %s", release.lease_id, release.reason)

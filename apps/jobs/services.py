@@ -322,7 +322,7 @@ def task_exited(*, worker: Worker, message: protocol.JobExited) -> None:
             return
         if ended.status == Task.Status.FAILED:
             _end_job(job, Job.Status.FAILED, reason=f"FAILED: {training.describe_exit(ended)}")
-        elif ended.status == Task.Status.EXITED and ended.role == PARAMETER_SERVER:
+        elif ended.status == Task.Status.EXITED:
             _complete_or_fail(job)
 
 
@@ -349,28 +349,26 @@ def slice_acknowledged(*, worker: Worker, message: protocol.SliceAck) -> None:
 def model_uploaded(*, job: Job, filename: str, token: str | None, chunks, limit: int) -> dict:
     """Store one file of the final model the job's parameter server uploads (TransferRefused when refused)."""
     training.authorise_model_upload(job, token)
-    entry = training.store_model_file(job, filename, chunks, limit=limit)
-    with transaction.atomic():
-        _lock_job(job.pk)
-        job = Job.objects.get(pk=job.pk)
-        if job.status == Job.Status.RUNNING and training.completion_reason(job) is not None:
-            _complete_or_fail(job)
-    return entry
+    return training.store_model_file(job, filename, chunks, limit=limit)
 
 
-def _complete_or_fail(job: Job) -> None:
-    """The parameter server exited cleanly: complete the job, or fail it if the run is not finished."""
-    reason = training.completion_reason(job)
-    if reason is not None:
-        _end_job(job, Job.Status.COMPLETED, reason=reason)
-        return
+def _complete_or_fail(job: Job, *, stragglers: bool = False) -> None:
+    """A task exited cleanly. Once the parameter server has, the job completes when its trainers have exited
+    too (they were told Done; ``stragglers`` completes it without waiting any longer), and fails if the
+    parameter server left before the last round was applied and the model stored."""
     server = job.tasks.filter(role=PARAMETER_SERVER).first()
-    if server is not None and server.status == Task.Status.EXITED:
+    if server is None or server.status != Task.Status.EXITED:
+        return
+    if not training.training_finished(job):
         _end_job(
             job,
             Job.Status.FAILED,
             reason="FAILED: the parameter server exited before the last round was applied and its model stored",
         )
+        return
+    if training.trainers_running(job) and not stragglers:
+        return
+    _end_job(job, Job.Status.COMPLETED, reason=training.completion_reason(job))
 
 
 # --- clocks ----------------------------------------------------------------------------------------------
@@ -404,6 +402,16 @@ def tick_leases() -> LeaseTick:
         )
         result.renewals_requested += 1
     return result
+
+
+def tick_training() -> None:
+    """Complete jobs whose parameter server finished a while ago but whose trainers never said they exited."""
+    for job_id in training.jobs_waiting_for_trainers():
+        with transaction.atomic():
+            _lock_job(job_id)
+            job = Job.objects.get(pk=job_id)
+            if job.status == Job.Status.RUNNING:
+                _complete_or_fail(job, stragglers=True)
 
 
 def tick_market() -> None:
@@ -564,6 +572,7 @@ __all__ = [
     "rotate_token",
     "settle_advertisement",
     "tick_leases",
+    "tick_training",
     "tick_market",
     "worker_connected",
     "worker_disconnected",

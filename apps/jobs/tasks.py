@@ -19,6 +19,8 @@ def allocate_job(job_id: str) -> None:
 @shared_task(name="apps.jobs.tasks.tick_leases")
 def tick_leases() -> dict:
     result = services.tick_leases()
+    # The same clock completes jobs whose trainers never reported their exit after the last round.
+    services.tick_training()
     return {"expired": result.expired, "renewals_requested": result.renewals_requested}
 
 

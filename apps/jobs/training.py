@@ -591,16 +591,45 @@ def model_archive(job: Job) -> Path | None:
     return archive
 
 
-def completion_reason(job: Job) -> str | None:
-    """The COMPLETED reason once the last round is applied, the model stored and the parameter server exited
-    cleanly; ``None`` while any of them is missing."""
+#: Seconds a job whose parameter server finished waits for its trainers to exit by themselves (they were
+#: told Done) before it completes anyway and their leases are released (which stops them).
+TRAINER_EXIT_GRACE = 30.0
+
+
+def training_finished(job: Job) -> bool:
+    """The last round is applied, the final model stored, and the parameter server exited cleanly."""
     update_rounds = plan(job).update_rounds
-    last = job.rounds.filter(number=update_rounds, closed=True).first()
     server = job.tasks.filter(role=PARAMETER_SERVER).first()
-    if last is None or server is None or server.status != Task.Status.EXITED:
-        return None
-    if "model.safetensors" not in job.model_files:
-        return None
-    evaluation = f"; eval loss {last.eval_loss:.4f}" if last.eval_loss is not None else ""
-    loss = f"; training loss {last.mean_loss:.4f}" if last.mean_loss is not None else ""
+    return (
+        server is not None
+        and server.status == Task.Status.EXITED
+        and job.rounds.filter(number=update_rounds, closed=True).exists()
+        and "model.safetensors" in job.model_files
+    )
+
+
+def trainers_running(job: Job) -> bool:
+    return job.tasks.filter(role=TRAINER, status__in=Task.LIVE).exists()
+
+
+def completion_reason(job: Job) -> str:
+    update_rounds = plan(job).update_rounds
+    last = job.rounds.filter(number=update_rounds).first()
+    evaluation = f"; eval loss {last.eval_loss:.4f}" if last and last.eval_loss is not None else ""
+    loss = f"; training loss {last.mean_loss:.4f}" if last and last.mean_loss is not None else ""
     return f"COMPLETED: {update_rounds} rounds{loss}{evaluation}"
+
+
+def jobs_waiting_for_trainers() -> list:
+    """Ids of RUNNING jobs whose parameter server exited cleanly over :data:`TRAINER_EXIT_GRACE` s ago."""
+    from datetime import timedelta
+
+    cutoff = timezone.now() - timedelta(seconds=TRAINER_EXIT_GRACE)
+    return list(
+        Task.objects.filter(
+            role=PARAMETER_SERVER,
+            status=Task.Status.EXITED,
+            ended_at__lt=cutoff,
+            job__status=Job.Status.RUNNING,
+        ).values_list("job_id", flat=True)[:100]
+    )

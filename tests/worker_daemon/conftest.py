@@ -1,4 +1,6 @@
-"""Fixtures for the worker daemon's tests: a config, message builders, and a scripted control plane.
+"""Fixtures for the worker daemon's tests: a config, message builders, a scripted control plane, and for tasks
+a fake data node / parameter server (:class:`FakePeer`) and an in-process control plane behind a link
+(:class:`Answerer`).
 
 None of these tests touch Django or a database; the fake control plane is a plain websockets server on
 127.0.0.1 that records what the daemon sends and lets a test send frames and close codes.
@@ -8,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import shutil
+import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
@@ -22,6 +28,7 @@ from websockets.http11 import Request, Response
 from worker_daemon import protocol
 from worker_daemon.config import WorkerConfig
 from worker_daemon.connection import WorkerDaemon
+from worker_daemon.link import ControlLink
 
 TIMEOUT = 5.0
 
@@ -287,3 +294,171 @@ async def daemons() -> AsyncIterator[DaemonRunner]:
     runner = DaemonRunner()
     yield runner
     await runner.stop_all()
+
+
+# --- tasks: short work dirs, a fake data node / parameter server, a control plane answering the link --------
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp with a short path (a Unix socket path must stay under 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="hj-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class FakePeer:
+    """An aiohttp server on 127.0.0.1 playing a data node and a job's parameter server (docs/training.md).
+
+    ``slices[(dataset, index)]`` and ``model[filename]`` are served; ``results[r]`` is served for round r
+    once set (a long-poll waits up to ``wait`` for it, then answers 204); ``update_statuses`` lists the
+    statuses to answer successive update PUTs with (200 once empty). ``requests`` records
+    ``(method, path, headers, body)``.
+    """
+
+    def __init__(self) -> None:
+        self.slices: dict[tuple[str, int], bytes] = {}
+        self.model: dict[str, bytes] = {}
+        self.rounds_completed = 0
+        self.results: dict[int, bytes] = {}
+        self.result_added = asyncio.Event()
+        self.update_statuses: list[int] = []
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def paths(self, method: str) -> list[str]:
+        return [path for recorded, path, _, _ in self.requests if recorded == method]
+
+    def add_result(self, round_number: int, data: bytes) -> None:
+        self.results[round_number] = data
+        self.result_added.set()
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=1 << 24)
+        app.router.add_get("/datasets/{dataset}/slices/{index}", self._slice)
+        app.router.add_get("/jobs/{job}/model/{filename}", self._model)
+        app.router.add_put("/jobs/{job}/rounds/{round}/update", self._update)
+        app.router.add_get("/jobs/{job}/rounds/{round}/result", self._result)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _record(self, request: web.Request) -> None:
+        body = await request.read()
+        self.requests.append((request.method, request.path_qs, dict(request.headers), body))
+
+    async def _slice(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        key = (request.match_info["dataset"], int(request.match_info["index"]))
+        if key not in self.slices:
+            return web.Response(status=404)
+        return web.Response(body=self.slices[key])
+
+    async def _model(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        data = self.model.get(request.match_info["filename"])
+        if data is None:
+            return web.json_response({"error": "not_found", "detail": "no such file"}, status=404)
+        return web.Response(body=data, headers={"X-Round": str(self.rounds_completed)})
+
+    async def _update(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        status = self.update_statuses.pop(0) if self.update_statuses else 200
+        if status == 200:
+            return web.json_response({"round": int(request.match_info["round"]), "accepted": True})
+        return web.json_response(
+            {"error": "refused", "detail": f"status {status} for this test"}, status=status
+        )
+
+    async def _result(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        round_number = int(request.match_info["round"])
+        deadline = asyncio.get_running_loop().time() + float(request.query.get("wait", "0"))
+        while round_number not in self.results:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return web.Response(status=204)
+            self.result_added.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.result_added.wait(), remaining)
+        return web.Response(body=self.results[round_number], headers={"X-Included": "true"})
+
+
+@pytest.fixture
+async def peer() -> AsyncIterator[FakePeer]:
+    server = FakePeer()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+class Answerer:
+    """The control plane's side of a :class:`ControlLink`, in process: records every frame sent and answers
+    ``status`` with ``status_reply`` (``{"type": "Continue"}`` unless ``status_replies`` has entries) and
+    ``fetch_slice`` with the next of ``slice_answers`` (keyword arguments of ``SliceAssigned``); with
+    ``silent`` it answers nothing."""
+
+    def __init__(self, link: ControlLink) -> None:
+        self.link = link
+        self.sent: list[protocol.DaemonMessage] = []
+        self.status_replies: list[dict[str, Any]] = []
+        self.slice_answers: list[dict[str, Any]] = []
+        self.silent = False
+
+    def of_type(self, message_type: type[Any]) -> list[Any]:
+        return [message for message in self.sent if isinstance(message, message_type)]
+
+    async def send(self, message: protocol.DaemonMessage) -> None:
+        self.sent.append(message)
+        if self.silent:
+            return
+        loop = asyncio.get_running_loop()
+        if isinstance(message, protocol.StatusReport):
+            reply = self.status_replies.pop(0) if self.status_replies else {"type": "Continue"}
+            loop.call_soon(
+                self.link.resolve, protocol.StatusReply(request_id=message.request_id, reply=reply)
+            )
+        elif isinstance(message, protocol.FetchSlice):
+            answer = self.slice_answers.pop(0) if self.slice_answers else {"retry_in": 0.05}
+            loop.call_soon(
+                self.link.resolve,
+                protocol.SliceAssigned(request_id=message.request_id, dataset=message.dataset, **answer),
+            )
+
+
+@pytest.fixture
+def link() -> ControlLink:
+    return ControlLink()
+
+
+@pytest.fixture
+async def answerer(link: ControlLink) -> AsyncIterator[Answerer]:
+    """An :class:`Answerer` already connected to ``link``."""
+    answering = Answerer(link)
+    link.connected(answering.send)
+    yield answering
+    link.disconnected()
+
+
+def slice_answer(peer: FakePeer, dataset: str, index: int, *, sha256: str | None = None) -> dict[str, Any]:
+    """What the control plane answers for ``peer``'s slice ``index`` (correct size and digest by default)."""
+    data = peer.slices[(dataset, index)]
+    return {
+        "index": index,
+        "size": len(data),
+        "sha256": sha256 if sha256 is not None else hashlib.sha256(data).hexdigest(),
+        "urls": [f"{peer.url}/datasets/{dataset}/slices/{index}"],
+    }
+
+
+@pytest.fixture
+def answer_slice() -> Callable[..., dict[str, Any]]:
+    return slice_answer

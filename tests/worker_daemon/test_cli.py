@@ -149,6 +149,13 @@ def test_bad_cli_price_is_a_usage_error():
     assert "offer.price: Input should be greater than or equal to 0 (got -3.0)" in result.stderr
 
 
+def test_bad_parameter_server_flag_is_a_usage_error():
+    result = run_cli("--server", "http://127.0.0.1:1", "--token", "t", "--ps-public-url", "ps:1")
+
+    assert result.returncode == 2
+    assert "parameter_server.public_url: must be an http:// or https:// URL with a host" in result.stderr
+
+
 # --- token sources ------------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from worker_daemon import protocol
 from worker_daemon.config import (
     WorkerConfig,
     free_disk_gb,
+    http_base_url,
     load_config,
     total_memory_gb,
     websocket_url,
@@ -202,6 +203,10 @@ def test_defaults_without_a_file(monkeypatch, tmp_path):
             "cmd": sys.executable,
             "args": [
                 "-m",
+                "accelerate.commands.launch",
+                "--num_processes",
+                "1",
+                "-m",
                 "worker_daemon.executors.training",
                 "--socket",
                 "{SOCKET_PATH}",
@@ -374,6 +379,53 @@ def test_invalid_cli_value_names_the_key(tmp_path):
         ConfigError, match=r"^config: offer.floor: Input should be a finite number \(got nan\)$"
     ):
         load_config(None, environ={}, floor=float("nan"))
+
+
+def test_parameter_server_table_kill_grace_and_their_cli_overrides(tmp_path):
+    # given defaults
+    config = load_config(None, environ={})
+    assert config.parameter_server.model_dump() == {"host": "127.0.0.1", "port": 0, "public_url": None}
+    assert config.kill_grace == 5.0
+
+    # when a file sets them, and flags override some
+    path = write(
+        tmp_path,
+        'kill_grace = 2\n[parameter_server]\nhost = "0.0.0.0"\nport = 8470\npublic_url = "http://gpu-01:8470/"\n',
+    )
+    assert load_config(path, environ={}).parameter_server.model_dump() == {
+        "host": "0.0.0.0",
+        "port": 8470,
+        "public_url": "http://gpu-01:8470",
+    }
+    config = load_config(path, environ={}, ps_port=9000, ps_public_url="https://ps.example")
+
+    # then
+    assert (config.kill_grace, config.parameter_server.host) == (2.0, "0.0.0.0")
+    assert (config.parameter_server.port, config.parameter_server.public_url) == (9000, "https://ps.example")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"ps_port": 70000}, "parameter_server.port: Input should be less than or equal to 65535"),
+        ({"ps_public_url": "gpu-01:8470"}, "parameter_server.public_url: must be an http:// or https:// URL"),
+    ],
+)
+def test_bad_parameter_server_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, environ={}, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("server", "base"),
+    [
+        ("http://localhost:8000/", "http://localhost:8000"),
+        ("wss://h.example/p/ws/worker/", "https://h.example/p"),
+        ("https://h.example/prefix", "https://h.example/prefix"),
+    ],
+)
+def test_http_base_url(server, base):
+    assert http_base_url(server) == base
 
 
 # --- server URL ---------------------------------------------------------------------------------------------

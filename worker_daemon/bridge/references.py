@@ -53,12 +53,22 @@ class SchedulerReference(_Shape):
     dataset: str
 
 
+class ParameterServerReference(_Shape):
+    """Our extension (not Hypha's): the current global model of a job's parameter server, named by its peer
+    id; the bridge downloads ``GET <peer URL>/jobs/<job>/model/<filename>`` for each of ``filenames``."""
+
+    type: Literal["parameter-server"] = "parameter-server"
+    peer: str
+    filenames: list[str]
+
+
 Reference = Annotated[
-    UriReference | HuggingFaceReference | PeersReference | SchedulerReference, Field(discriminator="type")
+    UriReference | HuggingFaceReference | PeersReference | SchedulerReference | ParameterServerReference,
+    Field(discriminator="type"),
 ]
 """Any resource reference; what ``/resources/fetch`` deserialises."""
 
-FetchReference = UriReference | HuggingFaceReference | SchedulerReference
+FetchReference = UriReference | HuggingFaceReference | SchedulerReference | ParameterServerReference
 """The references a fetch accepts after the bridge's own checks."""
 
 reference_adapter: TypeAdapter[Any] = TypeAdapter(Reference)
@@ -132,7 +142,21 @@ class UnitProgress(BaseModel):
         raise ValueError(f"expected one of {', '.join(UNIT_PROGRESS)} (or {{tag: null}}), got {value!r}")
 
 
-Progress = StatusProgress | MetricsProgress | UnitProgress
+class ReadyProgress(BaseModel):
+    """Our parameter server's extension: ``{"ready": {"url": …, "round": n}}`` once it listens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    ready: dict[str, Any]
+
+
+class RoundProgress(BaseModel):
+    """Our parameter server's extension: ``{"round": {"round": r, "participants": [...], …}}`` per round."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    round: dict[str, Any]
+
+
+Progress = StatusProgress | MetricsProgress | ReadyProgress | RoundProgress | UnitProgress
 
 
 def parse_progress(value: Any) -> Progress:
@@ -144,4 +168,8 @@ def parse_progress(value: Any) -> Progress:
         return StatusProgress.model_validate(value)
     if isinstance(value, dict) and "metrics" in value:
         return MetricsProgress.model_validate(value)
+    if isinstance(value, dict) and "ready" in value:
+        return ReadyProgress.model_validate(value)
+    if isinstance(value, dict) and "round" in value:
+        return RoundProgress.model_validate(value)
     return UnitProgress.model_validate(value)

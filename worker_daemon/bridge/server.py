@@ -3,7 +3,7 @@
 Endpoints (§1.3 of the protocol reference)::
 
     GET  /openapi.json         a minimal OpenAPI document
-    POST /resources/fetch      body: a bare Reference (uri | huggingface | scheduler)
+    POST /resources/fetch      body: a bare Reference (uri | huggingface | scheduler | parameter-server)
                                → [{"path": "artifacts/<name>", "size": n}, ...]
     POST /resources/send       body: {"resource": <peers>, "path": "<file>"}
                                → 200 with an empty body at once; the transfer runs in the background
@@ -41,6 +41,7 @@ from worker_daemon.bridge.exceptions import (
 from worker_daemon.bridge.paths import relative_posix, resolve_in, restrict_file
 from worker_daemon.bridge.references import (
     HuggingFaceReference,
+    ParameterServerReference,
     PeersReference,
     ReceiveRequest,
     SendRequest,
@@ -218,6 +219,11 @@ class BridgeServer:
                 raise InvalidRequest("huggingface repository must not be blank")
             if not reference.filenames:
                 raise InvalidRequest("huggingface filenames must not be empty")
+        if isinstance(reference, ParameterServerReference):
+            if not reference.peer.strip():
+                raise InvalidRequest("parameter-server peer must not be blank")
+            if not reference.filenames:
+                raise InvalidRequest("parameter-server filenames must not be empty")
         artifacts_dir = resolve_in(self.work_dir, ARTIFACTS_DIR)
         artifacts_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -259,6 +265,7 @@ class BridgeServer:
         events: asyncio.Queue[tuple[str, int, str] | None] = asyncio.Queue()
         pump = asyncio.create_task(self._pump_received(body.resource, directory, events))
         closing = asyncio.create_task(self._closing.wait())
+        getter: asyncio.Task | None = None
         try:
             while not self._closing.is_set():
                 getter = asyncio.create_task(events.get())
@@ -285,9 +292,11 @@ class BridgeServer:
         except (ConnectionResetError, BridgeError) as error:
             logger.info("event stream for %s ended: %s", body.path, error)
         finally:
-            closing.cancel()
-            pump.cancel()
-            await asyncio.gather(pump, closing, return_exceptions=True)
+            # The handler is cancelled when the executor disconnects: every helper task goes with it.
+            pending = [task for task in (getter, closing, pump) if task is not None]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         return response

@@ -1,1 +1,12 @@
-"""Built-in executors started by the worker daemon (the trainer runs as ``python -m worker_daemon.executors.training``)."""
+"""Built-in executors started by the worker daemon.
+
+* ``training``         the DiLoCo trainer: ``accelerate launch -m worker_daemon.executors.training --socket …
+                       --work-dir … --job …`` (or ``python -m``); talks only to the job bridge.
+* ``bridge_client``    a client of the job bridge's documented endpoints (HTTP over the Unix socket).
+* ``pseudo_gradient``  delta out, update in: tied-weight-aware, never corrupts the live model.
+* ``job``              the train job JSON, parsed and checked.
+* ``data``             endless samples from the data slices the bridge fetches.
+* ``exceptions``       the executors' errors and their exit codes, hierarchy in its docstring.
+
+Importing this package is cheap: torch, transformers and accelerate are imported only when training starts.
+"""

@@ -19,6 +19,7 @@ def _registered_datasets(db):
     for name in ("tiny-text", "mnist"):
         dataset_services.register_dataset(node, name, [(index, 100, "a" * 64) for index in range(4)])
 
+
 SPEC = {
     "name": "tiny-gpt",
     "model": {

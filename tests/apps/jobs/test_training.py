@@ -364,6 +364,12 @@ def test_the_job_completes_when_the_model_is_stored_and_the_parameter_server_exi
     job_services.task_exited(
         worker=rig_c, message=protocol.JobExited(task_id=task_of(running_job, rig_c).pk, exit_code=0)
     )
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.RUNNING  # the trainers were told Done and are exiting
+    for rig in (rig_a, rig_b):
+        job_services.task_exited(
+            worker=rig, message=protocol.JobExited(task_id=task_of(running_job, rig).pk, exit_code=0)
+        )
 
     # then
     running_job.refresh_from_db()
@@ -371,6 +377,7 @@ def test_the_job_completes_when_the_model_is_stored_and_the_parameter_server_exi
         Job.Status.COMPLETED,
         "COMPLETED: 2 rounds; eval loss 1.0000",
     )
+    assert set(Task.objects.filter(job=running_job).values_list("status", flat=True)) == {"exited"}
     assert not running_job.leases.filter(status__in=Lease.LIVE).exists()
     client.force_login(running_job.owner)
     archive = client.get(url)
@@ -380,6 +387,48 @@ def test_the_job_completes_when_the_model_is_stored_and_the_parameter_server_exi
             "config.json": b'{"model_type": "gpt2"}',
             "model.safetensors": b"weights",
         }
+
+
+@pytest.mark.django_db
+def test_trainers_that_never_report_their_exit_do_not_hold_a_finished_job(running_job, online_rigs, tmp_path):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    finish_rounds(running_job, rig_c)
+    Job.objects.filter(pk=running_job.pk).update(model_files={"model.safetensors": {"size": 1, "sha256": ""}})
+    server = task_of(running_job, rig_c)
+    job_services.task_exited(worker=rig_c, message=protocol.JobExited(task_id=server.pk, exit_code=0))
+    job_services.tick_training()
+    assert Job.objects.get(pk=running_job.pk).status == Job.Status.RUNNING  # within the grace period
+
+    # when: the grace period has passed
+    Task.objects.filter(pk=server.pk).update(
+        ended_at=timezone.now() - timedelta(seconds=training.TRAINER_EXIT_GRACE + 1)
+    )
+    job_services.tick_training()
+
+    # then: completed; the silent trainers' tasks are cancelled and every lease released
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.COMPLETED
+    assert sorted(Task.objects.filter(job=running_job).values_list("status", flat=True)) == [
+        "cancelled",
+        "cancelled",
+        "exited",
+    ]
+    assert not running_job.leases.filter(status__in=Lease.LIVE).exists()
+
+
+@pytest.mark.django_db
+def test_a_parameter_server_that_exits_early_fails_the_job(running_job, online_rigs):
+    rig_c = online_rigs[2]
+    ready(running_job, rig_c)
+    job_services.task_exited(
+        worker=rig_c, message=protocol.JobExited(task_id=task_of(running_job, rig_c).pk, exit_code=0)
+    )
+    running_job.refresh_from_db()
+    assert (running_job.status, running_job.status_reason) == (
+        Job.Status.FAILED,
+        "FAILED: the parameter server exited before the last round was applied and its model stored",
+    )
 
 
 def dispatches_token(job, worker) -> str:

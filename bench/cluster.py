@@ -1,0 +1,269 @@
+"""A whole training cluster on loopback, as real processes: used by ``scripts/demo`` and the training benchmarks.
+
+:func:`training_cluster` starts the control plane (``bench/harness.py``: embedded, or PostgreSQL + Redis in
+services mode), one data node serving a dataset directory, and worker daemons (each offers both the trainer
+and the parameter server; the market decides who is which), and stops all of it on exit. :class:`Cluster`
+submits DiLoCo specs and follows jobs through the REST API, exactly as a user's script would.
+
+:func:`prepare_stdlib_text` makes a real, offline dataset: the Python standard library's own source files,
+byte-level (``hypha-data prepare-text``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.harness import BIN_DIR, Child, ControlPlane, control_plane
+
+#: A tiny GPT-2 trained from scratch on bytes: 2 layers × 128 wide (0.45 M parameters), about 0.08 s per step
+#: of 16 × 128 tokens on one of these CPU cores (docs/benchmarks.md, stack notes).
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 256,
+    "n_positions": 128,
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+WORKER_TOML = """\
+work_dir = "{work_dir}"
+
+[resources]
+cpu = 2
+memory = 4
+storage = 10
+gpu = 0
+
+[offer]
+price = 100
+floor = 50
+"""
+
+
+def diloco_spec(
+    *,
+    dataset: str,
+    trainers: int,
+    rounds: int,
+    inner_steps: int,
+    batch_size: int = 16,
+    learning_rate: float = 3e-3,
+    outer_learning_rate: float = 0.7,
+    outer_momentum: float = 0.9,
+    holdout: int = 2,
+    round_timeout: float = 120.0,
+    model: dict | None = None,
+) -> dict:
+    """The JSON spec of a causal-LM DiLoCo job on ``dataset`` (a byte-level text dataset)."""
+    return {
+        "model": {
+            "source": {"type": "config", "config": dict(model or TINY_GPT2)},
+            "type": "causal-lm",
+            "input_names": ["input_ids", "labels"],
+        },
+        "dataset": {"name": dataset},
+        "inner_optimizer": {"learning_rate": learning_rate},
+        "outer_optimizer": {"learning_rate": outer_learning_rate, "momentum": outer_momentum},
+        "rounds": {"update_rounds": rounds, "inner_steps": inner_steps, "round_timeout": round_timeout},
+        "batch_size": batch_size,
+        "num_trainers": trainers,
+        "evaluation": {"holdout": holdout, "batch_size": 32},
+        "trainer": {"resources": {"cpu": 1, "memory": 1, "storage": 0, "gpu": 0}},
+        "parameter_server": {"resources": {"cpu": 1, "memory": 1, "storage": 0, "gpu": 0}},
+    }
+
+
+def prepare_stdlib_text(output: Path, *, max_bytes: int = 600_000, samples_per_slice: int = 64) -> Path:
+    """A byte-level dataset from the standard library's ``*.py`` files (sorted, up to ``max_bytes``)."""
+    source = Path(sysconfig.get_paths()["stdlib"])
+    inputs = output.parent / f"{output.name}-input"
+    inputs.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for path in sorted(source.glob("*.py")):
+        data = path.read_bytes()
+        if total + len(data) > max_bytes:
+            break
+        (inputs / path.name).write_bytes(data)
+        total += len(data)
+    subprocess.run(
+        [
+            str(BIN_DIR / "hypha-data"), "prepare-text", "--input", str(inputs), "--output", str(output),
+            "--seq-len", "128", "--samples-per-slice", str(samples_per_slice),
+        ],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return output
+
+
+@dataclass
+class Cluster:
+    plane: ControlPlane
+    api_token: str
+    data_node: Child
+    daemons: dict[str, Child] = field(default_factory=dict)
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.plane.base_url, headers={"Authorization": f"Token {self.api_token}"}, timeout=30.0
+        )
+
+    def submit(self, spec: dict, *, name: str = "") -> str:
+        with self.api() as client:
+            response = client.post("/api/jobs/diloco/", json={"name": name, **spec})
+        if response.status_code != 201:
+            raise RuntimeError(f"submission refused ({response.status_code}): {response.text}")
+        return response.json()["id"]
+
+    def job(self, job_id: str) -> dict:
+        with self.api() as client:
+            response = client.get(f"/api/jobs/{job_id}/")
+            response.raise_for_status()
+            return response.json()
+
+    def wait_for_dataset(self, name: str, *, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.api() as client:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                names = [entry["name"] for entry in _results(client.get("/api/datasets/").json())]
+                if name in names:
+                    return
+                time.sleep(0.2)
+        raise RuntimeError(f"dataset {name!r} was not registered within {timeout:g}s")
+
+    def wait_for_workers(self, count: int, *, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.api() as client:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                workers = _results(client.get("/api/workers/").json())
+                if sum(worker.get("status") == "online" for worker in workers) >= count:
+                    return
+                time.sleep(0.2)
+        raise RuntimeError(f"{count} workers did not come online within {timeout:g}s")
+
+    def follow(self, job_id: str, *, timeout: float, on_round: Callable[[dict], None] | None = None) -> dict:
+        """Poll the job until it ends; call ``on_round`` for each round as it closes. Returns the final job."""
+        seen: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            for round_ in job["rounds"]:
+                if round_["closed"] and round_["number"] not in seen:
+                    seen.add(round_["number"])
+                    if on_round is not None:
+                        on_round(round_)
+            if job["status"] in ("completed", "failed", "cancelled"):
+                return job
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} did not end within {timeout:g}s")
+
+    def download_model(self, job_id: str, destination: Path) -> Path:
+        with self.api() as client, client.stream("GET", f"/api/jobs/{job_id}/model") as response:
+            response.raise_for_status()
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            with destination.open("wb") as handle:
+                for chunk in response.iter_bytes():
+                    handle.write(chunk)
+        return destination
+
+    def logs(self) -> str:
+        parts = [f"--- {child.name} ---\n{child.tail()}" for child in self.plane.children]
+        parts += [f"--- data node ---\n{self.data_node.tail()}"]
+        parts += [f"--- {name} ---\n{child.tail()}" for name, child in self.daemons.items()]
+        return "\n".join(parts)
+
+    def _check_alive(self) -> None:
+        for child in [*self.plane.children, self.data_node, *self.daemons.values()]:
+            if child.popen.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.popen.returncode}:\n{child.tail()}")
+
+
+def _results(payload) -> list[dict]:
+    return payload["results"] if isinstance(payload, dict) and "results" in payload else payload
+
+
+@contextlib.contextmanager
+def training_cluster(
+    *,
+    root: Path,
+    dataset_dir: Path,
+    workers: int,
+    mode: str = "embedded",
+    settings: dict[str, str] | None = None,
+    daemon_env: dict[str, str] | None = None,
+    quiet: bool = True,
+) -> Iterator[Cluster]:
+    """Control plane + one data node serving ``dataset_dir`` + ``workers`` daemons, all stopped on exit."""
+    with control_plane(mode=mode, root=root, settings=settings or {}, quiet=quiet) as plane:
+        api_token = plane.manage("create_user_token", "cluster-admin", "--staff")
+        node_token = plane.manage("create_data_node_token", "data-node-1", "--url", "http://127.0.0.1:1")
+        data_node = plane.start(
+            "data-node",
+            [
+                str(BIN_DIR / "hypha-data-node"), "--server", plane.base_url, "--token", node_token,
+                "--dataset", str(dataset_dir), "--log-level", "WARNING",
+            ],
+        )  # fmt: skip
+        cluster = Cluster(plane=plane, api_token=api_token, data_node=data_node)
+        names = [f"worker-{index + 1}" for index in range(workers)]
+        tokens = [plane.manage("create_worker_token", name) for name in names]
+        environment = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith("HYPHA_") and key not in {"DATABASE_URL", "REDIS_URL"}
+        }
+        # Every process of the cluster shares two cores: one thread per executor keeps them from thrashing.
+        environment.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        environment.update(daemon_env or {})
+        saved_env = plane.env
+        plane.env = environment  # plane.start uses plane.env; daemons get a daemon's environment
+        try:
+            for name, token in zip(names, tokens, strict=True):
+                work_dir = root / "workers" / name
+                work_dir.mkdir(parents=True, exist_ok=True)
+                config = root / "workers" / f"{name}.toml"
+                config.write_text(WORKER_TOML.format(work_dir=work_dir))
+                cluster.daemons[name] = plane.start(
+                    name,
+                    [
+                        str(BIN_DIR / "hypha-worker-daemon"), "--server", plane.base_url, "--token", token,
+                        "--config", str(config), "--log-level", "INFO",
+                    ],
+                )  # fmt: skip
+        finally:
+            plane.env = saved_env
+        cluster.wait_for_dataset(dataset_dir.name)
+        cluster.wait_for_workers(workers)
+        yield cluster
+
+
+def summary(job: dict, *, model: Path | None) -> dict:
+    """The demo's one-line result: status, rounds, first and final training loss, final eval loss, model."""
+    rounds = [round_ for round_ in job["rounds"] if round_["closed"]]
+    return {
+        "job": job["id"],
+        "status": job["status"],
+        "rounds": len(rounds),
+        "first_round_loss": rounds[0]["mean_loss"] if rounds else None,
+        "final_loss": rounds[-1]["mean_loss"] if rounds else None,
+        "eval_loss": rounds[-1]["eval_loss"] if rounds else None,
+        "model": str(model) if model is not None else None,
+    }
+
+
+def dump(value: dict) -> str:
+    return json.dumps(value, separators=(", ", ": "))

@@ -1,0 +1,221 @@
+"""The parameter server's job JSON: the ``aggregate`` envelope (reference §2.3) plus ``model``, ``rounds`` and
+``eval`` (docs/training.md, "The parameter server's job JSON"), parsed into frozen dataclasses.
+
+Contract of :func:`parse_job`: it accepts the envelope as a JSON string or an already decoded object and
+either returns a :class:`JobConfig` or raises :class:`~parameter_server.exceptions.JobConfigError` naming
+the first bad key (the process then exits with code 2). Unknown keys are ignored (Hypha's rule). Defaults:
+``rounds.update_rounds`` 1, ``rounds.round_timeout`` 120 s, ``rounds.weighted`` true, ``model.seed`` 0,
+``model.input-names`` ``[]``, ``eval`` absent. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from parameter_server.exceptions import JobConfigError
+
+SOURCE_TYPES = ("config", "huggingface", "uri")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the initial model comes from: ``config`` (build from ``config``), ``huggingface``
+    (``repository``/``revision``/``filenames``/``token``) or ``uri`` (one file at ``value``)."""
+
+    type: str
+    config: dict[str, Any] | None = None
+    repository: str | None = None
+    revision: str | None = None
+    filenames: tuple[str, ...] = ()
+    token: str | None = None
+    value: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalSlice:
+    index: int
+    size: int
+    sha256: str
+    urls: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    dataset: str
+    batch_size: int
+    slices: tuple[EvalSlice, ...]
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job_id: str
+    expected_peers: tuple[str, ...]
+    """``updates.peers``: the trainers whose updates each round waits for (in the JSON's order)."""
+    result_peers: tuple[str, ...]
+    learning_rate: float
+    momentum: float
+    task: str
+    source: ModelSource
+    input_names: tuple[str, ...]
+    seed: int
+    update_rounds: int
+    round_timeout: float
+    weighted: bool
+    eval: EvalConfig | None
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise JobConfigError(f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _string(value: Any, where: str, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str) or (not allow_empty and not value.strip()):
+        raise JobConfigError(f"{where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(value: Any, where: str, *, minimum: float | None = None, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise JobConfigError(f"{where} must be a finite number, got {value!r}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        raise JobConfigError(f"{where} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, where: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise JobConfigError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _peers(value: Any, where: str) -> tuple[str, ...]:
+    reference = _object(value, where)
+    if reference.get("type") != "peers":
+        raise JobConfigError(f"{where}.type must be 'peers', got {reference.get('type')!r}")
+    peers = reference.get("peers")
+    if not isinstance(peers, list) or not all(isinstance(peer, str) and peer for peer in peers):
+        raise JobConfigError(f"{where}.peers must be a list of peer ids")
+    if len(set(peers)) != len(peers):
+        raise JobConfigError(f"{where}.peers lists a peer twice")
+    return tuple(peers)
+
+
+def _source(value: Any) -> ModelSource:
+    source = _object(value, "model.source")
+    kind = source.get("type")
+    if kind == "config":
+        return ModelSource(type="config", config=dict(_object(source.get("config"), "model.source.config")))
+    if kind == "huggingface":
+        filenames = source.get("filenames")
+        if not isinstance(filenames, list) or not filenames or not all(isinstance(n, str) for n in filenames):
+            raise JobConfigError("model.source.filenames must be a non-empty list of file names")
+        revision = source.get("revision")
+        token = source.get("token")
+        return ModelSource(
+            type="huggingface",
+            repository=_string(source.get("repository"), "model.source.repository"),
+            revision=None if revision is None else _string(revision, "model.source.revision"),
+            filenames=tuple(filenames),
+            token=None if token is None else _string(token, "model.source.token"),
+        )
+    if kind == "uri":
+        url = _string(source.get("value"), "model.source.value")
+        if not url.startswith(("http://", "https://")):
+            raise JobConfigError(f"model.source.value must be an http(s) URL, got {url!r}")
+        return ModelSource(type="uri", value=url)
+    raise JobConfigError(f"model.source.type must be one of {', '.join(SOURCE_TYPES)}, got {kind!r}")
+
+
+def _eval(value: Any) -> EvalConfig | None:
+    if value is None:
+        return None
+    config = _object(value, "eval")
+    slices_value = config.get("slices")
+    if not isinstance(slices_value, list) or not slices_value:
+        raise JobConfigError("eval.slices must be a non-empty list")
+    slices = []
+    for position, item in enumerate(slices_value):
+        where = f"eval.slices[{position}]"
+        item = _object(item, where)
+        urls = item.get("urls")
+        if not isinstance(urls, list) or not urls or not all(isinstance(url, str) for url in urls):
+            raise JobConfigError(f"{where}.urls must be a non-empty list of URLs")
+        digest = _string(item.get("sha256"), f"{where}.sha256").lower()
+        if len(digest) != 64 or any(character not in "0123456789abcdef" for character in digest):
+            raise JobConfigError(f"{where}.sha256 must be 64 hex digits")
+        slices.append(
+            EvalSlice(
+                index=_integer(item.get("index"), f"{where}.index", minimum=0),
+                size=_integer(item.get("size"), f"{where}.size", minimum=0),
+                sha256=digest,
+                urls=tuple(urls),
+            )
+        )
+    return EvalConfig(
+        dataset=_string(config.get("dataset", ""), "eval.dataset", allow_empty=True),
+        batch_size=_integer(config.get("batch_size", 16), "eval.batch_size", minimum=1),
+        slices=tuple(slices),
+    )
+
+
+def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
+    """Parse the parameter server's JOB_JSON (see the module docstring for the contract)."""
+    if isinstance(document, str | bytes):
+        try:
+            document = json.loads(document)
+        except ValueError as error:
+            raise JobConfigError(f"the job is not JSON: {error}") from None
+    envelope = _object(document, "the job")
+    job_id = _string(envelope.get("job_id"), "job_id")
+    executor = _object(envelope.get("executor"), "executor")
+    if executor.get("class") != "aggregate":
+        raise JobConfigError(f"executor.class must be 'aggregate', got {executor.get('class')!r}")
+    config = _object(executor.get("config"), "executor.config")
+
+    expected = _peers(config.get("updates"), "updates")
+    if not expected:
+        raise JobConfigError("updates.peers must name at least one trainer")
+    results = _peers(config.get("results"), "results") if config.get("results") is not None else expected
+    optimizer = _object(config.get("optimizer"), "optimizer")
+    learning_rate = _number(optimizer.get("learning-rate"), "optimizer.learning-rate", minimum=0, strict=True)
+    momentum = _number(optimizer.get("momentum", 0.9), "optimizer.momentum", minimum=0)
+    if momentum >= 1:
+        raise JobConfigError(f"optimizer.momentum must be < 1, got {momentum!r}")
+
+    # ``model``, ``rounds`` and ``eval`` extend the config; also found at the envelope's top level for callers
+    # that put them next to ``executor``.
+    for key in ("model", "rounds", "eval"):
+        if key not in config and key in envelope:
+            config = {**config, key: envelope[key]}
+    model = _object(config.get("model"), "model")
+    input_names = model.get("input-names", [])
+    if not isinstance(input_names, list) or not all(isinstance(name, str) for name in input_names):
+        raise JobConfigError("model.input-names must be a list of strings")
+    seed = model.get("seed", 0)
+    rounds = _object(config.get("rounds") or {}, "rounds")
+    weighted = rounds.get("weighted", True)
+    if not isinstance(weighted, bool):
+        raise JobConfigError(f"rounds.weighted must be true or false, got {weighted!r}")
+
+    return JobConfig(
+        job_id=job_id,
+        expected_peers=expected,
+        result_peers=results,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        task=_string(model.get("task", "auto"), "model.task"),
+        source=_source(model.get("source")),
+        input_names=tuple(input_names),
+        seed=_integer(seed, "model.seed", minimum=0),
+        update_rounds=_integer(rounds.get("update_rounds", 1), "rounds.update_rounds", minimum=1),
+        round_timeout=_number(
+            rounds.get("round_timeout", 120.0), "rounds.round_timeout", minimum=0, strict=True
+        ),
+        weighted=weighted,
+        eval=_eval(config.get("eval")),
+    )

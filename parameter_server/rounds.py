@@ -1,0 +1,356 @@
+"""The round logic of the parameter server: who may send, when a round closes, and the outer step.
+
+No HTTP here: :class:`RoundCoordinator` is driven by the server (``submit``, ``wait_result``) and by its own
+timer, and hands each closed round to a ``persist`` hook (checkpoint, model file) *before* publishing it, so
+a result trainers can see is always on disk. Published rounds are also put on :attr:`RoundCoordinator.published`
+for the service (eval loss, round report).
+
+Round rules (docs/training.md, step 7):
+
+* Rounds are numbered from 1; round ``rounds_completed + 1`` is open until ``update_rounds`` rounds are done
+  (or :meth:`RoundCoordinator.finish` is called, e.g. on the control plane's ``Done``).
+* Each expected peer (``updates.peers``) may add one update per round. A second one, one for a round that is
+  not the open one, or one that arrives while the round is closing raises ``RoundConflict`` (409) and
+  changes nothing: an update is never counted twice.
+* The round closes when every expected peer sent, or ``round_timeout`` seconds after the *first accepted*
+  update. A round nobody sent to stays open indefinitely: trainers may need long for their inner steps, and a
+  trainer that died is the control plane's business (it fails or reschedules the job).
+* ``g`` is the mean of the accepted updates, weighted by their ``X-Samples`` when ``weighted`` (a missing
+  count weighs 1; unweighted means every update weighs 1). Nesterov: ``(u, m) = nesterov_step(g, m)``,
+  ``θ_r = θ_{r-1} + u``. If no update with a positive weight was accepted, no step is taken: ``u = 0``, the
+  momentum is unchanged, and the result says ``stepped=False``.
+* Only floating-point tensors are averaged and stepped, and ``u`` holds only them: other tensors (integer
+  buffers such as step counters) keep their global value, and trainers neither send nor receive them.
+* The results of the last :data:`KEEP_RESULTS` rounds are kept; an older one raises ``RoundPruned`` (410).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parameter_server.exceptions import RoundConflict, RoundPruned, UnknownRound
+from parameter_server.math import StateDict, StreamingMean, nesterov_step
+
+logger = logging.getLogger("parameter_server")
+
+KEEP_RESULTS = 2
+
+
+@dataclass
+class RoundResult:
+    """A closed round. ``update`` is ``u_r`` (global names); ``path`` is the file serving it once persisted."""
+
+    round_number: int
+    update: StateDict
+    participants: tuple[str, ...]
+    left_out: tuple[str, ...]
+    refused: dict[str, str]
+    samples: int
+    duration: float
+    bytes_in: int
+    stepped: bool
+    path: Path | None = None
+    eval_loss: float | None = None
+
+
+@dataclass
+class _OpenRound:
+    number: int
+    opened_at: float
+    mean: StreamingMean = field(default_factory=StreamingMean)
+    participants: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    samples: int = 0
+    bytes_in: int = 0
+    closing: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+PersistHook = Callable[[RoundResult, StateDict, StateDict | None], Awaitable[None]]
+"""Called with (result, new global weights, new momentum) before the result is published."""
+
+
+class RoundCoordinator:
+    """Collects the open round's updates and takes the outer step; see the module docstring for the rules.
+
+    ``weights`` are the global weights after ``rounds_completed`` rounds and ``momentum`` the outer momentum
+    (None before the first step); both are replaced, never mutated. ``persist`` may raise: the round is then
+    not published and :attr:`failure` is set (the service stops; the checkpoint of the previous round stands).
+    """
+
+    def __init__(
+        self,
+        *,
+        expected: tuple[str, ...] | list[str],
+        weights: Mapping[str, torch.Tensor],
+        momentum: Mapping[str, torch.Tensor] | None,
+        rounds_completed: int,
+        update_rounds: int,
+        round_timeout: float,
+        weighted: bool,
+        learning_rate: float,
+        momentum_factor: float,
+        persist: PersistHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.expected = tuple(expected)
+        self.weights: StateDict = dict(weights)
+        self.momentum: StateDict | None = None if momentum is None else dict(momentum)
+        self.rounds_completed = rounds_completed
+        self.update_rounds = update_rounds
+        self.round_timeout = round_timeout
+        self.weighted = weighted
+        self.learning_rate = learning_rate
+        self.momentum_factor = momentum_factor
+        self._persist = persist
+        self._clock = clock
+        self._floating = sorted(
+            name for name, tensor in self.weights.items() if tensor.dtype.is_floating_point
+        )
+        self._results: dict[int, RoundResult] = {}
+        self._fetched: dict[int, set[str]] = {}
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._finished = rounds_completed >= update_rounds
+        self._round: _OpenRound | None = None if self._finished else _OpenRound(rounds_completed + 1, clock())
+        self.published: asyncio.Queue[RoundResult] = asyncio.Queue()
+        """Every published round, in order, for the service's eval and report."""
+        self.failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        """Set to the exception if closing a round failed (the service then exits 1)."""
+
+    # --- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def open_round(self) -> int | None:
+        """The round accepting updates (also while it is closing), or None once the job is finished."""
+        return None if self._round is None else self._round.number
+
+    @property
+    def received(self) -> list[str]:
+        """Peers whose update the open round accepted, in arrival order."""
+        return [] if self._round is None else list(self._round.participants)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def result(self, round_number: int) -> RoundResult | None:
+        return self._results.get(round_number)
+
+    def _check_round(self, round_number: int) -> None:
+        if round_number < 1 or round_number > self.update_rounds:
+            raise UnknownRound(f"round {round_number} is not a round of this job (1..{self.update_rounds})")
+
+    # --- updates ---------------------------------------------------------------------------------------------
+
+    def check_can_submit(self, peer: str, round_number: int) -> None:
+        """Raise ``UnknownRound`` or ``RoundConflict`` unless ``peer`` may send an update for ``round_number``
+        now. Cheap: the server calls it before reading a body, and ``submit`` checks again."""
+        self._check_round(round_number)
+        current = self._round
+        if current is None or round_number < current.number:
+            raise RoundConflict(f"round {round_number} is closed")
+        if round_number > current.number:
+            raise RoundConflict(f"round {round_number} is not open yet (round {current.number} is)")
+        if current.closing:
+            raise RoundConflict(f"round {round_number} is closed")
+        if peer in current.participants:
+            raise RoundConflict(f"{peer} already sent its update for round {round_number}")
+
+    def record_refusal(self, peer: str, round_number: int, reason: str) -> None:
+        """Note that ``peer``'s update for the open round was refused (reported in ``refused``)."""
+        if self._round is not None and self._round.number == round_number and not self._round.closing:
+            self._round.refused[peer] = reason
+
+    def count_bytes_in(self, round_number: int, size: int) -> None:
+        """Add ``size`` body bytes received for ``round_number`` (accepted or not) to its report."""
+        if self._round is not None and self._round.number == round_number:
+            self._round.bytes_in += size
+
+    async def submit(
+        self, peer: str, round_number: int, update: Mapping[str, torch.Tensor], samples: int | None
+    ) -> None:
+        """Add ``peer``'s update (already validated against the global signature) to the open round.
+
+        Raises ``RoundConflict``/``UnknownRound`` like :meth:`check_can_submit` (also when the round closed
+        while the update was being read); ``TensorRefused`` if it does not match the first update (it cannot,
+        once validated). Closing the round, if this was the last expected update, runs in the background.
+        """
+        async with self._lock:
+            self.check_can_submit(peer, round_number)
+            current = self._round
+            assert current is not None
+            weight = float(samples if samples is not None else 1) if self.weighted else 1.0
+            floating = {name: update[name] for name in self._floating}
+            # A thread: adding a large model's tensors would stall every other request.
+            await asyncio.to_thread(current.mean.add, floating, weight)
+            current.participants.append(peer)
+            current.refused.pop(peer, None)
+            current.samples += samples or 0
+            logger.info(
+                "round %d: update from %s accepted (%d/%d, weight %g)",
+                round_number,
+                peer,
+                len(current.participants),
+                len(self.expected),
+                weight,
+            )
+            if set(self.expected) <= set(current.participants):
+                self._start_closing(current, "every expected trainer sent its update")
+            elif len(current.participants) == 1:
+                current.timer = asyncio.get_running_loop().call_later(
+                    self.round_timeout, self._on_timeout, current
+                )
+
+    def _on_timeout(self, current: _OpenRound) -> None:
+        if self._round is current and not current.closing:
+            self._start_closing(current, f"round_timeout {self.round_timeout:g} s after the first update")
+
+    def _start_closing(self, current: _OpenRound, why: str) -> None:
+        current.closing = True
+        if current.timer is not None:
+            current.timer.cancel()
+        logger.info("round %d closes: %s", current.number, why)
+        task = asyncio.create_task(self._close(current), name=f"close round {current.number}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _step(self, current: _OpenRound) -> tuple[StateDict, StateDict, StateDict | None, bool]:
+        """(u, θ_new, m_new, stepped) for the closed round; runs in a thread."""
+        if current.mean.count == 0 or current.mean.total_weight == 0:
+            zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
+            return zeros, self.weights, self.momentum, False
+        gradient = current.mean.result()
+        update, momentum = nesterov_step(
+            gradient=gradient,
+            momentum=self.momentum,
+            learning_rate=self.learning_rate,
+            momentum_factor=self.momentum_factor,
+        )
+        new_weights = {
+            name: tensor + update[name] if name in update else tensor for name, tensor in self.weights.items()
+        }
+        return update, new_weights, momentum, True
+
+    async def _close(self, current: _OpenRound) -> None:
+        try:
+            async with self._lock:
+                update, new_weights, new_momentum, stepped = await asyncio.to_thread(self._step, current)
+                result = RoundResult(
+                    round_number=current.number,
+                    update=update,
+                    participants=tuple(current.participants),
+                    left_out=tuple(peer for peer in self.expected if peer not in current.participants),
+                    refused=dict(current.refused),
+                    samples=current.samples,
+                    duration=round(self._clock() - current.opened_at, 3),
+                    bytes_in=current.bytes_in,
+                    stepped=stepped,
+                )
+                if not stepped:
+                    logger.warning("round %d closed without a usable update: u = 0", current.number)
+                if self._persist is not None:
+                    await self._persist(result, new_weights, new_momentum)
+                self.weights, self.momentum = new_weights, new_momentum
+                self._publish(result)
+        except Exception as error:
+            logger.exception("closing round %d failed", current.number)
+            if not self.failure.done():
+                self.failure.set_result(error)
+            return
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _publish(self, result: RoundResult) -> None:
+        self._results[result.round_number] = result
+        self._fetched.setdefault(result.round_number, set())
+        for old in [number for number in self._results if number <= result.round_number - KEEP_RESULTS]:
+            del self._results[old]
+        self.rounds_completed = result.round_number
+        if self._finished or self.rounds_completed >= self.update_rounds:
+            self._finished = True
+            self._round = None
+        else:
+            self._round = _OpenRound(result.round_number + 1, self._clock())
+        self.published.put_nowait(result)
+        logger.info(
+            "round %d published: participants %s, left out %s, refused %s",
+            result.round_number,
+            list(result.participants),
+            list(result.left_out),
+            result.refused,
+        )
+
+    def finish(self) -> None:
+        """Accept no more updates (the control plane said ``Done``). A round being closed still publishes."""
+        self._finished = True
+        if self._round is not None and not self._round.closing:
+            if self._round.timer is not None:
+                self._round.timer.cancel()
+            self._round = None
+
+    # --- results ---------------------------------------------------------------------------------------------
+
+    async def wait_result(self, round_number: int, timeout: float) -> RoundResult | None:
+        """Round ``round_number``'s result, waiting up to ``timeout`` seconds for it to close; None if it is
+        still open then. ``UnknownRound`` outside ``1..update_rounds`` or past the round the job finished
+        with; ``RoundPruned`` if the result is no longer kept."""
+        self._check_round(round_number)
+
+        def ready() -> bool:
+            return round_number <= self.rounds_completed or (self._finished and self._round is None)
+
+        if not ready() and timeout > 0:
+            async with self._changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait_for(ready), timeout)
+        if round_number in self._results:
+            return self._results[round_number]
+        if round_number <= self.rounds_completed:
+            raise RoundPruned(
+                f"round {round_number}'s result is no longer kept (last {KEEP_RESULTS} rounds are)"
+            )
+        if self._finished and self._round is None:
+            raise UnknownRound(f"the job finished after round {self.rounds_completed}")
+        return None
+
+    async def mark_fetched(self, peer: str, round_number: int) -> None:
+        """``peer`` received round ``round_number``'s result."""
+        if round_number in self._fetched:
+            self._fetched[round_number].add(peer)
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _last_round_fetched(self) -> bool:
+        last = self._results.get(self.rounds_completed)
+        if last is None:
+            return True
+        return set(last.participants) <= self._fetched.get(last.round_number, set())
+
+    async def wait_last_result_fetched(self, timeout: float) -> bool:
+        """Wait until every participant of the last round fetched its result (True) or ``timeout`` (False)."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(self._last_round_fetched), timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    async def aclose(self) -> None:
+        """Cancel the timer and any round being closed (shutdown)."""
+        if self._round is not None and self._round.timer is not None:
+            self._round.timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,315 @@
+"""The parameter server's life, from the initial model to the final upload (docs/training.md steps 3, 7, 8).
+
+:func:`run` is what ``python -m parameter_server`` runs:
+
+1. Build or fetch the initial model (:mod:`parameter_server.model`); if ``work_dir/checkpoints`` has a
+   round, restore its weights, momentum and round number instead (a restart), else save round 0.
+2. Bind the HTTP API, then report ``{"ready": {"url", "round"}}`` through the bridge.
+3. For each round the coordinator publishes: compute the eval loss (if the job has ``eval``) in a thread,
+   then report ``{"round": {...}}``. The round is finished when the reply is ``{"type": "Done"}`` or
+   ``update_rounds`` rounds are done.
+4. Upload ``config.json`` and ``model.safetensors`` to the control plane, keep serving until every
+   participant of the last round fetched its result (or ``final_wait`` seconds pass), return 0.
+
+Files under ``work_dir``: ``model/`` (config and other non-weight files), ``global/round-N.safetensors``
+(the global weights after round N, the last two kept), ``results/round-N.safetensors`` (u_N, the last two),
+``checkpoints/`` (weights + momentum per round, the last two), ``incoming/`` (update bodies being read),
+``eval/`` (cached eval slices), ``source/`` (downloaded model files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from parameter_server import checkpoints
+from parameter_server import weights as weights_io
+from parameter_server.evaluation import Evaluator
+from parameter_server.exceptions import CheckpointError, EvalDataError, ParameterServerError
+from parameter_server.job import JobConfig
+from parameter_server.math import StateDict
+from parameter_server.model import CONFIG_FILENAME, WEIGHTS_FILENAME, InitialModel, prepare_model
+from parameter_server.reporting import BridgeReporter, upload_model
+from parameter_server.rounds import KEEP_RESULTS, RoundCoordinator, RoundResult
+from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http
+
+logger = logging.getLogger("parameter_server")
+
+# safetensors metadata transformers' from_pretrained looks for.
+FILE_METADATA = {"format": "pt"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where the parameter server listens and whom it talks to (command line and environment)."""
+
+    work_dir: Path
+    socket_path: Path
+    host: str
+    port: int
+    public_url: str | None
+    transfer_key: str
+    transfer_token: str
+    server_url: str
+    final_wait: float = 60.0
+    upload_deadline: float = 60.0
+
+
+class Stopped(Exception):
+    """SIGTERM (or SIGINT) arrived: stop serving now."""
+
+
+def _round_file(directory: Path, round_number: int) -> Path:
+    return directory / f"round-{round_number:09d}.safetensors"
+
+
+def _prune(directory: Path, keep_from: int) -> None:
+    for path in directory.glob("round-*.safetensors"):
+        with contextlib.suppress(ValueError, OSError):
+            if int(path.name.removeprefix("round-").removesuffix(".safetensors")) < keep_from:
+                # A download in progress keeps its open file; unlinking does not cut it short.
+                path.unlink()
+
+
+class ParameterServer:
+    """One job's parameter server: see the module docstring. Use :meth:`start`, :meth:`serve`, :meth:`aclose`."""
+
+    def __init__(self, job: JobConfig, settings: Settings) -> None:
+        self.job = job
+        self.settings = settings
+        self.work_dir = settings.work_dir
+        self.global_dir = self.work_dir / "global"
+        self.results_dir = self.work_dir / "results"
+        self.checkpoint_dir = self.work_dir / "checkpoints"
+        self.initial: InitialModel | None = None
+        self.coordinator: RoundCoordinator | None = None
+        self.app: ParameterServerApp | None = None
+        self.public_url: str | None = None
+        self.reporter = BridgeReporter(settings.socket_path)
+        self.evaluator = (
+            Evaluator(config=job.eval, input_names=job.input_names, cache_dir=self.work_dir / "eval")
+            if job.eval is not None
+            else None
+        )
+        self._weights_after: dict[int, StateDict] = {}
+        self._runner: Any = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- start -----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Prepare the model, restore or save round 0, bind the HTTP port (no report yet)."""
+        for directory in (self.global_dir, self.results_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        initial = await asyncio.to_thread(prepare_model, self.job, self.work_dir)
+        self.initial = initial
+        state = await asyncio.to_thread(checkpoints.load_latest, self.checkpoint_dir)
+        if state is None:
+            weights, momentum, completed = initial.weights, None, 0
+            await asyncio.to_thread(
+                checkpoints.save_round,
+                self.checkpoint_dir,
+                round_number=0,
+                weights=weights,
+                momentum=None,
+                keep=2,
+            )
+        else:
+            expected = weights_io.signature(initial.weights)
+            if weights_io.signature(state.weights) != expected:
+                raise CheckpointError("the checkpoint's weights do not match the job's model")
+            weights, momentum, completed = state.weights, state.momentum, state.round_number
+            logger.info("resuming after round %d from %s", completed, self.checkpoint_dir)
+        weights_path = _round_file(self.global_dir, completed)
+        await asyncio.to_thread(weights_io.save, weights_path, weights, metadata=FILE_METADATA)
+
+        self.coordinator = RoundCoordinator(
+            expected=self.job.expected_peers,
+            weights=weights,
+            momentum=momentum,
+            rounds_completed=completed,
+            update_rounds=self.job.update_rounds,
+            round_timeout=self.job.round_timeout,
+            weighted=self.job.weighted,
+            learning_rate=self.job.learning_rate,
+            momentum_factor=self.job.momentum,
+            persist=self._persist,
+        )
+        self.app = ParameterServerApp(
+            job_id=self.job.job_id,
+            transfer_key=self.settings.transfer_key,
+            coordinator=self.coordinator,
+            files=GlobalModelFiles(
+                files_dir=initial.files_dir, weights_path=weights_path, rounds_completed=completed
+            ),
+            signature=weights_io.signature(weights),
+            incoming_dir=self.work_dir / "incoming",
+            canonicalize=initial.canonicalize,
+        )
+        self._runner, port = await start_http(
+            self.app.make_app(), host=self.settings.host, port=self.settings.port
+        )
+        self.public_url = self.settings.public_url or f"http://{self.settings.host}:{port}"
+        logger.info(
+            "serving job %s at %s (listening on %s:%d), round %d of %d",
+            self.job.job_id,
+            self.public_url,
+            self.settings.host,
+            port,
+            completed + 1,
+            self.job.update_rounds,
+        )
+
+    async def _persist(self, result: RoundResult, weights: StateDict, momentum: StateDict | None) -> None:
+        """Checkpoint, then the new global file and u_r's file; only then is the round published."""
+        assert self.app is not None
+        number = result.round_number
+        await asyncio.to_thread(
+            checkpoints.save_round,
+            self.checkpoint_dir,
+            round_number=number,
+            weights=weights,
+            momentum=momentum,
+            keep=2,
+        )
+        weights_path = _round_file(self.global_dir, number)
+        result_path = _round_file(self.results_dir, number)
+        await asyncio.to_thread(weights_io.save, weights_path, weights, metadata=FILE_METADATA)
+        await asyncio.to_thread(weights_io.save, result_path, result.update, metadata=FILE_METADATA)
+        result.path = result_path
+        # One assignment: a download sees the old (file, round) or the new one, never a mix.
+        self.app.files = GlobalModelFiles(
+            files_dir=self.app.files.files_dir, weights_path=weights_path, rounds_completed=number
+        )
+        self._weights_after[number] = weights
+        _prune(self.global_dir, number - 1)
+        _prune(self.results_dir, number - KEEP_RESULTS + 1)
+
+    # --- serve -----------------------------------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Report ready, run the rounds, upload the final model, wait for the last fetches. Returns 0, or
+        raises ``Stopped`` when ``stop`` is set and ``ParameterServerError`` on a fatal failure."""
+        coordinator = self.coordinator
+        assert coordinator is not None and self.app is not None
+        await self.reporter.send({"ready": {"url": self.public_url, "round": coordinator.rounds_completed}})
+        stop_waiter = asyncio.ensure_future(stop.wait())
+        try:
+            # Until no round is open (or closing) and every published round is reported: a Done reply may
+            # arrive while the next round is being closed, and that round is still reported.
+            while coordinator.open_round is not None or not coordinator.published.empty():
+                getter = asyncio.ensure_future(coordinator.published.get())
+                done, _ = await asyncio.wait(
+                    {getter, stop_waiter, coordinator.failure}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if getter not in done:
+                    getter.cancel()
+                if stop_waiter in done:
+                    raise Stopped()
+                if coordinator.failure in done:
+                    raise ParameterServerError(f"a round could not be closed: {coordinator.failure.result()}")
+                reply = await self._report(getter.result())
+                if reply is not None and reply.get("type") == "Done":
+                    logger.info("the control plane says the job is done")
+                    coordinator.finish()
+            await self._finish(stop_waiter)
+        finally:
+            stop_waiter.cancel()
+        return 0
+
+    async def _report(self, result: RoundResult) -> dict[str, Any] | None:
+        assert self.app is not None
+        weights = self._weights_after.pop(result.round_number, None)
+        if self.evaluator is not None and weights is not None:
+            result.eval_loss = await self._eval_loss(weights)
+        body = {
+            "round": result.round_number,
+            "participants": list(result.participants),
+            "left_out": list(result.left_out),
+            "refused": dict(result.refused),
+            "samples": result.samples,
+            "duration": result.duration,
+            "bytes_in": result.bytes_in,
+            "bytes_out": self.app.take_bytes_out(),
+            "eval_loss": result.eval_loss,
+        }
+        logger.info("round %d report: %s", result.round_number, body)
+        return await self.reporter.send({"round": body})
+
+    async def _eval_loss(self, weights: StateDict) -> float | None:
+        assert self.evaluator is not None and self.initial is not None
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            await self.evaluator.prepare(self._session)
+            return await asyncio.to_thread(self.evaluator.loss, self.initial.model, weights)
+        except EvalDataError as error:
+            logger.warning("no eval loss this round: %s", error)
+        except Exception:  # a model that cannot run on the eval inputs must not stop the training
+            logger.exception("computing the eval loss failed")
+        return None
+
+    async def _finish(self, stop_waiter: asyncio.Future[Any]) -> None:
+        assert self.app is not None and self.initial is not None and self.coordinator is not None
+        files = {
+            CONFIG_FILENAME: self.initial.files_dir / CONFIG_FILENAME,
+            WEIGHTS_FILENAME: self.app.files.weights_path,
+        }
+        upload = asyncio.ensure_future(
+            upload_model(
+                server_url=self.settings.server_url,
+                job_id=self.job.job_id,
+                token=self.settings.transfer_token,
+                files=files,
+                deadline=self.settings.upload_deadline,
+            )
+        )
+        done, _ = await asyncio.wait({upload, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if upload not in done:
+            upload.cancel()
+            raise Stopped()
+        upload.result()  # UploadError propagates: exit 1
+        fetched = asyncio.ensure_future(self.coordinator.wait_last_result_fetched(self.settings.final_wait))
+        done, _ = await asyncio.wait({fetched, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if fetched not in done:
+            fetched.cancel()
+            raise Stopped()
+        if not fetched.result():
+            logger.warning("not every trainer fetched the last result within %g s", self.settings.final_wait)
+        logger.info("job %s done after %d rounds", self.job.job_id, self.coordinator.rounds_completed)
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await stop_http(self._runner)
+            self._runner = None
+        if self.coordinator is not None:
+            await self.coordinator.aclose()
+        await self.reporter.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+async def run(job: JobConfig, settings: Settings, stop: asyncio.Event) -> int:
+    """Start, serve and close one parameter server; 0 when the job is done. Raises ``Stopped`` on ``stop``,
+    ``ParameterServerError`` (and ``OSError``) on failures."""
+    server = ParameterServer(job, settings)
+    try:
+        start = asyncio.ensure_future(server.start())
+        stop_waiter = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({start, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        stop_waiter.cancel()
+        if start not in done:
+            # The model is being built in a thread that cannot be interrupted; do not wait for it.
+            start.cancel()
+            raise Stopped()
+        start.result()
+        return await server.serve(stop)
+    finally:
+        await server.aclose()

@@ -1,0 +1,96 @@
+"""The demo's driver (run by ``scripts/demo``): train a tiny GPT-2 with DiLoCo on loopback and print the result.
+
+Prepares a byte-level dataset from the Python standard library's sources, starts the control plane (embedded:
+SQLite, no servers), one data node and ``trainers + 1`` worker daemons (the market picks the parameter server),
+submits the job, prints each round as it closes, downloads the final model and ends with one JSON line::
+
+    {"job": ..., "status": "completed", "rounds": ..., "first_round_loss": ..., "final_loss": ...,
+     "eval_loss": ..., "model": "<path>"}
+
+Exit code 0 when the job completed, 1 otherwise (with the logs' tails on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.cluster import diloco_spec, dump, prepare_stdlib_text, summary, training_cluster  # noqa: E402
+
+
+def log(text: str) -> None:
+    print(f"==> {text}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainers", type=int, default=3, help="trainer daemons (default 3)")
+    parser.add_argument("--rounds", type=int, default=6, help="outer DiLoCo rounds (default 6)")
+    parser.add_argument("--inner-steps", type=int, default=25, help="AdamW steps per trainer per round (H)")
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "demo-output", help="where the model goes")
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, work dirs)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    args = parser.parse_args(argv)
+    if args.trainers < 1 or args.rounds < 1 or args.inner_steps < 1:
+        parser.error("--trainers, --rounds and --inner-steps must be at least 1")
+
+    root = Path(tempfile.mkdtemp(prefix="hypha-demo-"))
+    started = time.monotonic()
+    dataset = prepare_stdlib_text(root / "stdlib")
+    slices = len(list(dataset.glob("*.safetensors")))
+    log(f"dataset 'stdlib': {slices} slices of 64 × 128 bytes of the standard library's sources ({dataset})")
+    job = None
+    try:
+        log(f"starting the control plane (embedded), a data node and {args.trainers + 1} worker daemons")
+        with training_cluster(root=root, dataset_dir=dataset, workers=args.trainers + 1) as cluster:
+            log(f"control plane at {cluster.plane.base_url}; all daemons online")
+            spec = diloco_spec(
+                dataset="stdlib", trainers=args.trainers, rounds=args.rounds, inner_steps=args.inner_steps
+            )
+            job_id = cluster.submit(spec, name="demo-tiny-gpt2")
+            log(
+                f"submitted job {job_id}: a 2-layer GPT-2 from a config, {args.trainers} trainers, "
+                f"{args.rounds} rounds of {args.inner_steps} steps"
+            )
+
+            def show(round_: dict) -> None:
+                loss = round_["mean_loss"]
+                evaluation = round_["eval_loss"]
+                log(
+                    f"round {round_['number']}/{args.rounds}: {len(round_['participants'])} trainers, "
+                    f"training loss {loss if loss is None else f'{loss:.3f}'}, "
+                    f"eval loss {evaluation if evaluation is None else f'{evaluation:.3f}'} "
+                    f"({time.monotonic() - started:.0f} s)"
+                )
+
+            try:
+                job = cluster.follow(job_id, timeout=args.timeout, on_round=show)
+            except (TimeoutError, RuntimeError) as error:
+                print(f"demo: FAILED: {error}\n{cluster.logs()}", file=sys.stderr)
+                return 1
+            model = None
+            if job["status"] == "completed":
+                model = cluster.download_model(job_id, args.output / f"model-{job_id}.zip")
+                log(f"job completed in {time.monotonic() - started:.0f} s; model saved to {model}")
+            else:
+                print(f"demo: FAILED: the job is {job['status']}: {job['status_reason']}", file=sys.stderr)
+                print(cluster.logs(), file=sys.stderr)
+        print(dump(summary(job, model=model)), flush=True)
+        return 0 if job["status"] == "completed" else 1
+    finally:
+        if args.keep:
+            log(f"kept {root}")
+        else:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""DiLoCo end to end with real processes on loopback: control plane, data node, parameter server, trainers.
+
+A tiny GPT-2 (from a config) trains for a few rounds on byte-level text; the job must complete, the last
+round's training loss must be below the first's, every round must have its eval loss, the data slices must
+have moved to USED, and the model downloaded from the control plane must be the parameter server's last global
+weights, tensor for tensor (the parameter server's checkpoint is kept for the comparison with
+``HYPHA_KEEP_WORK_DIRS=1``).
+"""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import services_mode
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+pytestmark = pytest.mark.timeout(600)
+
+ROUNDS = 3
+TRAINERS = 2
+
+
+def test_a_diloco_job_trains_a_tiny_model_and_its_model_is_downloadable(tmp_path: Path) -> None:
+    from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster
+    from parameter_server import weights
+
+    # given: a byte-level dataset and a cluster of three daemons (two trainers and a parameter server)
+    dataset = prepare_stdlib_text(tmp_path / "stdlib", max_bytes=250_000, samples_per_slice=32)
+    spec = diloco_spec(
+        dataset="stdlib",
+        trainers=TRAINERS,
+        rounds=ROUNDS,
+        inner_steps=15,
+        batch_size=8,
+        model={
+            "model_type": "gpt2",
+            "vocab_size": 256,
+            "n_positions": 128,
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 2,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
+        round_timeout=60.0,
+    )
+    with training_cluster(
+        root=tmp_path / "cluster",
+        dataset_dir=dataset,
+        workers=TRAINERS + 1,
+        mode="services" if services_mode() else "embedded",
+        settings={"HYPHA_LEASE_TTL": "10"},
+        daemon_env={"HYPHA_KEEP_WORK_DIRS": "1"},
+    ) as cluster:
+        # when
+        job_id = cluster.submit(spec, name="e2e-tiny-gpt2")
+        job = cluster.follow(job_id, timeout=420)
+
+        # then: completed, with every round recorded and learning visible
+        assert job["status"] == "completed", f"{job['status_reason']}\n{cluster.logs()}"
+        rounds = job["rounds"]
+        assert [round_["number"] for round_ in rounds] == list(range(1, ROUNDS + 1))
+        assert all(round_["closed"] and len(round_["participants"]) == TRAINERS for round_ in rounds)
+        assert all(round_["eval_loss"] is not None for round_ in rounds)
+        assert rounds[-1]["mean_loss"] < rounds[0]["mean_loss"], rounds
+        assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"], rounds
+        assert all(round_["bytes_in"] > 0 and round_["bytes_out"] > 0 for round_ in rounds)
+        assert job["data"]["used"] > 0
+        trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+        assert [(task["status"], task["round"], task["exit_code"]) for task in trainers] == [
+            ("exited", ROUNDS, 0)
+        ] * TRAINERS
+        # every lease ended with the job
+        assert all(lease["status"] == "released" for lease in job["leases"]), job["leases"]
+
+        # and the downloaded model is the parameter server's last global weights
+        archive = cluster.download_model(job_id, tmp_path / "model.zip")
+        with zipfile.ZipFile(archive) as bundle:
+            assert sorted(bundle.namelist()) == ["config.json", "model.safetensors"]
+            downloaded = tmp_path / "downloaded.safetensors"
+            downloaded.write_bytes(bundle.read("model.safetensors"))
+            assert b'"gpt2"' in bundle.read("config.json")
+        checkpoints = sorted((tmp_path / "cluster" / "workers").glob("*/hypha-*/checkpoints/round-*"))
+        assert checkpoints, "the parameter server's checkpoints were not kept"
+        final = max(checkpoints, key=lambda path: path.name)
+        global_weights = weights.load(next(final.glob("*weights*.safetensors")))
+        model = weights.load(downloaded)
+        assert set(model) == set(global_weights)
+        for name, tensor in global_weights.items():
+            assert model[name].equal(tensor), name

@@ -1,0 +1,166 @@
+"""Fixtures of the parameter server's service tests: tokens, a real bridge with a recording backend, jobs.
+
+``StatusBackend`` stands for the daemon's bridge backend (which forwards to the control plane): it records
+every progress value the parameter server reports and answers from ``replies`` (``{"type": "Ok"}`` when empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker_daemon.bridge import BridgeServer, serve_bridge
+from worker_daemon.protocol import sign_transfer_token
+
+JOB_ID = "5b0f1f0e-2f7c-4a43-9b8e-3a1c2d4e5f60"
+OTHER_JOB_ID = "00000000-0000-4000-8000-000000000000"
+TRANSFER_KEY = "job-key-for-tests"
+ALICE = "11111111-1111-4111-8111-111111111111"
+BOB = "22222222-2222-4222-8222-222222222222"
+CAROL = "33333333-3333-4333-8333-333333333333"
+PS_PEER = "99999999-9999-4999-8999-999999999999"
+
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 2,
+    "vocab_size": 256,
+    "n_positions": 64,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def token(
+    peer: str, *, role: str = "trainer", job: str = JOB_ID, key: str = TRANSFER_KEY, ttl: float = 600
+) -> str:
+    return sign_transfer_token(key, {"job": job, "peer": peer, "role": role, "exp": int(time.time() + ttl)})
+
+
+def auth(peer: str, **kwargs: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token(peer, **kwargs)}"}
+
+
+def aggregate_job(
+    *,
+    peers: list[str],
+    update_rounds: int = 2,
+    round_timeout: float = 30.0,
+    weighted: bool = True,
+    learning_rate: float = 0.5,
+    momentum: float = 0.5,
+    source: dict[str, Any] | None = None,
+    eval_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    reference = {"type": "peers", "peers": peers, "strategy": {"type": "All"}, "resource": None}
+    return {
+        "job_id": JOB_ID,
+        "executor": {
+            "class": "aggregate",
+            "descriptor": {"name": "parameter-server"},
+            "config": {
+                "updates": reference,
+                "results": reference,
+                "optimizer": {"learning-rate": learning_rate, "momentum": momentum},
+                "model": {
+                    "task": "causal-lm",
+                    "source": source or {"type": "config", "config": dict(TINY_GPT2)},
+                    "input-names": ["input_ids", "labels"],
+                    "seed": 1234,
+                },
+                "rounds": {
+                    "update_rounds": update_rounds,
+                    "round_timeout": round_timeout,
+                    "weighted": weighted,
+                },
+                "eval": eval_config,
+            },
+        },
+    }
+
+
+class StatusBackend:
+    """Records status values; answers from ``replies`` (a list, first in first out) or ``{"type": "Ok"}``."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.replies: list[dict[str, Any]] = []
+        self.arrived = asyncio.Event()
+
+    async def status(self, *, job_id: str | None, progress: Any) -> dict[str, Any]:
+        self.values.append(progress)
+        self.arrived.set()
+        return self.replies.pop(0) if self.replies else {"type": "Ok"}
+
+    async def wait_for(self, key: str, count: int = 1, timeout: float = 20.0) -> list[Any]:
+        """The values reported under ``key`` once there are ``count`` of them."""
+        async with asyncio.timeout(timeout):
+            while True:
+                found = [value[key] for value in self.values if isinstance(value, dict) and key in value]
+                if len(found) >= count:
+                    return found
+                self.arrived.clear()
+                await self.arrived.wait()
+
+    async def fetch(self, **kwargs: Any) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    async def send(self, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    async def receive(self, **kwargs: Any) -> AsyncIterator[tuple[str, int, str]]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    # AF_UNIX paths are limited to ~108 bytes; pytest's tmp_path for long test names is longer than that.
+    path = Path(tempfile.mkdtemp(prefix="ps-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def status_backend() -> StatusBackend:
+    return StatusBackend()
+
+
+@pytest.fixture
+def accept_ps_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the bridge forward ``{"ready": …}`` and ``{"round": …}`` if its progress check does not know them
+    yet (docs/training.md says a parameter server sends them; worker_daemon's bridge is updated separately)."""
+    from worker_daemon.bridge import server as bridge_server
+
+    original = bridge_server.parse_progress
+    try:
+        original({"ready": {"url": "http://x", "round": 0}})
+        return
+    except ValueError:
+        pass
+
+    def parse_progress(value: Any) -> Any:
+        if isinstance(value, dict) and len(value) == 1 and ("ready" in value or "round" in value):
+            return value
+        return original(value)
+
+    monkeypatch.setattr(bridge_server, "parse_progress", parse_progress)
+
+
+@pytest.fixture
+async def bridge(
+    short_tmp: Path, status_backend: StatusBackend, accept_ps_progress: None
+) -> AsyncIterator[BridgeServer]:
+    server = await serve_bridge(
+        socket_path=short_tmp / "bridge.sock", work_dir=short_tmp, backend=status_backend, job_id=JOB_ID
+    )
+    yield server
+    await server.close()

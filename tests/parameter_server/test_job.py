@@ -1,0 +1,75 @@
+"""The parameter server's job JSON (parameter_server/job.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parameter_server.exceptions import JobConfigError
+from parameter_server.job import EvalSlice, parse_job
+from tests.parameter_server.conftest import ALICE, BOB, JOB_ID, TINY_GPT2, aggregate_job
+
+
+def test_a_full_job_parses():
+    eval_config = {
+        "dataset": "stdlib",
+        "batch_size": 4,
+        "slices": [
+            {"index": 3, "size": 10, "sha256": "A" * 64, "urls": ["http://data/datasets/stdlib/slices/3"]}
+        ],
+    }
+
+    job = parse_job(json.dumps(aggregate_job(peers=[ALICE, BOB], eval_config=eval_config)))
+
+    assert job.job_id == JOB_ID
+    assert job.expected_peers == (ALICE, BOB)
+    assert (job.learning_rate, job.momentum) == (0.5, 0.5)
+    assert (job.task, job.source.type, job.source.config) == ("causal-lm", "config", TINY_GPT2)
+    assert (job.input_names, job.seed) == (("input_ids", "labels"), 1234)
+    assert (job.update_rounds, job.round_timeout, job.weighted) == (2, 30.0, True)
+    assert job.eval.batch_size == 4
+    assert job.eval.slices == (
+        EvalSlice(index=3, size=10, sha256="a" * 64, urls=("http://data/datasets/stdlib/slices/3",)),
+    )
+
+
+def test_defaults_of_the_optional_keys():
+    document = aggregate_job(peers=[ALICE])
+    del document["executor"]["config"]["rounds"]
+    del document["executor"]["config"]["eval"]
+
+    job = parse_job(document)
+
+    assert (job.update_rounds, job.round_timeout, job.weighted, job.eval) == (1, 120.0, True, None)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("executor", "class"), "train", "executor.class"),
+        (("executor", "config", "updates", "peers"), [], "at least one trainer"),
+        (("executor", "config", "updates", "peers"), [ALICE, ALICE], "twice"),
+        (("executor", "config", "optimizer", "learning-rate"), 0, "learning-rate"),
+        (("executor", "config", "optimizer", "momentum"), 1.0, "momentum"),
+        (("executor", "config", "model", "source", "type"), "ftp", "model.source.type"),
+        (("executor", "config", "rounds", "update_rounds"), 0, "update_rounds"),
+        (("executor", "config", "rounds", "round_timeout"), -1, "round_timeout"),
+        (("executor", "config", "rounds", "weighted"), "yes", "weighted"),
+        (("executor", "config", "eval"), {"batch_size": 1, "slices": []}, "eval.slices"),
+    ],
+)
+def test_bad_values_name_their_key(path, value, message):
+    document = aggregate_job(peers=[ALICE, BOB])
+    target = document
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+
+    with pytest.raises(JobConfigError, match=message):
+        parse_job(document)
+
+
+def test_not_json_is_a_job_error():
+    with pytest.raises(JobConfigError, match="not JSON"):
+        parse_job("{nope")

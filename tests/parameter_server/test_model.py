@@ -1,0 +1,141 @@
+"""The initial model (parameter_server/model.py): built from a config, fetched from Hugging Face or a URL."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+
+from parameter_server import weights as weights_io
+from parameter_server.exceptions import JobConfigError
+from parameter_server.job import parse_job
+from parameter_server.model import prepare_model
+from tests.parameter_server.conftest import ALICE, BOB, aggregate_job
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """The tiny GPT-2 of the job, prepared once for the module."""
+    work_dir = tmp_path_factory.mktemp("gpt2")
+    return prepare_model(parse_job(aggregate_job(peers=[ALICE, BOB])), work_dir), work_dir
+
+
+def test_a_tied_gpt2_is_saved_once_and_reloads_tied(gpt2):
+    from transformers import AutoModelForCausalLM
+
+    initial, work_dir = gpt2
+    # then: the files trainers fetch
+    assert sorted(path.name for path in initial.files_dir.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+    ]
+    assert "lm_head.weight" not in initial.weights
+    assert initial.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    assert len(initial.weights) == 28
+    # then: the global weights as served (config.json + our model.safetensors) load back, still tied
+    served = work_dir / "served"
+    served.mkdir()
+    (served / "config.json").write_bytes((initial.files_dir / "config.json").read_bytes())
+    weights_io.save(served / "model.safetensors", initial.weights, metadata={"format": "pt"})
+    reloaded = AutoModelForCausalLM.from_pretrained(served)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+    for name, tensor in initial.weights.items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_the_same_seed_builds_the_same_weights(gpt2, tmp_path):
+    initial, _ = gpt2
+
+    again = prepare_model(parse_job(aggregate_job(peers=[ALICE, BOB])), tmp_path)
+
+    assert all(torch.equal(again.weights[name], tensor) for name, tensor in initial.weights.items())
+
+
+def test_canonicalize_renames_or_drops_tied_aliases(gpt2):
+    initial, _ = gpt2
+    wte = torch.ones(256, 32)
+
+    assert list(initial.canonicalize({"lm_head.weight": wte})) == ["transformer.wte.weight"]
+    both = initial.canonicalize({"lm_head.weight": torch.zeros(256, 32), "transformer.wte.weight": wte})
+    assert list(both) == ["transformer.wte.weight"] and both["transformer.wte.weight"] is wte
+
+
+def test_an_unknown_task_or_config_is_a_job_error(tmp_path):
+    job = aggregate_job(peers=[ALICE])
+    job["executor"]["config"]["model"]["task"] = "telepathy"
+    with pytest.raises(JobConfigError, match="AutoModelForTelepathy"):
+        prepare_model(parse_job(job), tmp_path)
+    job = aggregate_job(peers=[ALICE], source={"type": "config", "config": {"n_layer": 2}})
+    with pytest.raises(JobConfigError, match="model_type"):
+        prepare_model(parse_job(job), tmp_path)
+
+
+def test_a_huggingface_source_downloads_each_file(gpt2, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    _, gpt2_dir = gpt2
+    original = gpt2_dir / "original"
+    original.mkdir(exist_ok=True)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(gpt2_dir / "served").save_pretrained(original)
+    calls = []
+
+    def fake_download(*, repo_id, filename, revision, token, local_dir):
+        calls.append((repo_id, filename, revision, token))
+        target = Path(local_dir) / filename
+        target.write_bytes((original / filename).read_bytes())
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    source = {
+        "type": "huggingface",
+        "repository": "hypha-space/tiny",
+        "revision": None,
+        "filenames": ["config.json", "model.safetensors"],
+        "token": "hf_secret",
+    }
+
+    initial = prepare_model(parse_job(aggregate_job(peers=[ALICE], source=source)), tmp_path)
+
+    assert calls == [
+        ("hypha-space/tiny", "config.json", "main", "hf_secret"),
+        ("hypha-space/tiny", "model.safetensors", "main", "hf_secret"),
+    ]
+    expected = weights_io.load(original / "model.safetensors")
+    assert sorted(initial.weights) == sorted(expected)
+    assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)
+
+
+async def test_a_uri_source_may_be_a_zip_of_the_model_directory(gpt2, tmp_path):
+    _, gpt2_dir = gpt2
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for name in ("config.json", "model.safetensors"):
+            zipped.write(gpt2_dir / "served" / name, f"model/{name}")
+
+    async def serve_zip(request: web.Request) -> web.Response:
+        return web.Response(body=archive.getvalue())
+
+    app = web.Application()
+    app.router.add_get("/models/final.zip", serve_zip)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        source = {"type": "uri", "value": f"http://127.0.0.1:{port}/models/final.zip"}
+        job = parse_job(aggregate_job(peers=[ALICE], source=source))
+        initial = await asyncio.to_thread(prepare_model, job, tmp_path)
+    finally:
+        await runner.cleanup()
+
+    expected = weights_io.load(gpt2_dir / "served" / "model.safetensors")
+    assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)
+    assert (initial.files_dir / "config.json").is_file()

@@ -1,0 +1,327 @@
+"""The whole parameter server in-process (parameter_server/service.py): a tiny GPT-2, a real bridge with a
+recording backend, trainers over HTTP, a local data node for the eval slice and a local model receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+from torch.testing import assert_close
+
+from parameter_server import weights as weights_io
+from parameter_server.exceptions import UploadError
+from parameter_server.job import parse_job
+from parameter_server.service import Settings, Stopped, run
+from tests.parameter_server.conftest import (
+    ALICE,
+    BOB,
+    JOB_ID,
+    PS_PEER,
+    TRANSFER_KEY,
+    aggregate_job,
+    auth,
+    token,
+)
+
+
+@dataclass
+class Receiver:
+    """The control plane's model upload endpoint and a data node's slice endpoint, on one local port."""
+
+    url: str = ""
+    uploads: dict[str, bytes] = field(default_factory=dict)
+    authorizations: list[str] = field(default_factory=list)
+    failures: int = 0
+    slices: dict[int, bytes] = field(default_factory=dict)
+
+    async def put_model(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization", ""))
+        if self.failures:
+            self.failures -= 1
+            return web.Response(status=503, text="try later")
+        assert request.match_info["job"] == JOB_ID
+        self.uploads[request.match_info["filename"]] = await request.read()
+        return web.json_response({"stored": True})
+
+    async def get_slice(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.slices[int(request.match_info["index"])])
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    state = Receiver()
+    app = web.Application()
+    app.router.add_put("/api/jobs/{job}/model/{filename}", state.put_model)
+    app.router.add_get("/datasets/{dataset}/slices/{index}", state.get_slice)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield state
+    await runner.cleanup()
+
+
+def settings(work_dir: Path, bridge, receiver: Receiver, **overrides) -> Settings:
+    values = {
+        "work_dir": work_dir,
+        "socket_path": bridge.socket_path,
+        "host": "127.0.0.1",
+        "port": 0,
+        "public_url": None,
+        "transfer_key": TRANSFER_KEY,
+        "transfer_token": token(PS_PEER, role="parameter_server"),
+        "server_url": receiver.url,
+        "final_wait": 10.0,
+        "upload_deadline": 10.0,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+def delta_like(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(tensor.shape, generator=generator) * 0.01 for name, tensor in weights.items()}
+
+
+def to_bytes(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> bytes:
+    path = tmp_path / "body.safetensors"  # weights.save replaces the file, never rewrites it
+    weights_io.save(path, tensors)
+    return path.read_bytes()
+
+
+def from_bytes(tmp_path: Path, data: bytes) -> dict[str, torch.Tensor]:
+    # A new file each time: safetensors may map the file, so it must never be rewritten while in use.
+    path = tmp_path / f"fetched-{hashlib.sha256(data).hexdigest()[:16]}.safetensors"
+    path.write_bytes(data)
+    return weights_io.load(path)
+
+
+class Trainer:
+    def __init__(self, session: aiohttp.ClientSession, url: str, peer: str) -> None:
+        self.session, self.url, self.peer = session, f"{url}/jobs/{JOB_ID}", peer
+
+    async def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
+        async with self.session.get(f"{self.url}/{path}", headers=auth(self.peer)) as response:
+            return response.status, dict(response.headers), await response.read()
+
+    async def send(self, round_number: int, body: bytes, samples: int) -> int:
+        headers = {**auth(self.peer), "X-Samples": str(samples)}
+        async with self.session.put(
+            f"{self.url}/rounds/{round_number}/update", data=body, headers=headers
+        ) as r:
+            return r.status
+
+
+async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: an eval slice of 4 sequences on the local data node
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, 256, (4, 8), generator=generator)
+    slice_path = tmp_path / "slice.safetensors"
+    weights_io.save(slice_path, {"input_ids": input_ids, "labels": input_ids})
+    receiver.slices[0] = slice_path.read_bytes()
+    eval_config = {
+        "dataset": "stdlib",
+        "batch_size": 16,
+        "slices": [
+            {
+                "index": 0,
+                "size": len(receiver.slices[0]),
+                "sha256": hashlib.sha256(receiver.slices[0]).hexdigest(),
+                "urls": [f"{receiver.url}/datasets/stdlib/slices/0"],
+            }
+        ],
+    }
+    job = parse_job(aggregate_job(peers=[ALICE, BOB], update_rounds=2, eval_config=eval_config))
+    options = settings(tmp_path / "work", bridge, receiver)
+    service = asyncio.create_task(run(job, options, asyncio.Event()))
+
+    # when: the parameter server is ready
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+    assert ready["round"] == 0 and ready["url"].startswith("http://127.0.0.1:")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice, bob = Trainer(session, ready["url"], ALICE), Trainer(session, ready["url"], BOB)
+        status, headers, data = await alice.get("model/model.safetensors")
+        assert (status, headers["X-Round"]) == (200, "0")
+        theta_0 = from_bytes(tmp_path, data)
+        assert (await alice.get("model/config.json"))[0] == 200
+
+        # round 1: samples 2 and 6 → g = (2·a + 6·b) / 8; first step u = lr·(1 + μ)·g = 0.75·g
+        a, b = delta_like(theta_0, 1), delta_like(theta_0, 2)
+        body_a, body_b = to_bytes(tmp_path, a), to_bytes(tmp_path, b)
+        assert await alice.send(1, body_a, samples=2) == 200
+        assert await bob.send(1, body_b, samples=6) == 200
+        status, headers, data = await alice.get("rounds/1/result?wait=20")
+        assert (status, headers["X-Included"]) == (200, "true")
+        u_1 = from_bytes(tmp_path, data)
+        expected_u_1 = {name: 0.75 * (2 * a[name] + 6 * b[name]) / 8 for name in a}
+        assert_close(u_1, expected_u_1)
+        assert (await bob.get("rounds/1/result"))[0] == 200
+        (report_1,) = await status_backend.wait_for("round")
+        status, headers, data = await bob.get("model/model.safetensors")
+        assert headers["X-Round"] == "1"
+        theta_1 = from_bytes(tmp_path, data)
+        assert_close(theta_1, {name: theta_0[name] + u_1[name] for name in theta_0})
+
+        # round 2; the control plane answers Done to its report
+        status_backend.replies.append({"type": "Done"})
+        assert await alice.send(2, body_a, samples=1) == 200
+        assert await bob.send(2, body_b, samples=1) == 200
+        assert (await alice.get("rounds/2/result?wait=20"))[0] == 200
+        assert (await bob.get("rounds/2/result?wait=20"))[0] == 200
+
+        # then: it uploads, sees both fetches and exits 0
+        assert await asyncio.wait_for(service, 30) == 0
+
+    assert report_1 == {
+        "round": 1,
+        "participants": [ALICE, BOB],
+        "left_out": [],
+        "refused": {},
+        "samples": 8,
+        "duration": report_1["duration"],
+        "bytes_in": len(body_a) + len(body_b),
+        "bytes_out": report_1["bytes_out"],
+        "eval_loss": report_1["eval_loss"],
+    }
+    assert report_1["bytes_out"] > 2 * len(body_a)  # the model download and two results
+    assert 0 < report_1["eval_loss"] < 10
+    _, report_2 = await status_backend.wait_for("round", 2)
+    assert (report_2["round"], report_2["samples"]) == (2, 2)
+    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+    assert set(receiver.authorizations) == {f"Bearer {options.transfer_token}"}
+    final_dir = tmp_path / "final"
+    final_dir.mkdir()
+    for name, data in receiver.uploads.items():
+        (final_dir / name).write_bytes(data)
+    final = AutoModelForCausalLM.from_pretrained(final_dir)
+    with torch.no_grad():
+        loss = float(final(input_ids=input_ids, labels=input_ids).loss)
+    assert report_2["eval_loss"] == pytest.approx(loss, rel=1e-5)
+    assert final.lm_head.weight.data_ptr() == final.transformer.wte.weight.data_ptr()
+
+
+async def test_a_silent_trainer_is_left_out_after_the_timeout(tmp_path, bridge, status_backend, receiver):
+    # given: the control plane's upload fails twice before it works
+    receiver.failures = 2
+    job = parse_job(aggregate_job(peers=[ALICE, BOB], update_rounds=1, round_timeout=0.3))
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice, bob = Trainer(session, ready["url"], ALICE), Trainer(session, ready["url"], BOB)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        bad = {**delta_like(theta_0, 1), "transformer.wpe.weight": torch.zeros(3, 3)}
+        assert await bob.send(1, to_bytes(tmp_path, bad), samples=4) == 422
+
+        # when: only alice sends
+        assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        (report,) = await status_backend.wait_for("round")
+        assert await bob.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 409
+        assert (await alice.get("rounds/1/result?wait=20"))[0] == 200
+
+        # then
+        assert await asyncio.wait_for(service, 30) == 0
+
+    assert (report["participants"], report["left_out"]) == ([ALICE], [BOB])
+    assert report["refused"] == {
+        BOB: "tensor 'transformer.wpe.weight' refused: shape (3, 3), expected (64, 32)",
+    }
+    assert report["eval_loss"] is None
+    assert len(receiver.authorizations) == 4  # config.json: 503, 503, 200; model.safetensors: 200
+    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+
+
+async def test_an_upload_that_never_succeeds_fails_the_run(tmp_path, bridge, status_backend, receiver):
+    receiver.failures = 10_000
+    job = parse_job(aggregate_job(peers=[ALICE], update_rounds=1))
+    options = {"upload_deadline": 1.0}
+    service = asyncio.create_task(
+        run(job, settings(tmp_path / "work", bridge, receiver, **options), asyncio.Event())
+    )
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice = Trainer(session, ready["url"], ALICE)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        with pytest.raises(UploadError, match="config.json"):
+            await asyncio.wait_for(service, 30)
+    assert receiver.uploads == {}
+
+
+async def test_a_restart_resumes_after_the_last_checkpoint_and_stop_ends_serving(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: round 1 of 3 done, then the parameter server is stopped
+    job = parse_job(aggregate_job(peers=[ALICE], update_rounds=3))
+    stop = asyncio.Event()
+    work_dir = tmp_path / "work"
+    service = asyncio.create_task(run(job, settings(work_dir, bridge, receiver), stop))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice = Trainer(session, ready["url"], ALICE)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        theta_1 = theta_0 | {
+            name: theta_0[name] + tensor
+            for name, tensor in from_bytes(tmp_path, (await alice.get("rounds/1/result?wait=20"))[2]).items()
+        }
+        await status_backend.wait_for("round")
+    stop.set()
+    with pytest.raises(Stopped):
+        await asyncio.wait_for(service, 10)
+
+    # when: it starts again on the same work dir
+    stop = asyncio.Event()
+    service = asyncio.create_task(run(job, settings(work_dir, bridge, receiver), stop))
+    ready_again = (await status_backend.wait_for("ready", 2, timeout=60))[1]
+
+    # then
+    assert ready_again["round"] == 1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice = Trainer(session, ready_again["url"], ALICE)
+        status, headers, data = await alice.get("model/model.safetensors")
+        assert headers["X-Round"] == "1"
+        assert_close(from_bytes(tmp_path, data), theta_1)
+        state = await alice.get("state")
+        assert (
+            state[2]
+            == b'{"round": 2, "rounds_completed": 1, "expected": ["%s"], "received": []}' % ALICE.encode()
+        )
+    stop.set()
+    with pytest.raises(Stopped):
+        await asyncio.wait_for(service, 10)
+
+
+async def test_done_in_reply_to_a_round_report_ends_the_job_early(tmp_path, bridge, status_backend, receiver):
+    # given: three rounds planned, but the control plane answers the first report with Done
+    status_backend.replies.extend([{"type": "Ok"}, {"type": "Done"}])
+    job = parse_job(aggregate_job(peers=[ALICE], update_rounds=3))
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice = Trainer(session, ready["url"], ALICE)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        await status_backend.wait_for("round")
+        await asyncio.sleep(0.05)  # the reply is handled right after the report
+        assert await alice.send(2, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 409
+        assert (await alice.get("rounds/1/result"))[0] == 200
+
+        # then
+        assert await asyncio.wait_for(service, 30) == 0
+    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+    assert len(await status_backend.wait_for("round")) == 1

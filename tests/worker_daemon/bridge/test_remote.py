@@ -1,0 +1,333 @@
+"""The daemon's bridge backend against a real HTTP peer (a fake data node and parameter server on 127.0.0.1)
+and an in-process control plane answering its requests (the ``answerer`` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from worker_daemon import protocol
+from worker_daemon.bridge import serve_bridge
+from worker_daemon.bridge.exceptions import ConnectorError, NetworkError
+from worker_daemon.bridge.references import (
+    ParameterServerReference,
+    PeersReference,
+    SchedulerReference,
+    UriReference,
+    parse_progress,
+)
+from worker_daemon.bridge.remote import PREFETCH_DIR, RemoteBackend
+
+TASK = uuid.UUID(int=5)
+JOB = "5b0f1f0e-2f7c-4a43-9b8e-3a1c2d4e5f60"
+PS = "ps-peer"
+TOKEN = "transfer-token"
+DATA = SchedulerReference(peer="control-plane", dataset="stdlib")
+TO_PS = PeersReference(peers=[PS], strategy={"type": "All"})
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    (tmp_path / "artifacts").mkdir()
+    return tmp_path
+
+
+@pytest.fixture
+async def backend(link, peer, work):
+    remote = RemoteBackend(
+        task_id=TASK,
+        job_id=JOB,
+        link=link,
+        work_dir=work,
+        peers={PS: peer.url + "/"},
+        transfer_token=TOKEN,
+        request_timeout=2.0,
+        connect_timeout=2.0,
+        read_timeout=5.0,
+        result_wait=0.2,
+        retry_base=0.01,
+    )
+    yield remote
+    await remote.close()
+
+
+def acks(answerer) -> list[int]:
+    """The slices acknowledged so far: sent, or posted and about to be."""
+    posted = [*answerer.sent, *answerer.link.queued]
+    return [message.index for message in posted if isinstance(message, protocol.SliceAck)]
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+# --- status ------------------------------------------------------------------------------------------------------
+
+
+async def test_status_is_sent_verbatim_and_the_reply_returned(backend, answerer):
+    answerer.status_replies = [{"type": "ScheduleUpdate", "counter": 3}]
+    progress = {"status": {"batch_size": 4, "loss": 2.5, "step_time": 0.1}}
+
+    reply = await backend.status(job_id=JOB, progress=progress)
+
+    assert reply == {"type": "ScheduleUpdate", "counter": 3}
+    (report,) = answerer.of_type(protocol.StatusReport)
+    assert (report.task_id, report.progress) == (TASK, progress)
+    assert await backend.status(job_id=JOB, progress="update") == {"type": "Continue"}
+    assert backend.samples == 4
+
+
+async def test_status_without_a_reply_is_a_network_error(backend, answerer):
+    answerer.silent = True
+    backend.request_timeout = 0.1
+
+    with pytest.raises(NetworkError, match="did not answer the status within 0.1 s"):
+        await backend.status(job_id=JOB, progress={"status": {"batch_size": 1}})
+    assert backend.link.queued == []
+
+
+async def test_a_request_waits_for_a_connection(backend, link):
+    # given no connection yet
+    status = asyncio.create_task(backend.status(job_id=JOB, progress="update"))
+    await asyncio.sleep(0.05)
+    assert [message.type for message in link.queued] == ["status"]
+
+    # when the daemon connects
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+        reply = protocol.StatusReply(request_id=message.request_id, reply={"type": "Ok"})
+        asyncio.get_running_loop().call_soon(link.resolve, reply)
+
+    link.connected(send)
+
+    # then the request goes out and is answered
+    assert await asyncio.wait_for(status, 2) == {"type": "Ok"}
+    assert [message.progress for message in sent] == ["update"]
+    link.disconnected()
+
+
+def test_progress_extensions_of_our_parameter_server_are_accepted():
+    assert parse_progress({"ready": {"url": "http://h:1", "round": 0}}).ready == {
+        "url": "http://h:1",
+        "round": 0,
+    }
+    assert parse_progress({"round": {"round": 1, "participants": ["a"]}}).round["round"] == 1
+    with pytest.raises(ValueError):
+        parse_progress({"ready": "now"})
+
+
+# --- data slices -------------------------------------------------------------------------------------------------
+
+
+async def test_slices_are_verified_acked_on_hand_out_and_prefetched(
+    backend, answerer, answer_slice, peer, work
+):
+    # given five slices the control plane hands out in order
+    for index in range(5):
+        peer.slices[("stdlib", index)] = f"slice {index} ".encode() * (index + 1)
+    answerer.slice_answers = [answer_slice(peer, "stdlib", index) for index in range(5)]
+
+    # when the executor fetches the first slice
+    files = await backend.fetch(reference=DATA, artifacts_dir=work / "artifacts")
+
+    # then it is in artifacts/0, acked, and two more are claimed and downloaded but not acked
+    assert files == [("0", len(peer.slices[("stdlib", 0)]))]
+    assert (work / "artifacts" / "0").read_bytes() == peer.slices[("stdlib", 0)]
+    assert acks(answerer) == [0]
+    await wait_until(lambda: sorted(p.name for p in (work / PREFETCH_DIR).iterdir()) == ["1", "2"])
+    assert len(answerer.of_type(protocol.FetchSlice)) == 3
+    assert acks(answerer) == [0]
+
+    # when it fetches the next one: served from the cache, acked now, and the prefetch tops up
+    files = await backend.fetch(reference=DATA, artifacts_dir=work / "artifacts")
+    assert files == [("1", len(peer.slices[("stdlib", 1)]))]
+    assert (work / "artifacts" / "1").read_bytes() == peer.slices[("stdlib", 1)]
+    assert acks(answerer) == [0, 1]
+    assert peer.paths("GET").count("/datasets/stdlib/slices/1") == 1
+    await wait_until(lambda: sorted(p.name for p in (work / PREFETCH_DIR).iterdir()) == ["2", "3"])
+
+    # when the task ends, the prefetched slices are never acked
+    await backend.close()
+    await asyncio.sleep(0.05)
+    assert acks(answerer) == [0, 1]
+
+
+async def test_a_slice_with_the_wrong_digest_is_refused(backend, answerer, answer_slice, peer, work):
+    peer.slices[("stdlib", 7)] = b"tampered bytes"
+    answerer.slice_answers = [answer_slice(peer, "stdlib", 7, sha256=hashlib.sha256(b"original").hexdigest())]
+
+    with pytest.raises(ConnectorError, match="slice 7 of 'stdlib' could not be downloaded: .*SHA-256"):
+        await backend.fetch(reference=DATA, artifacts_dir=work / "artifacts")
+
+    assert list((work / "artifacts").iterdir()) == []
+    assert list((work / PREFETCH_DIR).iterdir()) == []
+    assert acks(answerer) == []
+
+
+async def test_a_slice_comes_from_the_next_url_when_one_fails(backend, answerer, answer_slice, peer, work):
+    peer.slices[("stdlib", 2)] = b"good"
+    answer = answer_slice(peer, "stdlib", 2)
+    answer["urls"] = [f"{peer.url}/datasets/stdlib/slices/99", *answer["urls"]]
+    answerer.slice_answers = [{"retry_in": 0.01}, answer]
+
+    files = await backend.fetch(reference=DATA, artifacts_dir=work / "artifacts")
+
+    assert files == [("2", 4)]
+    assert len(answerer.of_type(protocol.FetchSlice)) >= 2  # asked again after "none yet"
+    assert peer.paths("GET")[:2] == ["/datasets/stdlib/slices/99", "/datasets/stdlib/slices/2"]
+    assert acks(answerer) == [2]
+
+
+async def test_an_exhausted_dataset_is_a_connector_error(backend, answerer, work):
+    answerer.slice_answers = [{"error": "dataset stdlib has no slice left"}]
+    with pytest.raises(ConnectorError, match="no slice left"):
+        await backend.fetch(reference=DATA, artifacts_dir=work / "artifacts")
+
+
+# --- the model, other fetches -----------------------------------------------------------------------------------
+
+
+async def test_model_fetch_from_the_parameter_server_learns_the_round(backend, peer, work):
+    peer.model = {"config.json": b"{}", "model.safetensors": b"weights"}
+    peer.rounds_completed = 2
+    reference = ParameterServerReference(peer=PS, filenames=["config.json", "model.safetensors"])
+
+    files = await backend.fetch(reference=reference, artifacts_dir=work / "artifacts")
+
+    assert files == [("config.json", 2), ("model.safetensors", 7)]
+    assert (work / "artifacts" / "model.safetensors").read_bytes() == b"weights"
+    assert peer.paths("GET") == [f"/jobs/{JOB}/model/config.json", f"/jobs/{JOB}/model/model.safetensors"]
+    assert all(headers["Authorization"] == f"Bearer {TOKEN}" for _, _, headers, _ in peer.requests)
+    assert (backend.rounds_completed, backend.next_send_round) == (2, 3)
+
+
+async def test_model_fetch_failures(backend, peer, work):
+    with pytest.raises(ConnectorError, match="no address for peer 'elsewhere'"):
+        await backend.fetch(
+            reference=ParameterServerReference(peer="elsewhere", filenames=["a"]),
+            artifacts_dir=work / "artifacts",
+        )
+    with pytest.raises(ConnectorError, match="answered 404: not_found: no such file"):
+        await backend.fetch(
+            reference=ParameterServerReference(peer=PS, filenames=["missing"]),
+            artifacts_dir=work / "artifacts",
+        )
+    assert len(peer.requests) == 1  # a 4xx is not retried
+
+
+async def test_uri_fetch_names_the_file_by_its_last_segment(backend, peer, work):
+    peer.model = {"weights.bin": b"w"}
+    files = await backend.fetch(
+        reference=UriReference(value=f"{peer.url}/jobs/{JOB}/model/weights.bin?x=1"),
+        artifacts_dir=work / "artifacts",
+    )
+    assert files == [("weights.bin", 1)]
+    assert "Authorization" not in peer.requests[0][2]
+
+
+# --- updates and results -------------------------------------------------------------------------------------------
+
+
+async def test_update_goes_to_the_next_round_with_the_samples_and_is_retried_on_5xx(
+    backend, answerer, peer, work
+):
+    peer.model = {"model.safetensors": b"weights"}
+    peer.rounds_completed = 2
+    await backend.fetch(
+        reference=ParameterServerReference(peer=PS, filenames=["model.safetensors"]),
+        artifacts_dir=work / "artifacts",
+    )
+    for batch_size in (4, 4, 2):
+        await backend.status(job_id=JOB, progress={"status": {"batch_size": batch_size}})
+    (work / "delta.safetensors").write_bytes(b"pseudo-gradient")
+    peer.update_statuses = [503]
+
+    await backend.send(reference=TO_PS, path=work / "delta.safetensors")
+
+    puts = [(path, headers, body) for method, path, headers, body in peer.requests if method == "PUT"]
+    assert [(path, headers["X-Samples"], body) for path, headers, body in puts] == [
+        (f"/jobs/{JOB}/rounds/3/update", "10", b"pseudo-gradient"),
+        (f"/jobs/{JOB}/rounds/3/update", "10", b"pseudo-gradient"),
+    ]
+    assert puts[0][1]["Authorization"] == f"Bearer {TOKEN}"
+    assert (backend.samples, backend.next_send_round) == (0, 4)
+
+
+async def test_a_refused_update_is_logged_and_not_retried(backend, peer, work, caplog):
+    (work / "delta").write_bytes(b"x")
+    peer.update_statuses = [422]
+
+    with caplog.at_level(logging.WARNING, logger="worker_daemon.bridge.remote"):
+        await backend.send(reference=TO_PS, path=work / "delta")
+
+    assert peer.paths("PUT") == [f"/jobs/{JOB}/rounds/1/update"]
+    assert "refused the round 1 update (HTTP 422): refused: status 422 for this test" in caplog.text
+
+
+async def test_results_are_long_polled_round_by_round(backend, peer, work):
+    # given the model said one round was completed
+    peer.model = {"m": b"w"}
+    peer.rounds_completed = 1
+    await backend.fetch(
+        reference=ParameterServerReference(peer=PS, filenames=["m"]), artifacts_dir=work / "artifacts"
+    )
+    incoming = work / "incoming"
+    incoming.mkdir()
+    stream = backend.receive(reference=TO_PS, directory=incoming)
+
+    # when round 2's result appears only after a few long polls
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.5)
+    assert not first.done()
+    peer.add_result(2, b"update two")
+
+    # then it is saved under the parameter server's peer id, and round 3 is asked for next
+    assert await asyncio.wait_for(first, 5) == (PS, 10, PS)
+    assert (incoming / PS).read_bytes() == b"update two"
+    peer.add_result(3, b"update three")
+    assert await asyncio.wait_for(anext(stream), 5) == (PS, 12, PS)
+    assert (incoming / PS).read_bytes() == b"update three"
+    polled = [path for path in peer.paths("GET") if "/result" in path]
+    assert polled[0] == f"/jobs/{JOB}/rounds/2/result?wait=0.2"
+    assert polled.count(f"/jobs/{JOB}/rounds/2/result?wait=0.2") >= 2
+    assert polled[-1] == f"/jobs/{JOB}/rounds/3/result?wait=0.2"
+    await stream.aclose()
+
+
+# --- through the bridge ------------------------------------------------------------------------------------------
+
+
+async def test_the_bridge_accepts_parameter_server_references(backend, peer, short_dir):
+    peer.model = {"config.json": b"{}"}
+    bridge = await serve_bridge(
+        socket_path=short_dir / "bridge.sock", work_dir=short_dir, backend=backend, job_id=JOB
+    )
+    try:
+        connector = aiohttp.UnixConnector(path=str(bridge.socket_path))
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=5)
+        ) as client:
+            reference = {"type": "parameter-server", "peer": PS, "filenames": ["config.json"]}
+            async with client.post("http://hypha/resources/fetch", json=reference) as response:
+                assert (response.status, await response.json()) == (
+                    200,
+                    [{"path": "artifacts/config.json", "size": 2}],
+                )
+            async with client.post(
+                "http://hypha/resources/fetch", json=reference | {"filenames": []}
+            ) as response:
+                assert response.status == 400
+                assert (await response.json())["detail"] == "parameter-server filenames must not be empty"
+    finally:
+        await bridge.close()

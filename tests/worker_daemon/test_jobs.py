@@ -1,0 +1,401 @@
+"""The job manager with real child processes (a small Python executor that speaks to its bridge with httpx over
+the Unix socket) and the control plane's side of the link played in process (the ``answerer`` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from worker_daemon import protocol
+from worker_daemon.config import WorkerConfig
+from worker_daemon.jobs import JobManager, Task, substitute
+from worker_daemon.leases import LeaseBook
+from worker_daemon.link import ControlLink
+
+JOB = uuid.UUID(int=42)
+LEASE = uuid.UUID(int=7)
+GRACE = 0.3
+
+# The executor: records what it was started with, then behaves as JOB_JSON's config.mode says.
+EXECUTOR = r"""
+import json, os, signal, stat, subprocess, sys, time
+import httpx
+
+socket_path, work_dir, job_json, literal = sys.argv[1:5]
+config = json.loads(job_json)["executor"]["config"]
+record = {
+    "argv": sys.argv[1:],
+    "env": {key: os.environ.get(key) for key in ("SOCKET_PATH", "WORK_DIR", "JOB_JSON", "HYPHA_TOKEN")},
+    "cwd": os.getcwd(),
+    "work_dir_mode": stat.S_IMODE(os.stat(work_dir).st_mode),
+    "socket_mode": stat.S_IMODE(os.stat(socket_path).st_mode),
+    "own_group": os.getpgid(0) == os.getpid(),
+}
+mode = config["mode"]
+if mode == "train":
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url="http://hypha", timeout=10)
+    record["reply"] = client.post("/status/send", json={"status": {"batch_size": 4}}).json()
+    files = client.post("/resources/fetch", json={"type": "scheduler", "peer": "cp", "dataset": "d"}).json()
+    record["files"] = files
+    record["slice"] = open(os.path.join(work_dir, files[0]["path"]), "rb").read().decode()
+with open(config["record"], "w") as file:
+    json.dump(record, file)
+for number in range(60):
+    print(f"line {number}", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if mode == "train":
+    sys.exit(3)
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(f"grandchild {child.pid}", flush=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def script(short_dir: Path) -> Path:
+    path = short_dir / "executor.py"
+    path.write_text(EXECUTOR)
+    return path
+
+
+@pytest.fixture
+def config(short_dir: Path, script: Path) -> WorkerConfig:
+    return WorkerConfig.model_validate(
+        {
+            "work_dir": str(short_dir / "w"),
+            "resources": {"cpu": 8, "memory": 32, "storage": 100, "gpu": 24},
+            "kill_grace": GRACE,
+            "parameter_server": {"host": "0.0.0.0", "port": 8470, "public_url": "http://gpu-01:8470"},
+            "executors": [
+                {
+                    "class": "train",
+                    "name": "test-executor",
+                    "runtime": "process",
+                    "cmd": sys.executable,
+                    "args": [str(script), "{SOCKET_PATH}", "{WORK_DIR}", "{JOB_JSON}", "{OTHER}-{WORK_DIR}"],
+                },
+                {"class": "aggregate", "name": "parameter-server", "runtime": "parameter-server"},
+            ],
+        }
+    )
+
+
+@pytest.fixture
+def book() -> LeaseBook:
+    lease_book = LeaseBook(capacity=protocol.Resources(cpu=8, memory=32, storage=100, gpu=24))
+    lease_book.activate(
+        lease_id=LEASE, job_id=JOB, role="trainer", resources=protocol.Resources(gpu=10), price=1.0, ttl=60.0
+    )
+    return lease_book
+
+
+@pytest.fixture
+async def manager(config, book, link: ControlLink, answerer):
+    jobs = JobManager(config=config, book=book, server_url="wss://cp.example/prefix", link=link)
+    yield jobs
+    await jobs.stop_all(timeout=5.0)
+
+
+def dispatch(
+    record: Path, *, mode: str = "train", lease_id: uuid.UUID = LEASE, job_id: uuid.UUID = JOB, **spec_changes
+) -> protocol.DispatchJob:
+    executor = {
+        "class": "train",
+        "descriptor": {"name": "test-executor"},
+        "config": {"mode": mode, "record": str(record)},
+    }
+    return protocol.DispatchJob(
+        task_id=uuid.uuid4(),
+        lease_id=lease_id,
+        job_id=job_id,
+        role="trainer",
+        spec={"job_id": str(job_id), "executor": executor | spec_changes},
+        peers={},
+        transfer_token="token",
+    )
+
+
+async def wait_for_line(task: Task, text: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not any(text in line for line in task.output):
+        assert asyncio.get_running_loop().time() < deadline, f"no {text!r} in the output"
+        await asyncio.sleep(0.01)
+
+
+async def posted(link: ControlLink, answerer, message_type: type, timeout: float = 5.0) -> list:
+    """The frames of ``message_type`` once all posted frames are sent."""
+    assert await link.flush(timeout=timeout)
+    return answerer.of_type(message_type)
+
+
+def test_placeholders_are_substituted_once():
+    values = {"SOCKET_PATH": "/w/bridge.sock", "WORK_DIR": "/w{JOB_JSON}", "JOB_JSON": '{"a":1}'}
+    assert substitute("--dir={WORK_DIR} {SOCKET_PATH} {JOB_JSON} {UNKNOWN}", values) == (
+        '--dir=/w{JOB_JSON} /w/bridge.sock {"a":1} {UNKNOWN}'
+    )
+
+
+async def test_a_task_runs_with_its_bridge_and_reports_its_exit(
+    manager, link, answerer, answer_slice, peer, short_dir, monkeypatch
+):
+    # given a slice the control plane hands out, and a worker token in the daemon's environment
+    monkeypatch.setenv("HYPHA_TOKEN", "worker-secret")
+    peer.slices[("d", 4)] = b"slice four"
+    answerer.slice_answers = [answer_slice(peer, "d", 4)]
+    answerer.status_replies = [{"type": "ScheduleUpdate", "counter": 2}]
+    record = short_dir / "record.json"
+    message = dispatch(record)
+
+    # when
+    task = manager.start(message)
+    exited = await asyncio.wait_for(task.runner, 20)
+
+    # then the executor was started as configured, talked to its bridge, and its exit was reported
+    started = json.loads(record.read_text())
+    work_dir = started["env"]["WORK_DIR"]
+    socket_path = f"{work_dir}/bridge.sock"
+    job_json = json.dumps(message.spec, separators=(",", ":"))
+    assert Path(work_dir).parent == short_dir / "w" and Path(work_dir).name.startswith("hypha-")
+    assert started["argv"] == [socket_path, work_dir, job_json, "{OTHER}-" + work_dir]
+    assert started["env"] == {
+        "SOCKET_PATH": socket_path,
+        "WORK_DIR": work_dir,
+        "JOB_JSON": job_json,
+        "HYPHA_TOKEN": None,
+    }
+    assert (started["work_dir_mode"], started["socket_mode"]) == (0o700, 0o600)
+    assert started["cwd"] == os.getcwd()
+    assert started["own_group"] is True
+    assert started["reply"] == {"type": "ScheduleUpdate", "counter": 2}
+    assert started["files"] == [{"path": "artifacts/4", "size": 10}]
+    assert started["slice"] == "slice four"
+    assert (exited.exit_code, exited.signal, exited.cancelled, exited.reason) == (
+        3,
+        None,
+        False,
+        "exited with code 3",
+    )
+    lines = exited.log_tail.splitlines()
+    assert len(lines) == 50 and "to stderr" in lines and lines[0] == "line 11"
+    assert not Path(work_dir).exists()
+    assert manager.tasks == {}
+    assert await posted(link, answerer, protocol.JobStarted) == [protocol.JobStarted(task_id=message.task_id)]
+    assert await posted(link, answerer, protocol.JobExited) == [exited]
+    (report,) = answerer.of_type(protocol.StatusReport)
+    assert (report.task_id, report.progress) == (message.task_id, {"status": {"batch_size": 4}})
+    assert [ack.index for ack in answerer.of_type(protocol.SliceAck)] == [4]
+
+
+async def test_cancel_sends_sigterm_then_sigkill_to_the_whole_group(manager, link, answerer, short_dir):
+    # given a task that ignores SIGTERM and has a child of its own
+    message = dispatch(short_dir / "record.json", mode="ignore-term")
+    task = manager.start(message)
+    await wait_for_line(task, "ready")
+    grandchild = int(next(line for line in task.output if line.startswith("grandchild")).split()[1])
+    work_dir = task.work_dir
+
+    # when
+    began = time.monotonic()
+    assert manager.cancel(message.task_id, reason="cancelled by the user")
+    exited = await asyncio.wait_for(task.runner, 10)
+
+    # then it was killed after the grace period, with its child, and cleaned up
+    assert time.monotonic() - began >= GRACE
+    assert (exited.exit_code, exited.signal, exited.cancelled, exited.reason) == (
+        None,
+        signal.SIGKILL,
+        True,
+        "cancelled by the user",
+    )
+    assert "ready" in exited.log_tail
+    assert not work_dir.exists()
+    assert await posted(link, answerer, protocol.JobExited) == [exited]
+    await asyncio.sleep(0.1)
+    status = Path(f"/proc/{grandchild}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()
+
+
+async def test_a_dropped_lease_cancels_its_tasks(manager, book, link, answerer, short_dir):
+    task = manager.start(dispatch(short_dir / "record.json", mode="sleep"))
+    await wait_for_line(task, "ready")
+    assert manager.cancel_orphans() == []
+
+    book.drop(LEASE)
+    assert manager.cancel_orphans() == [task.task_id]
+    exited = await asyncio.wait_for(task.runner, 10)
+
+    # a process that stops on SIGTERM is not killed
+    assert (exited.exit_code, exited.signal, exited.cancelled) == (None, signal.SIGTERM, True)
+    assert exited.reason == f"lease {LEASE} ended"
+
+
+async def test_stop_all_stops_every_task_and_refuses_new_ones(manager, link, answerer, short_dir):
+    tasks = [manager.start(dispatch(short_dir / f"record-{n}.json", mode="sleep")) for n in range(2)]
+    for task in tasks:
+        await wait_for_line(task, "ready")
+
+    await manager.stop_all(reason="daemon shutting down")
+
+    assert manager.tasks == {}
+    exits = await posted(link, answerer, protocol.JobExited)
+    assert sorted(exited.task_id for exited in exits) == sorted(task.task_id for task in tasks)
+    assert {(exited.cancelled, exited.reason) for exited in exits} == {(True, "daemon shutting down")}
+    late = dispatch(short_dir / "late.json")
+    assert manager.start(late) is None
+    assert (await posted(link, answerer, protocol.JobExited))[-1].reason == "daemon shutting down"
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"lease_id": uuid.UUID(int=8)}, f"lease {uuid.UUID(int=8)} is not held (active) by this worker"),
+        ({"job_id": uuid.UUID(int=43)}, f"lease {LEASE} belongs to job {JOB}, not {uuid.UUID(int=43)}"),
+        ({"descriptor": {"name": "llm"}}, "no executor train/llm is configured on this worker"),
+        ({"class": "infer"}, "no executor infer/test-executor is configured on this worker"),
+        (
+            {"descriptor": None},
+            "the job spec names no executor (executor.class and executor.descriptor.name)",
+        ),
+    ],
+)
+async def test_a_dispatch_that_cannot_run_here_is_refused(
+    manager, link, answerer, short_dir, changes, reason
+):
+    ids = {key: changes.pop(key) for key in ("lease_id", "job_id") if key in changes}
+    message = dispatch(short_dir / "record.json", **ids, **changes)
+
+    assert manager.start(message) is None
+
+    assert await posted(link, answerer, protocol.JobExited) == [
+        protocol.JobExited(task_id=message.task_id, reason=reason)
+    ]
+    assert manager.tasks == {}
+    assert not (short_dir / "w").exists()
+
+
+async def test_exits_are_queued_while_disconnected(config, book, short_dir):
+    # given a link without a connection
+    link = ControlLink()
+    manager = JobManager(config=config, book=book, server_url="http://cp:8000", link=link)
+    message = dispatch(short_dir / "record.json", mode="train")
+    message = message.model_copy(update={"spec": {"job_id": str(JOB), "executor": {"class": "train"}}})
+
+    # when a task is refused and nothing is connected
+    manager.start(message)
+    assert [frame.type for frame in link.queued] == ["job_exited"]
+
+    # then it is sent, in order, once a connection is welcomed
+    sent = []
+
+    async def send(frame):
+        sent.append(frame)
+
+    link.connected(send)
+    assert await link.flush(timeout=2)
+    assert [frame.type for frame in sent] == ["job_exited"]
+    link.disconnected()
+
+
+async def test_a_request_lost_with_its_connection_is_asked_again(short_dir):
+    link = ControlLink()
+    sent: list[protocol.DaemonMessage] = []
+
+    async def send(frame):
+        sent.append(frame)
+
+    link.connected(send)
+    request = protocol.StatusReport(request_id=uuid.uuid4(), task_id=uuid.uuid4(), progress="update")
+    waiting = asyncio.create_task(link.request(request, timeout=5))
+    await asyncio.sleep(0.05)
+    assert sent == [request]
+
+    link.disconnected()  # the reply died with the connection
+    assert link.queued == [request]
+    link.connected(send)
+    await asyncio.sleep(0.05)
+    assert sent == [request, request]
+    link.resolve(protocol.StatusReply(request_id=request.request_id, reply={"type": "Ok"}))
+    assert (await waiting).reply == {"type": "Ok"}
+    link.disconnected()
+
+
+def test_the_parameter_server_command(config, book, short_dir):
+    manager = JobManager(config=config, book=book, server_url="wss://cp.example/prefix/ws/worker/")
+    message = protocol.DispatchJob(
+        task_id=uuid.uuid4(),
+        lease_id=LEASE,
+        job_id=JOB,
+        role="parameter_server",
+        spec={
+            "job_id": str(JOB),
+            "executor": {"class": "aggregate", "descriptor": {"name": "parameter-server"}},
+        },
+        transfer_token="ps-token",
+        transfer_key="job-key",
+    )
+    executor = config.find_executor("aggregate", "parameter-server")
+    task = Task(
+        dispatch=message, executor=executor, work_dir=short_dir / "hypha-x", socket_path=short_dir / "s"
+    )
+
+    argv, environment = manager._command(task)
+
+    job_json = json.dumps(message.spec, separators=(",", ":"))
+    assert argv == [
+        sys.executable,
+        "-m",
+        "parameter_server",
+        "--socket",
+        str(short_dir / "s"),
+        "--work-dir",
+        str(short_dir / "hypha-x"),
+        "--job",
+        job_json,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8470",
+        "--public-url",
+        "http://gpu-01:8470",
+    ]
+    variables = ("HYPHA_SERVER_URL", "HYPHA_TRANSFER_KEY", "HYPHA_TRANSFER_TOKEN")
+    assert {key: environment.get(key) for key in variables} == {
+        "HYPHA_SERVER_URL": "https://cp.example/prefix",
+        "HYPHA_TRANSFER_KEY": "job-key",
+        "HYPHA_TRANSFER_TOKEN": "ps-token",
+    }
+    assert environment["JOB_JSON"] == job_json
+
+
+async def test_a_task_that_cannot_start_is_reported_and_cleaned_up(
+    config, book, link, answerer, short_dir, monkeypatch
+):
+    # given a work dir too deep for a Unix socket path, and a temp dir (the fallback for the socket) too
+    deep = short_dir / ("d" * 100)
+    deep_temp = short_dir / ("t" * 100)
+    deep_temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep_temp))
+    manager = JobManager(
+        config=config.model_copy(update={"work_dir": deep}), book=book, server_url="http://cp", link=link
+    )
+    message = dispatch(short_dir / "record.json")
+
+    exited = await asyncio.wait_for(manager.start(message).runner, 5)
+
+    assert exited.task_id == message.task_id and exited.exit_code is None
+    assert exited.reason.startswith("could not start: socket path ") and "too long" in exited.reason
+    assert list(deep.iterdir()) == [] and list(deep_temp.iterdir()) == []
+    assert await posted(link, answerer, protocol.JobStarted) == []
+    assert await posted(link, answerer, protocol.JobExited) == [exited]

@@ -1,0 +1,553 @@
+"""The daemon's :class:`~worker_daemon.bridge.backend.BridgeBackend`: one task's bridge, wired to the control
+plane (over the worker websocket, through a :class:`~worker_daemon.link.ControlLink`) and to the job's
+parameter server and data nodes (plain HTTP with timeouts). See ``docs/training.md`` for the contract.
+
+* ``status``: a ``status`` frame with the progress verbatim; the reply of the same ``request_id`` is the
+  executor's answer. ``{"status": {"batch_size": B}}`` values are summed for the next update's ``X-Samples``.
+* ``fetch``:
+  ``scheduler``        → ``fetch_slice`` / ``slice_assigned`` (asked again after ``retry_in`` while none is
+                         ready), ``GET`` from the slice's URLs in order into ``.prefetch/``, size and SHA-256
+                         checked, moved to ``artifacts/<index>``, then ``slice_ack``. After a hand-out up to
+                         ``prefetch`` more slices are claimed and downloaded in the background; they are acked
+                         only when handed out, so a task that ends returns them to the pool with its lease.
+  ``parameter-server`` → ``GET <peer>/jobs/<job>/model/<filename>`` per file; ``X-Round`` (rounds completed)
+                         sets the next round to send and receive.
+  ``uri``              → ``GET`` into ``artifacts/<last URL segment>`` (``part-0.bin`` when empty).
+  ``huggingface``      → ``huggingface_hub.hf_hub_download`` per file, copied into ``artifacts/``.
+* ``send``: ``PUT <peer>/jobs/<job>/rounds/<r>/update`` (streamed, ``X-Samples``), retried on connection
+  errors and 5xx; a 409/413/422 is logged with the parameter server's reason and not retried.
+* ``receive``: long-polls ``GET <peer>/jobs/<job>/rounds/<r>/result?wait=…`` for r = rounds completed + 1, …,
+  saving each result as ``<directory>/<peer id>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import urllib.parse
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+
+from worker_daemon import protocol
+from worker_daemon.bridge.backend import ProgressValue
+from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
+from worker_daemon.bridge.paths import FILE_MODE, resolve_in
+from worker_daemon.bridge.references import (
+    FetchReference,
+    HuggingFaceReference,
+    ParameterServerReference,
+    PeersReference,
+    SchedulerReference,
+    UriReference,
+)
+from worker_daemon.link import ControlLink
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PREFETCH_DIR = ".prefetch"
+CHUNK_SIZE = 1 << 20
+#: Status codes of a parameter server's refusal that sending again cannot fix (docs/training.md).
+REFUSED_UPDATE = frozenset({409, 413, 422})
+#: Shortest wait before asking for a slice again, whatever ``retry_in`` says.
+MIN_SLICE_RETRY = 0.05
+
+
+class HttpStatusError(Exception):
+    """A peer answered with an unexpected HTTP status (``detail`` is the start of its body)."""
+
+    def __init__(self, url: str, status: int, detail: str) -> None:
+        super().__init__(f"{url} answered {status}: {detail}" if detail else f"{url} answered {status}")
+        self.status = status
+        self.detail = detail
+
+
+class IntegrityError(Exception):
+    """A download whose size or SHA-256 is not what the control plane announced."""
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    status: int
+    size: int
+    headers: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedSlice:
+    """A claimed slice downloaded (and verified) into the task's prefetch cache, not acknowledged yet."""
+
+    dataset: str
+    index: int
+    size: int
+    path: Path
+
+
+class RemoteBackend:
+    """The bridge backend of one task (``task_id`` of job ``job_id``), working in ``work_dir``.
+
+    ``peers`` maps peer ids to base URLs (``dispatch_job.peers``); ``transfer_token`` is sent as
+    ``Authorization: Bearer …`` to them. Timeouts are seconds: ``request_timeout`` bounds each control-plane
+    request (a reply that does not come is a ``network_error``), ``connect_timeout``/``read_timeout`` every HTTP
+    call (``read_timeout`` is per read, so large files are fine); ``result_wait`` is the long-poll ``wait``.
+    Failed HTTP calls are retried ``retries`` times, after ``retry_base``·2^attempt seconds (at most
+    ``retry_cap``). Call :meth:`close` when the task ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        task_id: uuid.UUID,
+        job_id: str,
+        link: ControlLink,
+        work_dir: Path,
+        peers: Mapping[str, str] | None = None,
+        transfer_token: str | None = None,
+        request_timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        result_wait: float = 30.0,
+        prefetch: int = 2,
+        retries: int = 3,
+        retry_base: float = 0.5,
+        retry_cap: float = 10.0,
+    ) -> None:
+        self.task_id = task_id
+        self.job_id = job_id
+        self.link = link
+        self.work_dir = work_dir
+        self.peers = {peer: url.rstrip("/") for peer, url in (peers or {}).items()}
+        self.transfer_token = transfer_token
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.result_wait = result_wait
+        self.prefetch = prefetch
+        self.retries = retries
+        self.retry_base = retry_base
+        self.retry_cap = retry_cap
+        #: Samples reported in ``status`` values since the last ``send`` (its ``X-Samples``).
+        self.samples = 0
+        #: Rounds the parameter server had completed when the model was fetched (its ``X-Round``).
+        self.rounds_completed = 0
+        self.next_send_round = 1
+        # Set once the first round to receive is known: after a model fetch from the parameter server, or
+        # the first update sent. Until then a result stream waits instead of asking for round 1.
+        self._round_known = asyncio.Event()
+        self._slice_lock = asyncio.Lock()
+        self._prefetched: dict[str, deque[asyncio.Task[CachedSlice]]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    # --- BridgeBackend -------------------------------------------------------------------------------------
+
+    async def status(self, *, job_id: str | None, progress: ProgressValue) -> dict[str, Any]:
+        if isinstance(progress, dict) and isinstance(progress.get("status"), dict):
+            batch_size = progress["status"].get("batch_size")
+            if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0:
+                self.samples += batch_size
+        message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=self.task_id, progress=progress)
+        try:
+            reply = await self.link.request(message, timeout=self.request_timeout)
+        except TimeoutError:
+            raise NetworkError(
+                f"the control plane did not answer the status within {self.request_timeout:g} s"
+            ) from None
+        assert isinstance(reply, protocol.StatusReply)
+        return dict(reply.reply)
+
+    async def fetch(self, *, reference: FetchReference, artifacts_dir: Path) -> list[tuple[str, int]]:
+        match reference:
+            case SchedulerReference():
+                return await self._fetch_slice(reference.dataset, artifacts_dir)
+            case ParameterServerReference():
+                return await self._fetch_model(reference, artifacts_dir)
+            case UriReference():
+                return await self._fetch_uri(reference.value, artifacts_dir)
+            case HuggingFaceReference():
+                return await self._fetch_huggingface(reference, artifacts_dir)
+        raise ConnectorError(f"unsupported reference {reference!r}")  # pragma: no cover
+
+    async def send(self, *, reference: PeersReference, path: Path) -> None:
+        peers = reference.peers if reference.strategy.type == "All" else reference.peers[:1]
+        round_number = self.next_send_round
+        self.next_send_round += 1
+        self._round_known.set()
+        samples, self.samples = self.samples, 0
+        if not peers:
+            logger.warning("task %s: update for round %d names no peer; not sent", self.task_id, round_number)
+            return
+        for peer in peers:
+            url = f"{self._peer_url(peer)}/jobs/{self.job_id}/rounds/{round_number}/update"
+            await self._put_update(url, path=path, samples=samples, round_number=round_number)
+
+    async def receive(
+        self, *, reference: PeersReference, directory: Path
+    ) -> AsyncIterator[tuple[str, int, str]]:
+        peer = self._result_peer(reference)
+        base = self._peer_url(peer)
+        target = resolve_in(directory, peer)
+        await self._round_known.wait()
+        round_number = self.rounds_completed + 1
+        delay = self.retry_base
+        while True:
+            # A model fetched meanwhile may say the job is further along than this stream.
+            round_number = max(round_number, self.rounds_completed + 1)
+            url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/result"
+            try:
+                result = await self._download(
+                    url,
+                    target,
+                    params={"wait": f"{self.result_wait:g}"},
+                    headers=self._auth(),
+                    read_timeout=self.result_wait + self.read_timeout,
+                    no_content_ok=True,
+                )
+            except HttpStatusError as error:
+                if error.status == 410:
+                    logger.warning(
+                        "task %s: round %d result was pruned; skipping it", self.task_id, round_number
+                    )
+                    round_number += 1
+                    continue
+                logger.warning("task %s: waiting for round %d result: %s", self.task_id, round_number, error)
+            except (aiohttp.ClientError, TimeoutError, OSError) as error:
+                logger.warning(
+                    "task %s: round %d result from %s failed: %s",
+                    self.task_id,
+                    round_number,
+                    base,
+                    str(error) or type(error).__name__,
+                )
+            else:
+                delay = self.retry_base
+                if result.status == 204:  # still open after `wait`: ask again
+                    continue
+                logger.info(
+                    "task %s: received round %d result (%d bytes, included: %s)",
+                    self.task_id,
+                    round_number,
+                    result.size,
+                    result.headers.get("X-Included", "?"),
+                )
+                yield peer, result.size, peer
+                round_number += 1
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.retry_cap)
+
+    async def close(self) -> None:
+        """Stop prefetching (claimed slices stay unacknowledged) and close the HTTP session. Idempotent."""
+        self._closed = True
+        tasks = [task for queue in self._prefetched.values() for task in queue]
+        self._prefetched.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    # --- data slices ---------------------------------------------------------------------------------------
+
+    async def _fetch_slice(self, dataset: str, artifacts_dir: Path) -> list[tuple[str, int]]:
+        # One hand-out at a time, so that slices reach the executor in the order they were claimed.
+        async with self._slice_lock:
+            queue = self._prefetched.setdefault(dataset, deque())
+            cached: CachedSlice | None = None
+            while queue and cached is None:
+                task = queue[0]
+                try:
+                    # shield: an executor that hangs up must not cancel a download another fetch will use.
+                    cached = await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    if task.cancelled():
+                        queue.popleft()
+                        continue
+                    raise
+                except (BridgeError, OSError) as error:
+                    logger.info("task %s: prefetching a slice of %s failed: %s", self.task_id, dataset, error)
+                queue.popleft()
+            if cached is None:
+                cached = await self._claim_and_download(dataset)
+            target = artifacts_dir / str(cached.index)
+            os.replace(cached.path, target)
+            self.link.post(protocol.SliceAck(task_id=self.task_id, index=cached.index))
+            logger.info(
+                "task %s: slice %d of %s handed out (%d bytes)",
+                self.task_id,
+                cached.index,
+                dataset,
+                cached.size,
+            )
+            while len(queue) < self.prefetch and not self._closed:
+                queue.append(asyncio.create_task(self._claim_and_download(dataset)))
+            return [(str(cached.index), cached.size)]
+
+    async def _claim_and_download(self, dataset: str) -> CachedSlice:
+        assigned = await self._claim(dataset)
+        cache = self.work_dir / PREFETCH_DIR
+        cache.mkdir(mode=0o700, exist_ok=True)
+        target = cache / str(assigned.index)
+        failures = []
+        for url in assigned.urls:
+            try:
+                download = await self._download(
+                    url, target, expected_size=assigned.size, sha256=assigned.sha256
+                )
+            except (HttpStatusError, IntegrityError, aiohttp.ClientError, TimeoutError) as error:
+                failures.append(f"{url}: {str(error) or type(error).__name__}")
+                logger.warning(
+                    "task %s: slice %d from %s failed: %s", self.task_id, assigned.index, url, failures[-1]
+                )
+                continue
+            return CachedSlice(dataset=dataset, index=assigned.index, size=download.size, path=target)
+        detail = "; ".join(failures) if failures else "no URL to download it from"
+        raise ConnectorError(f"slice {assigned.index} of {dataset!r} could not be downloaded: {detail}")
+
+    async def _claim(self, dataset: str) -> protocol.SliceAssigned:
+        while True:
+            message = protocol.FetchSlice(request_id=uuid.uuid4(), task_id=self.task_id, dataset=dataset)
+            try:
+                reply = await self.link.request(message, timeout=self.request_timeout)
+            except TimeoutError:
+                raise NetworkError(
+                    f"the control plane did not assign a slice within {self.request_timeout:g} s"
+                ) from None
+            assert isinstance(reply, protocol.SliceAssigned)
+            if reply.error:
+                raise ConnectorError(f"no slice of {dataset!r}: {reply.error}")
+            if reply.index is not None:
+                return reply
+            if reply.retry_in is None:
+                raise ConnectorError(f"no slice of {dataset!r} is left for this task")
+            await asyncio.sleep(max(reply.retry_in, MIN_SLICE_RETRY))
+
+    # --- model files ---------------------------------------------------------------------------------------
+
+    async def _fetch_model(
+        self, reference: ParameterServerReference, artifacts_dir: Path
+    ) -> list[tuple[str, int]]:
+        base = self._peer_url(reference.peer)
+        written = []
+        for filename in reference.filenames:
+            target = resolve_in(artifacts_dir, filename)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            url = f"{base}/jobs/{self.job_id}/model/{urllib.parse.quote(filename)}"
+            download = await self._with_retries(
+                f"model file {filename}",
+                lambda url=url, target=target: self._download(url, target, headers=self._auth()),
+            )
+            written.append((filename, download.size))
+            rounds = download.headers.get("X-Round")
+            if rounds is not None:
+                try:
+                    self._learn_rounds(int(rounds))
+                except ValueError:
+                    logger.warning("task %s: ignoring X-Round %r from %s", self.task_id, rounds, url)
+        return written
+
+    def _learn_rounds(self, completed: int) -> None:
+        self.rounds_completed = max(0, completed)
+        self.next_send_round = self.rounds_completed + 1
+        self._round_known.set()
+
+    async def _fetch_uri(self, value: str, artifacts_dir: Path) -> list[tuple[str, int]]:
+        segment = urllib.parse.unquote(urllib.parse.urlsplit(value).path.rsplit("/", 1)[-1])
+        name = segment or "part-0.bin"
+        target = resolve_in(artifacts_dir, name)
+        download = await self._with_retries(value, lambda: self._download(value, target))
+        return [(name, download.size)]
+
+    async def _fetch_huggingface(
+        self, reference: HuggingFaceReference, artifacts_dir: Path
+    ) -> list[tuple[str, int]]:
+        try:
+            import huggingface_hub  # heavy, and only needed by jobs that name a Hub repository
+        except ImportError:
+            raise ConnectorError("huggingface_hub is not installed on this worker") from None
+        written = []
+        for filename in reference.filenames:
+            target = resolve_in(artifacts_dir, filename)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                cached = await asyncio.to_thread(
+                    huggingface_hub.hf_hub_download,
+                    repo_id=reference.repository,
+                    filename=filename,
+                    revision=reference.revision or "main",
+                    token=reference.token,
+                )
+            except Exception as error:  # the hub raises many kinds (HTTP, offline, not found)
+                raise ConnectorError(f"{reference.repository}/{filename}: {error}") from None
+            await asyncio.to_thread(shutil.copyfile, cached, target)
+            written.append((filename, target.stat().st_size))
+        return written
+
+    # --- updates -------------------------------------------------------------------------------------------
+
+    async def _put_update(self, url: str, *, path: Path, samples: int, round_number: int) -> None:
+        headers = {**self._auth(), "X-Samples": str(samples), "Content-Type": "application/octet-stream"}
+
+        async def put() -> None:
+            session = self._http()
+            with path.open("rb") as body:
+                async with session.put(url, data=body, headers=headers, timeout=self._timeout()) as response:
+                    if response.status >= 300:
+                        raise HttpStatusError(url, response.status, await _detail(response))
+
+        try:
+            await self._with_retries(f"round {round_number} update", put)
+        except ConnectorError as error:
+            cause = error.__cause__
+            if isinstance(cause, HttpStatusError) and cause.status < 500:
+                logger.warning(
+                    "task %s: the parameter server refused the round %d update (HTTP %d): %s",
+                    self.task_id,
+                    round_number,
+                    cause.status,
+                    cause.detail,
+                )
+                return
+            raise
+        logger.info("task %s: round %d update sent (%d samples)", self.task_id, round_number, samples)
+
+    # --- HTTP ----------------------------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout())
+        return self._session
+
+    def _timeout(self, read_timeout: float | None = None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(
+            total=None,
+            connect=self.connect_timeout,
+            sock_connect=self.connect_timeout,
+            sock_read=read_timeout if read_timeout is not None else self.read_timeout,
+        )
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.transfer_token}"} if self.transfer_token else {}
+
+    def _peer_url(self, peer: str) -> str:
+        try:
+            return self.peers[peer]
+        except KeyError:
+            raise ConnectorError(f"no address for peer {peer!r} in this task's dispatch") from None
+
+    def _result_peer(self, reference: PeersReference) -> str:
+        candidates = reference.peers or list(self.peers)
+        if not candidates:
+            raise ConnectorError("no peer to receive results from")
+        if len(candidates) > 1:
+            logger.warning(
+                "task %s: results from %d peers; only %s is polled",
+                self.task_id,
+                len(candidates),
+                candidates[0],
+            )
+        return candidates[0]
+
+    async def _with_retries(self, what: str, operation: Callable[[], Awaitable[T]]) -> T:
+        """``operation`` retried on connection errors, timeouts and 5xx; a :class:`ConnectorError` (caused by
+        the last error) when it still fails, or at once for another HTTP status or a bad download."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await operation()
+            except HttpStatusError as error:
+                if error.status < 500 or attempt == self.retries:
+                    raise ConnectorError(f"{what}: {error}") from error
+                failure: Exception = error
+            except IntegrityError as error:
+                raise ConnectorError(f"{what}: {error}") from error
+            except (aiohttp.ClientError, TimeoutError) as error:
+                if attempt == self.retries:
+                    raise ConnectorError(f"{what}: {str(error) or type(error).__name__}") from error
+                failure = error
+            delay = min(self.retry_cap, self.retry_base * 2**attempt)
+            logger.info(
+                "task %s: %s failed (%s); retrying in %gs",
+                self.task_id,
+                what,
+                str(failure) or type(failure).__name__,
+                delay,
+            )
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _download(
+        self,
+        url: str,
+        target: Path,
+        *,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        expected_size: int | None = None,
+        sha256: str = "",
+        read_timeout: float | None = None,
+        no_content_ok: bool = False,
+    ) -> Download:
+        """``GET url`` streamed into ``target`` (via a temporary file beside it, renamed when complete and
+        checked). Raises :class:`HttpStatusError` for a status other than 200 (or 204 with ``no_content_ok``,
+        which writes nothing) and :class:`IntegrityError` when size or digest differ from the expected ones."""
+        session = self._http()
+        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
+        try:
+            async with session.get(
+                url, params=params, headers=headers, timeout=self._timeout(read_timeout)
+            ) as response:
+                if response.status == 204 and no_content_ok:
+                    return Download(status=204, size=0, headers=response.headers)
+                if response.status != 200:
+                    raise HttpStatusError(url, response.status, await _detail(response))
+                digest = hashlib.sha256()
+                size = 0
+                descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+                with os.fdopen(descriptor, "wb") as file:
+                    async for chunk in response.content.iter_chunked(CHUNK_SIZE):
+                        size += len(chunk)
+                        if expected_size is not None and size > expected_size:
+                            raise IntegrityError(f"more than the announced {expected_size} bytes")
+                        digest.update(chunk)
+                        file.write(chunk)
+                    file.flush()
+                    await asyncio.to_thread(os.fsync, file.fileno())
+                if expected_size is not None and size != expected_size:
+                    raise IntegrityError(f"{size} bytes, {expected_size} announced")
+                if sha256 and digest.hexdigest() != sha256.lower():
+                    raise IntegrityError(
+                        f"SHA-256 {digest.hexdigest()} does not match the announced {sha256}"
+                    )
+                os.replace(partial, target)
+                return Download(status=200, size=size, headers=response.headers)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+
+
+async def _detail(response: aiohttp.ClientResponse) -> str:
+    """The reason in an error answer: ``error: detail`` of a JSON body, else the start of the text."""
+    try:
+        text = (await response.text(errors="replace"))[:2000]
+    except (aiohttp.ClientError, TimeoutError):
+        return ""
+    with contextlib.suppress(ValueError):
+        import json
+
+        body = json.loads(text)
+        if isinstance(body, dict) and ("error" in body or "detail" in body):
+            return f"{body.get('error', '')}: {body.get('detail', '')}".strip(": ")
+    return text.strip()[:500]

@@ -1,0 +1,151 @@
+"""The ``train`` job JSON an executor is started with (hypha-protocols.md §2.1–2.2), parsed and checked.
+
+Keys are Hypha's: kebab-case for ``input-names`` and ``learning-rate``, snake_case elsewhere; unknown keys
+are ignored, as Hypha's serde does. References (``model.artifact``, ``data``, ``updates``, ``results``,
+``preprocessor.artifact``) are kept as the JSON objects they are and handed to the bridge verbatim: the bridge,
+not the executor, knows how to fetch or send them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from worker_daemon.executors.exceptions import JobConfigError
+
+# Rust's kebab-case ModelType → candidate transformers Auto classes, the first that exists wins. Hypha's Python
+# executor spells three of them differently from what Rust sends (§9.12); both spellings are accepted.
+MODEL_CLASSES: dict[str, tuple[str, ...]] = {
+    "auto": ("AutoModel",),
+    "pretraining": ("AutoModelForPreTraining",),
+    "causal-lm": ("AutoModelForCausalLM",),
+    "masked-lm": ("AutoModelForMaskedLM",),
+    "mask-generation": ("AutoModelForMaskGeneration",),
+    "seq2-seq-lm": ("AutoModelForSeq2SeqLM",),
+    "seq-2-seq-lm": ("AutoModelForSeq2SeqLM",),
+    "sequence-classification": ("AutoModelForSequenceClassification",),
+    "multiple-choice": ("AutoModelForMultipleChoice",),
+    "next-sentence-prediction": ("AutoModelForNextSentencePrediction",),
+    "token-classification": ("AutoModelForTokenClassification",),
+    "question-answering": ("AutoModelForQuestionAnswering",),
+    "text-encoding": ("AutoModelForTextEncoding",),
+    "depth-estimation": ("AutoModelForDepthEstimation",),
+    "image-classification": ("AutoModelForImageClassification",),
+    "video-classification": ("AutoModelForVideoClassification",),
+    "keypoint-detection": ("AutoModelForKeypointDetection",),
+    "keypoint-matching": ("AutoModelForKeypointMatching",),
+    "object-detection": ("AutoModelForObjectDetection",),
+    "image-segmentation": ("AutoModelForImageSegmentation",),
+    "image-to-image": ("AutoModelForImageToImage",),
+    "semantic-segmentation": ("AutoModelForSemanticSegmentation",),
+    "instance-segmentation": ("AutoModelForInstanceSegmentation",),
+    "universal-segmentation": ("AutoModelForUniversalSegmentation",),
+    "zero-shot-image-classification": ("AutoModelForZeroShotImageClassification",),
+    "zero-shot-object-detection": ("AutoModelForZeroShotObjectDetection",),
+    "audio-classification": ("AutoModelForAudioClassification",),
+    "audio-frame-classification": ("AutoModelForAudioFrameClassification",),
+    "ctc": ("AutoModelForCTC",),
+    "speech-seq2-seq": ("AutoModelForSpeechSeq2Seq",),
+    "speech-seq-2-seq": ("AutoModelForSpeechSeq2Seq",),
+    "audio-x-vector": ("AutoModelForAudioXVector",),
+    "text-to-spectrogram": ("AutoModelForTextToSpectrogram",),
+    "text-to-waveform": ("AutoModelForTextToWaveform",),
+    "audio-tokenization": ("AutoModelForAudioTokenization",),
+    # Hypha's executor maps table QA to the plain QA head; kept for compatibility.
+    "table-question-answering": ("AutoModelForQuestionAnswering",),
+    "document-question-answering": ("AutoModelForDocumentQuestionAnswering",),
+    # transformers 5 folded Vision2Seq into ImageTextToText.
+    "vison2-seq": ("AutoModelForVision2Seq", "AutoModelForImageTextToText"),
+    "vision-2-seq": ("AutoModelForVision2Seq", "AutoModelForImageTextToText"),
+    "image-text-to-text": ("AutoModelForImageTextToText",),
+    "time-series-prediction": ("AutoModelForTimeSeriesPrediction",),
+}
+
+PREPROCESSOR_CLASSES: dict[str, str] = {
+    "tokenizer": "AutoTokenizer",
+    "feature": "AutoFeatureExtractor",
+    "image": "AutoImageProcessor",
+    "video": "AutoVideoProcessor",
+    "auto": "AutoProcessor",
+}
+
+Reference = dict[str, Any]
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+
+class ModelSpec(_Shape):
+    task: str
+    artifact: Reference
+    input_names: Annotated[list[str], Field(alias="input-names", min_length=1)]
+
+
+class OptimizerSpec(_Shape):
+    learning_rate: Annotated[float, Field(alias="learning-rate", gt=0)]
+    betas: tuple[float, float] | None = None
+    epsilon: Annotated[float, Field(gt=0)] | None = None
+
+
+class PreprocessorSpec(_Shape):
+    task: Literal["tokenizer", "feature", "image", "video", "auto"]
+    artifact: Reference
+    input_names: Annotated[list[str], Field(alias="input-names", min_length=1)]
+
+
+class WarmupSchedule(_Shape):
+    type: Literal["cosine-with-warmup", "linear-with-warmup"]
+    warmup_steps: Annotated[int, Field(ge=0)]
+    training_steps: Annotated[int, Field(gt=0)]
+
+
+class WsdSchedule(_Shape):
+    type: Literal["wsd"]
+    warmup_steps: Annotated[int, Field(ge=0)]
+    # Rust sends decay_steps, Hypha's Python executor reads decay_step (§9.12): accept both.
+    decay_steps: Annotated[int, Field(ge=0, validation_alias=AliasChoices("decay_steps", "decay_step"))]
+    # Neither Hypha side has these; without them the stable phase lasts for the whole job (see training.py).
+    stable_steps: Annotated[int, Field(ge=0)] | None = None
+    training_steps: Annotated[int, Field(gt=0)] | None = None
+
+
+class TrainConfig(_Shape):
+    model: ModelSpec
+    data: Reference
+    updates: Reference
+    results: Reference
+    optimizer: OptimizerSpec
+    batch_size: Annotated[int, Field(gt=0)]
+    preprocessor: PreprocessorSpec | None = None
+    scheduler: Annotated[WarmupSchedule | WsdSchedule, Field(discriminator="type")] | None = None
+
+
+class TrainJob(_Shape):
+    job_id: str | None = None
+    config: TrainConfig
+
+
+def parse_job(text: str) -> TrainJob:
+    """The train job in JOB_JSON ``text`` (the whole envelope). Raises :class:`JobConfigError`: not JSON,
+    not a ``train`` envelope, a missing or mistyped key, an unknown model task."""
+    try:
+        envelope = json.loads(text)
+    except ValueError as error:
+        raise JobConfigError(f"the job is not JSON: {error}") from error
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("executor"), dict):
+        raise JobConfigError("the job has no executor object")
+    executor = envelope["executor"]
+    if executor.get("class") != "train":
+        raise JobConfigError(f"this executor runs train jobs, not {executor.get('class')!r}")
+    try:
+        job = TrainJob.model_validate({"job_id": envelope.get("job_id"), "config": executor.get("config")})
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        location = ".".join(str(part) for part in first["loc"])
+        raise JobConfigError(f"executor.{location}: {first['msg']}") from error
+    if job.config.model.task not in MODEL_CLASSES:
+        raise JobConfigError(f"unknown model task {job.config.model.task!r}")
+    return job

@@ -1,0 +1,528 @@
+"""The built-in DiLoCo trainer: an executor for Hypha's job bridge (hypha-protocols.md §1–2, docs/training.md).
+
+Launch (the daemon substitutes the three placeholders; the same values may come from the environment
+variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``)::
+
+    accelerate launch --num_processes 1 [--cpu] -m worker_daemon.executors.training \\
+        --socket {SOCKET_PATH} --work-dir {WORK_DIR} --job {JOB_JSON}
+
+``python -m worker_daemon.executors.training …`` works too. What it does, per the contract:
+
+1. open one ``/resources/receive`` stream on the job's ``results`` reference for the whole job;
+2. fetch the model artifact once, load it with ``AutoModelFor<task>.from_pretrained``, make AdamW (and the
+   optional LR schedule); the data loader fetches a slice of the ``data`` reference whenever it needs one;
+3. every round: train, reporting ``{"status": {"batch_size", "loss", "step_time"}}`` after every optimizer
+   step, until the scheduler's counter says stop (below); send ``"update"``; write
+   ``delta = θ_local − θ_global_prev`` to ``updates/<round>.safetensors`` and send it to ``updates``; report
+   the round's metrics; wait for the parameter server's update ``u`` on the receive stream; load
+   ``θ_global_prev + u`` into the model; send ``"update-received"``: ``Done`` ends the job (exit 0), anything
+   else starts the next round. AdamW's state is kept across rounds.
+
+Counter (exactly Hypha's): it is -1 at the start of each round; a ``ScheduleUpdate`` reply sets it to the
+reply's ``counter``, every other reply decrements it; the round's inner loop ends when it reaches 0. So
+``ScheduleUpdate{0}`` means "this was the last step", ``ScheduleUpdate{k}`` "k more steps".
+
+Unlike Hypha's executor (§9): tied weights are saved once (no crash), the delta is computed without touching
+the live model (a failed merge leaves it intact), the status carries a real ``step_time`` instead of the
+garbage ``round_time``, and ``wsd`` accepts ``decay_steps`` as well as ``decay_step``.
+
+Exit codes: 0 the job is done; 1 unexpected error; 2 bad command line; 3 a bridge call failed; 4 the job JSON
+or its model artifact is unusable; 5 training cannot go on (bad data slice, refused update, diverged loss);
+143 terminated by SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+    from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
+    from worker_daemon.executors.job import PreprocessorSpec, TrainConfig, TrainJob
+
+logger = logging.getLogger("worker_daemon.executors.training")
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+UPDATES_DIR = "updates"
+INCOMING_DIR = "incoming"
+TRUST_REMOTE_CODE_ENV = "HYPHA_TRUST_REMOTE_CODE"
+
+
+# --- command line ----------------------------------------------------------------------------------------------
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--socket``, ``--work-dir`` and ``--job`` default to the environment variables
+    ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON`` (Hypha's launch contract sets both)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m worker_daemon.executors.training",
+        description="Hypha's built-in DiLoCo trainer: talks to the job bridge on --socket.",
+    )
+    parser.add_argument(
+        "--socket", default=os.environ.get("SOCKET_PATH"), help="bridge socket [$SOCKET_PATH]"
+    )
+    parser.add_argument("--work-dir", default=os.environ.get("WORK_DIR"), help="job work dir [$WORK_DIR]")
+    parser.add_argument("--job", default=os.environ.get("JOB_JSON"), help="the job JSON [$JOB_JSON]")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=os.environ.get(TRUST_REMOTE_CODE_ENV, "").lower() in {"1", "true", "yes"},
+        help=f"let transformers run model code shipped with the artifact [${TRUST_REMOTE_CODE_ENV}=1]",
+    )
+    parser.add_argument("--log-level", default="INFO", help="INFO (one line per round) or DEBUG (per step)")
+    arguments = parser.parse_args(argv)
+    for option, value in (
+        ("--socket", arguments.socket),
+        ("--work-dir", arguments.work_dir),
+        ("--job", arguments.job),
+    ):
+        if not value:
+            parser.error(f"{option} is required (or its environment variable)")
+    return arguments
+
+
+def configure_logging(level: str) -> None:
+    """Log lines to stdout, line-buffered: the daemon re-prints the executor's stdout line by line."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    logging.basicConfig(
+        stream=sys.stdout,
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    # httpx logs every request at INFO: one line per training step would drown the round lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def _terminate(signal_number: int, frame: FrameType | None) -> None:
+    raise SystemExit(EXIT_TERMINATED)
+
+
+# --- model, data, optimizer ------------------------------------------------------------------------------------
+
+
+def load_model(
+    *, client: BridgeClient, config: TrainConfig, work_dir: Path, trust_remote_code: bool
+) -> torch.nn.Module:
+    """Fetch the model artifact (the reference verbatim) and load it with the task's Auto class."""
+    import transformers
+
+    from worker_daemon.executors.exceptions import JobConfigError
+    from worker_daemon.executors.job import MODEL_CLASSES
+
+    files = client.fetch(config.model.artifact)
+    configs = [file for file in files if Path(file.path).name == "config.json"]
+    directory = (work_dir / configs[0].path).parent if configs else work_dir / "artifacts"
+    names = MODEL_CLASSES[config.model.task]
+    auto_class = next((getattr(transformers, name) for name in names if hasattr(transformers, name)), None)
+    if auto_class is None:
+        raise JobConfigError(f"this transformers has none of {names} for task {config.model.task!r}")
+    try:
+        return auto_class.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as error:
+        raise JobConfigError(f"cannot load the model from {[f.path for f in files]}: {error}") from error
+
+
+def load_preprocessor(
+    *, client: BridgeClient, spec: PreprocessorSpec, work_dir: Path, trust_remote_code: bool
+) -> Callable[[dict[str, torch.Tensor]], dict[str, Any]]:
+    """Fetch the preprocessor artifact and load it from ``artifacts/<first filename>`` as Hypha does (falling
+    back to that file's directory, which is what a tokenizer needs). Best effort: untested on real data."""
+    import transformers
+
+    from worker_daemon.executors.exceptions import JobConfigError
+    from worker_daemon.executors.job import PREPROCESSOR_CLASSES
+
+    files = client.fetch(spec.artifact)
+    filenames = spec.artifact.get("filenames") or []
+    if filenames:
+        first = work_dir / "artifacts" / filenames[0]
+    elif files:
+        first = work_dir / files[0].path
+    else:
+        raise JobConfigError("the preprocessor artifact yielded no file")
+    auto_class = getattr(transformers, PREPROCESSOR_CLASSES[spec.task])
+    try:
+        processor = auto_class.from_pretrained(str(first), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError):
+        try:
+            processor = auto_class.from_pretrained(str(first.parent), trust_remote_code=trust_remote_code)
+        # ImportError: transformers 5's image processors need torchvision, which a host may lack.
+        except (OSError, ValueError, ImportError) as error:
+            raise JobConfigError(f"cannot load the {spec.task} preprocessor from {first}: {error}") from error
+
+    def preprocess(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return dict(processor(**tensors, return_tensors="pt"))
+
+    return preprocess
+
+
+def get_dataloaders(
+    *,
+    client: BridgeClient,
+    config: TrainConfig,
+    work_dir: Path,
+    preprocess: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+) -> torch.utils.data.DataLoader:
+    """The training DataLoader: batches of ``batch_size`` samples from an endless stream of data slices.
+
+    There is no evaluation loader: the parameter server evaluates the global model."""
+    from torch.utils.data import DataLoader
+
+    from worker_daemon.executors.data import SliceStream
+
+    dataset = SliceStream(
+        fetch=client.fetch,
+        reference=config.data,
+        work_dir=work_dir,
+        input_names=config.model.input_names,
+        preprocess=preprocess,
+        preprocess_inputs=config.preprocessor.input_names if config.preprocessor else None,
+    )
+    # num_workers=0: the slice stream calls the bridge, whose client lives in this process.
+    return DataLoader(dataset, batch_size=config.batch_size, num_workers=0)
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    import torch
+
+    options: dict[str, Any] = {"lr": config.optimizer.learning_rate}
+    if config.optimizer.betas is not None:
+        options["betas"] = tuple(config.optimizer.betas)
+    if config.optimizer.epsilon is not None:
+        options["eps"] = config.optimizer.epsilon
+    return torch.optim.AdamW(model.parameters(), **options)
+
+
+def make_lr_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> Any | None:
+    """The LR schedule the job asks for, stepped once per optimizer step; ``None`` keeps the lr constant."""
+    import transformers
+
+    schedule = config.scheduler
+    if schedule is None:
+        return None
+    if schedule.type == "cosine-with-warmup":
+        return transformers.get_cosine_schedule_with_warmup(
+            optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=schedule.training_steps
+        )
+    if schedule.type == "linear-with-warmup":
+        return transformers.get_linear_schedule_with_warmup(
+            optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=schedule.training_steps
+        )
+    stable_steps = schedule.stable_steps
+    if stable_steps is None and schedule.training_steps is None:
+        # Hypha's wsd config has no length: the job's length in steps is unknown up front, so rather than
+        # decaying right after the warmup (lr 0 for the rest of the job) the stable phase lasts until the end.
+        stable_steps = 2**31
+        logger.warning("wsd schedule without stable_steps or training_steps: the lr never decays")
+    return transformers.get_wsd_schedule(
+        optimizer,
+        num_warmup_steps=schedule.warmup_steps,
+        num_decay_steps=schedule.decay_steps,
+        num_training_steps=schedule.training_steps,
+        num_stable_steps=stable_steps,
+    )
+
+
+# --- the DiLoCo loop -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundStats:
+    """What one round's inner loop did."""
+
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.steps if self.steps else math.nan
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    """The model's own loss (``outputs.loss``), or the output itself when the model returns a tensor."""
+    import torch
+
+    from worker_daemon.executors.exceptions import JobConfigError
+
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    if loss is None:
+        raise JobConfigError("the model returned no loss: model.input-names must include the labels")
+    return loss
+
+
+def run_round(
+    *,
+    accelerator: Accelerator,
+    client: BridgeClient,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_schedule: Any | None,
+    batches: Iterator[dict[str, torch.Tensor]],
+    input_names: list[str],
+    round_number: int,
+) -> RoundStats:
+    """The inner loop of one round: train and report each step until the scheduler's counter reaches 0."""
+    from worker_daemon.executors.exceptions import DataError, DivergedError
+
+    stats = RoundStats()
+    counter = -1
+    started = time.perf_counter()
+    model.train()
+    while True:
+        step_started = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise DataError("the data stream ended") from None
+        inputs = {name: batch[name] for name in input_names}
+        outputs = model(**inputs)
+        loss = _loss_of(outputs)
+        accelerator.backward(loss)
+        optimizer.step()
+        if lr_schedule is not None:
+            lr_schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach().item())
+        step_time = time.perf_counter() - step_started
+        if not math.isfinite(loss_value):
+            raise DivergedError(f"round {round_number}, step {stats.steps + 1}: the loss is {loss_value}")
+        batch_size = int(inputs[input_names[0]].shape[0])
+        stats.steps += 1
+        stats.samples += batch_size
+        stats.loss_sum += loss_value
+        reply = client.status(
+            {"status": {"batch_size": batch_size, "loss": loss_value, "step_time": step_time}}
+        )
+        if reply["type"] == "ScheduleUpdate":
+            counter = int(reply.get("counter", 0))
+        else:
+            counter -= 1
+        logger.debug(
+            "round %d step %d: loss %.4f, %d samples in %.3f s, reply %s, counter %d",
+            round_number,
+            stats.steps,
+            loss_value,
+            batch_size,
+            step_time,
+            reply["type"],
+            counter,
+        )
+        if counter == 0:
+            break
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def synchronise(
+    *,
+    client: BridgeClient,
+    results: ReceiveStream,
+    model: torch.nn.Module,
+    global_previous: dict[str, torch.Tensor],
+    config: TrainConfig,
+    work_dir: Path,
+    round_number: int,
+    stats: RoundStats,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The outer step: send the pseudo-gradient and metrics, merge the parameter server's update.
+
+    Returns the reply to ``"update-received"`` and the new global weights (already loaded into ``model``).
+    The model is modified only by the final in-place load, after the update was read and checked.
+    """
+    from parameter_server import weights
+    from parameter_server.exceptions import ParameterServerError
+    from worker_daemon.executors.exceptions import DivergedError, UpdateError
+    from worker_daemon.executors.pseudo_gradient import compute_delta, float_state, load_into, merge
+
+    client.status("update")
+    delta = compute_delta(float_state(model), global_previous)
+    relative = f"{UPDATES_DIR}/{round_number}.safetensors"
+    (work_dir / UPDATES_DIR).mkdir(exist_ok=True)
+    try:
+        weights.save(work_dir / relative, delta)  # tied weights stored once, the others as aliases
+    except ParameterServerError as error:
+        raise DivergedError(f"round {round_number}: the pseudo-gradient is unusable: {error}") from error
+    del delta
+    client.send(config.updates, relative)
+    # The bridge sends in the background: the previous round's file is surely sent by now (its result came back).
+    (work_dir / UPDATES_DIR / f"{round_number - 1}.safetensors").unlink(missing_ok=True)
+    client.status(
+        {
+            "metrics": {
+                "round": round_number,
+                "metrics": {
+                    "loss": float(stats.mean_loss),
+                    "samples": float(stats.samples),
+                    "steps": float(stats.steps),
+                    "samples_per_second": float(stats.samples_per_second),
+                },
+            }
+        }
+    )
+    received = results.next_file()
+    try:
+        update = weights.load(work_dir / received.path)
+    except ParameterServerError as error:
+        raise UpdateError(f"round {round_number}: the update {received.path} is unusable: {error}") from error
+    global_new = merge(global_previous, update)
+    load_into(model, global_new)
+    reply = client.status("update-received")
+    return reply, global_new
+
+
+def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
+    """Run ``job`` with the bridge and work dir of the parsed command line to its end; returns the exit code
+    (0 when the scheduler said Done), raises :class:`ExecutorError` when the job cannot go on."""
+    import torch
+    import transformers
+    from accelerate import Accelerator
+
+    from worker_daemon.executors.bridge_client import BridgeClient
+    from worker_daemon.executors.exceptions import JobConfigError
+    from worker_daemon.executors.pseudo_gradient import float_state, snapshot
+
+    transformers.utils.logging.disable_progress_bar()
+    config = job.config
+    work_dir = Path(arguments.work_dir).resolve()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if accelerator.num_processes != 1:
+        # Every process would run its own rounds against the one bridge; DiLoCo here is one process per job.
+        raise JobConfigError(f"run one process per job (--num_processes 1), not {accelerator.num_processes}")
+
+    with BridgeClient(arguments.socket) as client, client.receive(config.results, INCOMING_DIR) as results:
+        model = load_model(
+            client=client, config=config, work_dir=work_dir, trust_remote_code=arguments.trust_remote_code
+        )
+        preprocess = None
+        if config.preprocessor is not None:
+            preprocess = load_preprocessor(
+                client=client,
+                spec=config.preprocessor,
+                work_dir=work_dir,
+                trust_remote_code=arguments.trust_remote_code,
+            )
+        optimizer = make_optimizer(model, config)
+        lr_schedule = make_lr_schedule(optimizer, config)
+        train_dataloader = get_dataloaders(
+            client=client, config=config, work_dir=work_dir, preprocess=preprocess
+        )
+        if lr_schedule is None:
+            model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+        else:
+            model, optimizer, train_dataloader, lr_schedule = accelerator.prepare(
+                model, optimizer, train_dataloader, lr_schedule
+            )
+        unwrapped = accelerator.unwrap_model(model)
+        global_previous = snapshot(float_state(unwrapped))
+        parameters = sum(parameter.numel() for parameter in unwrapped.parameters())
+        logger.info(
+            "job %s: model %s (%s, %d parameters) loaded on %s, batch size %d, lr %g",
+            job.job_id,
+            config.model.task,
+            type(unwrapped).__name__,
+            parameters,
+            accelerator.device,
+            config.batch_size,
+            config.optimizer.learning_rate,
+        )
+        batches = iter(train_dataloader)
+        round_number = 1
+        while True:
+            stats = run_round(
+                accelerator=accelerator,
+                client=client,
+                model=model,
+                optimizer=optimizer,
+                lr_schedule=lr_schedule,
+                batches=batches,
+                input_names=config.model.input_names,
+                round_number=round_number,
+            )
+            sync_started = time.perf_counter()
+            reply, global_previous = synchronise(
+                client=client,
+                results=results,
+                model=unwrapped,
+                global_previous=global_previous,
+                config=config,
+                work_dir=work_dir,
+                round_number=round_number,
+                stats=stats,
+            )
+            logger.info(
+                "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sync %.2f s",
+                round_number,
+                stats.steps,
+                stats.mean_loss,
+                stats.samples,
+                stats.samples_per_second,
+                time.perf_counter() - sync_started,
+            )
+            if reply["type"] == "Done":
+                logger.info("job %s: done after %d rounds", job.job_id, round_number)
+                return EXIT_OK
+            round_number += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run the job, map the outcome to an exit code (see the module docstring)."""
+    arguments = parse_arguments(argv)
+    configure_logging(arguments.log_level)
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        signal.signal(signal.SIGTERM, _terminate)
+    from worker_daemon.executors.exceptions import ExecutorError
+    from worker_daemon.executors.job import parse_job
+
+    try:
+        # Before the heavy imports: a malformed job fails in well under a second.
+        job = parse_job(arguments.job)
+        logger.info(
+            "job %s: starting the trainer (bridge %s, work dir %s)",
+            job.job_id,
+            arguments.socket,
+            arguments.work_dir,
+        )
+        return training_function(arguments, job)
+    except ExecutorError as error:
+        logger.error("%s: %s", type(error).__name__, error)
+        return error.exit_code
+    except SystemExit as exit_request:
+        if exit_request.code == EXIT_TERMINATED:
+            logger.warning("terminated by SIGTERM")
+        raise
+    except Exception:
+        logger.exception("the trainer failed unexpectedly")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

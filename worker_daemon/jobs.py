@@ -1,0 +1,504 @@
+"""The job manager: runs the tasks the control plane dispatches under this daemon's leases.
+
+For each ``dispatch_job`` it accepts (the lease is ACTIVE in the book and belongs to the job; an executor of the
+spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
+
+1. makes ``<work_dir>/hypha-<random uuid>`` (0700) and serves the bridge on ``<dir>/bridge.sock`` (0600) with a
+   :class:`~worker_daemon.bridge.remote.RemoteBackend`;
+2. starts the process in its own session (so signals reach ``accelerate launch``'s children too), in the
+   daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON`` exported:
+
+   * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
+     (compact JSON of the spec) replaced in every argument;
+   * runtime ``parameter-server``: ``python -m parameter_server --socket … --work-dir … --job … --host …
+     --port … [--public-url …]`` with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN`` and
+     ``HYPHA_SERVER_URL`` (the control plane's HTTP base URL) in its environment;
+
+3. posts ``job_started``; re-logs every line of the child's stdout and stderr (prefixed with the task id);
+4. when the process ends, by itself or cancelled (``cancel_job``, its lease gone, daemon shutdown: SIGTERM to
+   the process group, SIGKILL after ``kill_grace`` seconds), stops the bridge, removes the work dir and posts
+   ``job_exited`` with the exit code or signal and the last lines of output.
+
+A dispatch that is refused is answered at once with a ``job_exited`` whose ``reason`` says why. Frames go
+through a :class:`~worker_daemon.link.ControlLink`, so a task that ends while the daemon is disconnected
+reports it after the next ``welcome``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import uuid
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker_daemon import protocol
+from worker_daemon.bridge import BridgeServer, serve_bridge
+from worker_daemon.bridge.remote import RemoteBackend
+from worker_daemon.config import ExecutorConfig, WorkerConfig, http_base_url
+from worker_daemon.leases import LeaseBook
+from worker_daemon.link import ControlLink
+
+logger = logging.getLogger(__name__)
+
+SOCKET_NAME = "bridge.sock"
+WORK_DIR_MODE = 0o700
+#: Lines of output kept for ``job_exited.log_tail`` (which holds at most 8000 characters).
+LOG_TAIL_LINES = 50
+LOG_TAIL_CHARS = 8000
+#: A line longer than this is logged in pieces (progress bars without newlines must not grow a buffer).
+MAX_LINE = 8192
+#: AF_UNIX socket paths hold at most 107 bytes on Linux.
+MAX_SOCKET_PATH = 107
+#: How long to wait for the output of a process that has exited (its children may hold the pipes).
+OUTPUT_DRAIN_TIMEOUT = 2.0
+#: Environment variables of the daemon that its tasks must not inherit: the worker's own credentials.
+PRIVATE_ENVIRONMENT = ("HYPHA_TOKEN", "HYPHA_TOKEN_FILE")
+SHUTDOWN_REASON = "daemon shutting down"
+
+_PLACEHOLDER = re.compile(r"\{(SOCKET_PATH|WORK_DIR|JOB_JSON)\}")
+
+
+class LaunchError(Exception):
+    """A task could not be started (its work dir, bridge or process)."""
+
+
+def substitute(argument: str, values: Mapping[str, str]) -> str:
+    """``argument`` with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}`` replaced in one pass (a value
+    that itself contains a placeholder is not expanded again); other ``{…}`` are left as they are."""
+    return _PLACEHOLDER.sub(lambda match: values[match[1]], argument)
+
+
+def executor_key(spec: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(class, descriptor name) of a JOB_JSON envelope, or None if it names no executor."""
+    executor = spec.get("executor")
+    if not isinstance(executor, dict):
+        return None
+    descriptor = executor.get("descriptor")
+    executor_class = executor.get("class")
+    name = descriptor.get("name") if isinstance(descriptor, dict) else None
+    if not isinstance(executor_class, str) or not isinstance(name, str):
+        return None
+    return executor_class, name
+
+
+@dataclass(eq=False)
+class Task:
+    """One dispatched task and what runs for it."""
+
+    dispatch: protocol.DispatchJob
+    executor: ExecutorConfig
+    work_dir: Path | None = None
+    socket_path: Path | None = None
+    #: A short private dir holding the socket when the work dir's path is too long for one (removed at the end).
+    socket_dir: Path | None = None
+    process: asyncio.subprocess.Process | None = None
+    bridge: BridgeServer | None = None
+    backend: RemoteBackend | None = None
+    output: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    cancel_reason: str | None = None
+    cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    started: bool = False
+    runner: asyncio.Task[protocol.JobExited] | None = None
+
+    @property
+    def task_id(self) -> uuid.UUID:
+        return self.dispatch.task_id
+
+    @property
+    def lease_id(self) -> uuid.UUID:
+        return self.dispatch.lease_id
+
+    def log_tail(self) -> str:
+        return "\n".join(self.output)[-LOG_TAIL_CHARS:]
+
+
+class JobManager:
+    """Starts, watches and stops this daemon's tasks (see the module docstring).
+
+    ``book`` is the session's lease book (read only); ``server_url`` the control plane's address as given to
+    ``--server``. ``kill_grace`` (default: the config's) is the SIGTERM→SIGKILL delay in seconds;
+    ``request_timeout`` bounds each bridge request to the control plane. ``backend_options`` and
+    ``bridge_options`` are passed to every :class:`RemoteBackend` and :func:`serve_bridge` (tests shrink
+    their timeouts with them).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: WorkerConfig,
+        book: LeaseBook,
+        server_url: str,
+        link: ControlLink | None = None,
+        kill_grace: float | None = None,
+        request_timeout: float = 30.0,
+        backend_options: Mapping[str, Any] | None = None,
+        bridge_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.book = book
+        self.server_url = http_base_url(server_url)
+        self.link = link if link is not None else ControlLink()
+        self.kill_grace = config.kill_grace if kill_grace is None else kill_grace
+        self.request_timeout = request_timeout
+        self.backend_options = dict(backend_options or {})
+        self.bridge_options = dict(bridge_options or {})
+        self.tasks: dict[uuid.UUID, Task] = {}
+        self.closing = False
+
+    # --- control-plane messages ----------------------------------------------------------------------------
+
+    def handle(self, message: protocol.ServerMessage) -> bool:
+        """Act on a message that concerns tasks; False for any other message."""
+        match message:
+            case protocol.DispatchJob():
+                self.start(message)
+            case protocol.CancelJob():
+                if not self.cancel(
+                    message.task_id, reason=message.reason or "cancelled by the control plane"
+                ):
+                    logger.info("cancel_job for task %s, which does not run here", message.task_id)
+            case protocol.StatusReply() | protocol.SliceAssigned():
+                self.link.resolve(message)
+            case _:
+                return False
+        return True
+
+    def start(self, dispatch: protocol.DispatchJob) -> Task | None:
+        """Start the task ``dispatch`` describes, or refuse it with a ``job_exited``; None when not started."""
+        existing = self.tasks.get(dispatch.task_id)
+        if existing is not None:
+            # A repeated dispatch (e.g. after a reconnect): the task runs already; say so again.
+            logger.info("task %s is already running; dispatch ignored", dispatch.task_id)
+            if existing.started:
+                self.link.post(protocol.JobStarted(task_id=dispatch.task_id))
+            return None
+        executor, reason = self._check(dispatch)
+        if executor is None:
+            logger.warning("refusing task %s of job %s: %s", dispatch.task_id, dispatch.job_id, reason)
+            self.link.post(protocol.JobExited(task_id=dispatch.task_id, reason=reason))
+            return None
+        task = Task(dispatch=dispatch, executor=executor)
+        self.tasks[dispatch.task_id] = task
+        task.runner = asyncio.create_task(self._run(task), name=f"task-{dispatch.task_id}")
+        logger.info(
+            "starting task %s of job %s (role %s, executor %s/%s, lease %s)",
+            dispatch.task_id,
+            dispatch.job_id,
+            dispatch.role,
+            executor.executor_class,
+            executor.name,
+            dispatch.lease_id,
+        )
+        return task
+
+    def cancel(self, task_id: uuid.UUID, *, reason: str) -> bool:
+        """Stop a task (SIGTERM, SIGKILL after the grace); False if it is not running here."""
+        task = self.tasks.get(task_id)
+        if task is None:
+            return False
+        if task.cancel_reason is None:
+            task.cancel_reason = reason
+            logger.info("cancelling task %s: %s", task_id, reason)
+        task.cancel_requested.set()
+        return True
+
+    def cancel_orphans(self) -> list[uuid.UUID]:
+        """Cancel every task whose lease the book no longer holds (ended, pruned, dropped at welcome)."""
+        orphans = [
+            task
+            for task in self.tasks.values()
+            if task.cancel_reason is None and self.book.lease(task.lease_id) is None
+        ]
+        for task in orphans:
+            self.cancel(task.task_id, reason=f"lease {task.lease_id} ended")
+        return [task.task_id for task in orphans]
+
+    async def wait(self, task_id: uuid.UUID) -> protocol.JobExited | None:
+        """Wait until the task has ended and been cleaned up; its ``job_exited``, or None if unknown."""
+        task = self.tasks.get(task_id)
+        if task is None or task.runner is None:
+            return None
+        return await asyncio.shield(task.runner)
+
+    async def stop_all(self, *, reason: str = SHUTDOWN_REASON, timeout: float | None = None) -> None:
+        """Refuse new tasks, cancel every running one and wait for them (at most ``timeout`` seconds;
+        default: the kill grace plus 5 s)."""
+        self.closing = True
+        runners = [task.runner for task in self.tasks.values() if task.runner is not None]
+        for task_id in list(self.tasks):
+            self.cancel(task_id, reason=reason)
+        if not runners:
+            return
+        _, pending = await asyncio.wait(
+            runners, timeout=self.kill_grace + 5.0 if timeout is None else timeout
+        )
+        if pending:
+            logger.warning("%d task(s) did not stop in time", len(pending))
+
+    # --- running a task ------------------------------------------------------------------------------------
+
+    def _check(self, dispatch: protocol.DispatchJob) -> tuple[ExecutorConfig | None, str]:
+        if self.closing:
+            return None, SHUTDOWN_REASON
+        lease = self.book.lease(dispatch.lease_id)
+        if lease is None:
+            return None, f"lease {dispatch.lease_id} is not held (active) by this worker"
+        if lease.job_id != dispatch.job_id:
+            return None, f"lease {dispatch.lease_id} belongs to job {lease.job_id}, not {dispatch.job_id}"
+        key = executor_key(dispatch.spec)
+        if key is None:
+            return None, "the job spec names no executor (executor.class and executor.descriptor.name)"
+        executor = self.config.find_executor(*key)
+        if executor is None:
+            return None, f"no executor {key[0]}/{key[1]} is configured on this worker"
+        return executor, ""
+
+    async def _run(self, task: Task) -> protocol.JobExited:
+        try:
+            try:
+                await self._launch(task)
+            except (LaunchError, OSError) as error:
+                logger.error("task %s could not be started: %s", task.task_id, error)
+                exited = protocol.JobExited(
+                    task_id=task.task_id,
+                    cancelled=task.cancel_reason is not None,
+                    reason=f"could not start: {error}"[:2000],
+                    log_tail=task.log_tail(),
+                )
+            else:
+                task.started = True
+                self.link.post(protocol.JobStarted(task_id=task.task_id))
+                exited = await self._supervise(task)
+        except BaseException:
+            # The daemon's loop is going away: at least leave no process and no directory behind.
+            self._signal(task, signal.SIGKILL)
+            await self._clean_up(task)
+            self.tasks.pop(task.task_id, None)
+            raise
+        await self._clean_up(task)
+        self.tasks.pop(task.task_id, None)
+        logger.info(
+            "task %s exited: %s",
+            task.task_id,
+            f"signal {exited.signal}" if exited.signal is not None else f"exit code {exited.exit_code}",
+        )
+        self.link.post(exited)
+        return exited
+
+    async def _launch(self, task: Task) -> None:
+        dispatch = task.dispatch
+        base = self.config.work_dir
+        base.mkdir(parents=True, exist_ok=True)
+        work_dir = base / f"hypha-{uuid.uuid4()}"
+        work_dir.mkdir(mode=WORK_DIR_MODE)
+        task.work_dir = work_dir
+        os.chmod(work_dir, WORK_DIR_MODE)  # mkdir's mode is filtered by the umask
+        socket_path = work_dir / SOCKET_NAME
+        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+            # A Unix socket path has at most 107 bytes; a deep work_dir would make the job unrunnable. The
+            # executor is told SOCKET_PATH explicitly, so the socket may live in a short private dir instead.
+            socket_dir = Path(tempfile.mkdtemp(prefix="hypha-"))  # 0700, like the work dir
+            task.socket_dir = socket_dir
+            socket_path = socket_dir / SOCKET_NAME
+            if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+                raise LaunchError(
+                    f"socket path {socket_path} is too long for a Unix socket; set TMPDIR shorter"
+                )
+            logger.info(
+                "task %s: work dir path too long for a socket; socket at %s", task.task_id, socket_path
+            )
+        task.socket_path = socket_path
+        backend_options = {"request_timeout": self.request_timeout, **self.backend_options}
+        task.backend = RemoteBackend(
+            task_id=dispatch.task_id,
+            job_id=str(dispatch.job_id),
+            link=self.link,
+            work_dir=work_dir,
+            peers=dispatch.peers,
+            transfer_token=dispatch.transfer_token,
+            **backend_options,
+        )
+        bridge_options = {"status_timeout": backend_options["request_timeout"] + 1.0, **self.bridge_options}
+        task.bridge = await serve_bridge(
+            socket_path=socket_path,
+            work_dir=work_dir,
+            backend=task.backend,
+            job_id=str(dispatch.job_id),
+            **bridge_options,
+        )
+        argv, environment = self._command(task)
+        if task.cancel_requested.is_set():
+            raise LaunchError(task.cancel_reason or "cancelled")
+        try:
+            task.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=environment,
+                start_new_session=True,
+            )
+        except OSError as error:
+            raise LaunchError(f"{argv[0]}: {error.strerror or error}") from None
+        logger.info("task %s runs as pid %d in %s", task.task_id, task.process.pid, work_dir)
+
+    def _command(self, task: Task) -> tuple[list[str], dict[str, str]]:
+        """The argv and environment of the task's process."""
+        assert task.work_dir is not None and task.socket_path is not None
+        dispatch = task.dispatch
+        values = {
+            "SOCKET_PATH": str(task.socket_path),
+            "WORK_DIR": str(task.work_dir),
+            "JOB_JSON": json.dumps(dispatch.spec, separators=(",", ":")),
+        }
+        environment = {key: value for key, value in os.environ.items() if key not in PRIVATE_ENVIRONMENT}
+        environment.update(values)
+        executor = task.executor
+        if executor.runtime == "process":
+            assert executor.cmd is not None
+            return [executor.cmd, *(substitute(argument, values) for argument in executor.args)], environment
+        settings = self.config.parameter_server
+        argv = [
+            sys.executable,
+            "-m",
+            "parameter_server",
+            "--socket",
+            values["SOCKET_PATH"],
+            "--work-dir",
+            values["WORK_DIR"],
+            "--job",
+            values["JOB_JSON"],
+            "--host",
+            settings.host,
+            "--port",
+            str(settings.port),
+        ]
+        if settings.public_url:
+            argv += ["--public-url", settings.public_url]
+        environment["HYPHA_SERVER_URL"] = self.server_url
+        for variable, value in (
+            ("HYPHA_TRANSFER_KEY", dispatch.transfer_key),
+            ("HYPHA_TRANSFER_TOKEN", dispatch.transfer_token),
+        ):
+            if value is not None:
+                environment[variable] = value
+            else:
+                environment.pop(variable, None)
+        return argv, environment
+
+    async def _supervise(self, task: Task) -> protocol.JobExited:
+        process = task.process
+        assert process is not None
+        readers = [
+            asyncio.create_task(self._relay_output(task, stream))
+            for stream in (process.stdout, process.stderr)
+            if stream is not None
+        ]
+        exit_wait = asyncio.create_task(process.wait())
+        cancel_wait = asyncio.create_task(task.cancel_requested.wait())
+        try:
+            await asyncio.wait({exit_wait, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not exit_wait.done():
+                self._signal(task, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(exit_wait), self.kill_grace)
+                except TimeoutError:
+                    logger.warning(
+                        "task %s did not stop within %gs of SIGTERM; sending SIGKILL",
+                        task.task_id,
+                        self.kill_grace,
+                    )
+                    self._signal(task, signal.SIGKILL)
+                    await exit_wait
+        finally:
+            cancel_wait.cancel()
+        # Whatever of its process group is still around (children that outlived the leader) goes too.
+        self._signal(task, signal.SIGKILL)
+        _, pending = await asyncio.wait(readers, timeout=OUTPUT_DRAIN_TIMEOUT)
+        for reader in pending:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        code = process.returncode
+        assert code is not None
+        exit_code, signal_number = (None, -code) if code < 0 else (code, None)
+        cancelled = task.cancel_reason is not None
+        if cancelled:
+            reason = task.cancel_reason or ""
+        elif signal_number is not None:
+            reason = f"killed by signal {signal_number}"
+        else:
+            reason = "" if code == 0 else f"exited with code {code}"
+        return protocol.JobExited(
+            task_id=task.task_id,
+            exit_code=exit_code,
+            signal=signal_number,
+            cancelled=cancelled,
+            reason=reason[:2000],
+            log_tail=task.log_tail(),
+        )
+
+    async def _relay_output(self, task: Task, stream: asyncio.StreamReader) -> None:
+        """Log the stream line by line with the task's prefix and keep the last lines for the log tail."""
+        prefix = str(task.task_id)[:8]
+        buffer = b""
+        while True:
+            chunk = await stream.read(65536)
+            buffer += chunk
+            # \r ends a line too: progress bars redraw with it.
+            parts = re.split(rb"\r\n|\n|\r", buffer)
+            buffer = parts.pop() if chunk else b""
+            while len(buffer) > MAX_LINE:
+                parts.append(buffer[:MAX_LINE])
+                buffer = buffer[MAX_LINE:]
+            for part in parts:
+                line = part.decode("utf-8", errors="replace").rstrip()
+                if line:
+                    task.output.append(line)
+                    logger.info("[task %s] %s", prefix, line)
+            if not chunk:
+                return
+
+    def _signal(self, task: Task, signal_number: signal.Signals) -> None:
+        process = task.process
+        if process is None:
+            return
+        # The process leads its own session and group (start_new_session), so the group id is its pid.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal_number)
+
+    async def _clean_up(self, task: Task) -> None:
+        if task.bridge is not None:
+            bridge, task.bridge = task.bridge, None
+            try:
+                await bridge.close()
+            except Exception:
+                logger.exception("closing the bridge of task %s failed", task.task_id)
+        if task.backend is not None:
+            backend, task.backend = task.backend, None
+            try:
+                await backend.close()
+            except Exception:
+                logger.exception("closing the backend of task %s failed", task.task_id)
+        if task.socket_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, task.socket_dir, ignore_errors=True)
+        if task.work_dir is not None:
+            if os.environ.get("HYPHA_KEEP_WORK_DIRS") == "1":
+                # For debugging and for the end-to-end test, which compares the parameter server's last
+                # checkpoint with the model the control plane serves. The socket goes either way.
+                logger.info("task %s: keeping %s (HYPHA_KEEP_WORK_DIRS=1)", task.task_id, task.work_dir)
+                if task.socket_path is not None:
+                    task.socket_path.unlink(missing_ok=True)
+            else:
+                await asyncio.to_thread(shutil.rmtree, task.work_dir, ignore_errors=True)
