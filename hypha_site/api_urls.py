@@ -6,7 +6,7 @@ from django.urls import path
 from rest_framework.routers import DefaultRouter
 
 from apps.datasets.api.views import DatasetViewSet
-from apps.jobs.api.views import JobModelView, JobViewSet, job_model_download
+from apps.jobs.api.views import JobModelView, JobViewSet, UploadViewSet, job_model_download
 from apps.leases.api.views import LeaseViewSet
 from apps.market.api.views import AdvertisementViewSet, OfferViewSet
 from apps.workers.api.views import WorkerViewSet
@@ -18,6 +18,7 @@ router.register("advertisements", AdvertisementViewSet, basename="advertisement"
 router.register("offers", OfferViewSet, basename="offer")
 router.register("leases", LeaseViewSet, basename="lease")
 router.register("datasets", DatasetViewSet, basename="dataset")
+router.register("uploads", UploadViewSet, basename="upload")
 urlpatterns = [
     path("jobs/<uuid:pk>/model", job_model_download, name="job-model"),
     path("jobs/<uuid:pk>/model/<str:filename>", JobModelView.as_view(), name="job-model-file"),

@@ -125,8 +125,11 @@ def _source(value: Any) -> ModelSource:
         )
     if kind == "uri":
         url = _string(source.get("value"), "model.source.value")
-        if not url.startswith(("http://", "https://")):
-            raise JobConfigError(f"model.source.value must be an http(s) URL, got {url!r}")
+        # A path (no scheme, no "//") is a file uploaded to the control plane: /api/uploads/<id>/content/.
+        if not url.startswith(("http://", "https://", "/api/")) or url.startswith("//"):
+            raise JobConfigError(
+                f"model.source.value must be an http(s) URL or a control-plane path, got {url!r}"
+            )
         return ModelSource(type="uri", value=url)
     raise JobConfigError(f"model.source.type must be one of {', '.join(SOURCE_TYPES)}, got {kind!r}")
 

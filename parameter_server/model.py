@@ -14,6 +14,7 @@ Heavy imports (torch, transformers, huggingface_hub) happen inside the functions
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tarfile
 import tempfile
@@ -144,13 +145,29 @@ def _download_huggingface(source: ModelSource, directory: Path) -> None:
         logger.info("downloaded %s from %s to %s", filename, source.repository, path)
 
 
-def _download_uri(url: str, directory: Path) -> None:
-    """Download one file; unpack it if it is a zip or tar archive (the model directory)."""
-    name = Path(urllib.parse.urlparse(url).path).name or "model.bin"
-    target = directory / name
+def _download_uri(url: str, directory: Path, *, control_plane: ControlPlaneAccess | None = None) -> None:
+    """Download one file; unpack it if it is a zip or tar archive (the model directory).
+
+    A URL that is a path (``/api/uploads/<id>/content/``: a file uploaded to the control plane) is fetched from
+    the control plane with the parameter server's transfer token.
+    """
+    if url.startswith("/"):
+        if control_plane is None:
+            raise ModelSourceError(f"{url} is on the control plane, but its URL and a token are not known")
+        request = urllib.request.Request(
+            control_plane.server_url.rstrip("/") + url,
+            headers={"Authorization": f"Bearer {control_plane.token}"},
+        )
+        target = directory / "upload"
+    else:
+        try:
+            request = urllib.request.Request(url)
+        except ValueError as error:
+            raise ModelSourceError(f"cannot download the model from {url}: {error}") from error
+        target = directory / (Path(urllib.parse.urlparse(url).path).name or "model.bin")
     try:
         with (
-            urllib.request.urlopen(url, timeout=URI_DOWNLOAD_TIMEOUT) as response,
+            urllib.request.urlopen(request, timeout=URI_DOWNLOAD_TIMEOUT) as response,
             open(target, "wb") as file,
         ):
             shutil.copyfileobj(response, file, 1 << 20)
@@ -181,7 +198,21 @@ def _flatten_single_directory(directory: Path) -> None:
         inner.rmdir()
 
 
-def _build(job: JobConfig, source_dir: Path) -> Any:
+@dataclass(frozen=True)
+class ControlPlaneAccess:
+    """Where the control plane is, and the token the parameter server shows it."""
+
+    server_url: str
+    token: str
+
+
+def _trust_remote_code() -> bool:
+    # Off unless the operator opts in: from_pretrained would otherwise run a model repository's Python code on
+    # this host. The trainers' executor reads the same variable, so both sides load the same way.
+    return os.environ.get("HYPHA_TRUST_REMOTE_CODE") == "1"
+
+
+def _build(job: JobConfig, source_dir: Path, *, control_plane: ControlPlaneAccess | None = None) -> Any:
     import torch
     import transformers
 
@@ -202,11 +233,9 @@ def _build(job: JobConfig, source_dir: Path) -> Any:
     if source.type == "huggingface":
         _download_huggingface(source, source_dir)
     else:
-        _download_uri(source.value or "", source_dir)
+        _download_uri(source.value or "", source_dir, control_plane=control_plane)
     try:
-        # trust_remote_code: the trainers load the same files with it (Hypha's executor does), so a
-        # model with custom code (hypha-space/lenet) works on both sides.
-        return auto_class.from_pretrained(source_dir, trust_remote_code=True)
+        return auto_class.from_pretrained(source_dir, trust_remote_code=_trust_remote_code())
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelSourceError(f"cannot load the model from {source.type} source: {error}") from error
 
@@ -226,7 +255,9 @@ def _tied_aliases(model: Any, canonical: set[str]) -> dict[str, str]:
     return aliases
 
 
-def prepare_model(job: JobConfig, work_dir: Path) -> InitialModel:
+def prepare_model(
+    job: JobConfig, work_dir: Path, *, control_plane: ControlPlaneAccess | None = None
+) -> InitialModel:
     """Build or fetch the job's initial model and write its files under ``work_dir``.
 
     ``work_dir/model/`` gets every file trainers may download except the weights (``config.json``, …);
@@ -240,7 +271,7 @@ def prepare_model(job: JobConfig, work_dir: Path) -> InitialModel:
     for directory in (source_dir, files_dir):
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
-    model = _build(job, source_dir)
+    model = _build(job, source_dir, control_plane=control_plane)
     model.eval()
 
     with tempfile.TemporaryDirectory(dir=work_dir, prefix=".save-") as saved:

@@ -34,7 +34,13 @@ from parameter_server.evaluation import Evaluator
 from parameter_server.exceptions import CheckpointError, EvalDataError, ParameterServerError
 from parameter_server.job import JobConfig
 from parameter_server.math import StateDict
-from parameter_server.model import CONFIG_FILENAME, WEIGHTS_FILENAME, InitialModel, prepare_model
+from parameter_server.model import (
+    CONFIG_FILENAME,
+    WEIGHTS_FILENAME,
+    ControlPlaneAccess,
+    InitialModel,
+    prepare_model,
+)
 from parameter_server.reporting import BridgeReporter, upload_model
 from parameter_server.rounds import KEEP_RESULTS, RoundCoordinator, RoundResult
 from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http
@@ -107,7 +113,8 @@ class ParameterServer:
         """Prepare the model, restore or save round 0, bind the HTTP port (no report yet)."""
         for directory in (self.global_dir, self.results_dir):
             directory.mkdir(parents=True, exist_ok=True)
-        initial = await asyncio.to_thread(prepare_model, self.job, self.work_dir)
+        access = ControlPlaneAccess(server_url=self.settings.server_url, token=self.settings.transfer_token)
+        initial = await asyncio.to_thread(prepare_model, self.job, self.work_dir, control_plane=access)
         self.initial = initial
         state = await asyncio.to_thread(checkpoints.load_latest, self.checkpoint_dir)
         if state is None:

@@ -202,6 +202,13 @@ class Task(models.Model):
     steps_total = models.PositiveBigIntegerField(default=0)
     samples_total = models.PositiveBigIntegerField(default=0)
     last_loss = models.FloatField(null=True, blank=True)
+    # A daemon that lost its connection repeats its pending status and slice requests with the same id after
+    # reconnecting; the reply to the last one of each is kept so a repeat is answered without being counted
+    # (or claiming a second slice) twice.
+    last_status_request = models.UUIDField(null=True, blank=True)
+    last_status_reply = models.JSONField(default=dict, blank=True)
+    last_slice_request = models.UUIDField(null=True, blank=True)
+    last_slice_reply = models.JSONField(default=dict, blank=True)
     dispatched_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     first_step_at = models.DateTimeField(null=True, blank=True)
@@ -254,3 +261,28 @@ class Round(models.Model):
 
     def __str__(self) -> str:
         return f"round {self.number} of job {self.job_id}"
+
+
+class Upload(models.Model):
+    """A file a user uploaded to the control plane, e.g. a model (a zip or tar of a model directory) that a
+    job's ``upload`` source names. Stored in ``HYPHA_DATA_DIR/uploads/<id>``."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="uploads")
+    name = models.CharField(max_length=200)
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["owner", "name"])]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+    @property
+    def path(self):
+        from pathlib import Path
+
+        return Path(settings.HYPHA_DATA_DIR) / "uploads" / str(self.id)

@@ -34,6 +34,15 @@ ALLOCATING_STATES = (Job.Status.PENDING, Job.Status.ALLOCATING, Job.Status.ALLOC
 # --- jobs ---------------------------------------------------------------------------------------------------
 
 
+def spec_for_storage(parsed, owner) -> dict:
+    """The spec as stored on the job: an upload named by file name is pinned to its id, so a later upload
+    of the same name cannot change what the job trains."""
+    stored = parsed.model_dump(mode="json")
+    if parsed.model.source.type == "upload":
+        stored["model"]["source"]["file"] = str(training.resolve_upload(owner, parsed.model.source.file).pk)
+    return stored
+
+
 def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec: dict | None = None) -> Job:
     """Create a job (PENDING) and queue its allocation. ``requirements`` must already be validated."""
     with transaction.atomic():
@@ -50,14 +59,17 @@ def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec:
     return job
 
 
-def training_problems(parsed) -> dict[str, list[str]]:
+def training_problems(parsed, owner) -> dict[str, list[str]]:
     """What keeps a valid DiLoCo spec from training here, as 400 field errors (empty when it can run)."""
     from apps.datasets.models import Dataset
 
     problems: dict[str, list[str]] = {}
-    if parsed.model.source.type == "upload":
-        problems["model.source.type"] = [
-            "Uploaded model files are not supported yet; use a huggingface, url or config source."
+    if (
+        parsed.model.source.type == "upload"
+        and training.resolve_upload(owner, parsed.model.source.file) is None
+    ):
+        problems["model.source.file"] = [
+            f"You have no upload {parsed.model.source.file!r} (POST the file to /api/uploads/ first)."
         ]
     if parsed.preprocessor is not None and parsed.preprocessor.source.type == "upload":
         problems["preprocessor.source.type"] = ["Uploaded preprocessor files are not supported yet."]

@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from apps.datasets.exceptions import DatasetError
 from apps.datasets.models import Dataset, Slice
 from apps.jobs import spec as job_spec
 from apps.jobs.exceptions import TaskRefused, TransferRefused
-from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
+from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task, Upload
 from apps.leases.models import Lease
 from apps.workers import services as worker_services
 from worker_daemon import protocol
@@ -178,12 +179,18 @@ def start(job: Job) -> str | None:
                 for slice_ in dataset.slices.filter(index__in=held_out).order_by("index")
             ],
         }
+    model_source = None
+    if isinstance(parsed.model.source, job_spec.UploadSource):
+        # A path, not a URL: the parameter server fetches it from the control plane it was told about,
+        # with its transfer token (the control plane does not know the address daemons reach it at).
+        model_source = {"type": "uri", "value": f"/api/uploads/{parsed.model.source.file}/content/"}
     task = Task.objects.create(job=job, lease=server_lease, role=PARAMETER_SERVER)
     envelope = job_spec.to_aggregate_job_json(
         parsed,
         job_id=str(job.pk),
         updates_reference=_peers_reference(trainers),
         results_reference=_peers_reference(trainers),
+        model_source=model_source,
         evaluation=evaluation,
     )
     worker_services.send_to_worker(
@@ -314,12 +321,19 @@ def handle_status(worker, message: protocol.StatusReport) -> dict:
     """The reply to one progress value a task's bridge forwarded (``{"type": "Error"}`` when refused)."""
     with transaction.atomic():
         task = own_task(worker, message.task_id, lock=True)
+        if task.last_status_request == message.request_id:
+            return task.last_status_reply  # a repeat after a reconnect: already counted
         job = task.job
         if not task.is_live or job.status != Job.Status.RUNNING:
-            return ERROR
-        if task.role == PARAMETER_SERVER:
-            return _server_status(task, message.progress)
-        return _trainer_status(task, message.progress)
+            reply = ERROR
+        elif task.role == PARAMETER_SERVER:
+            reply = _server_status(task, message.progress)
+        else:
+            reply = _trainer_status(task, message.progress)
+        Task.objects.filter(pk=task.pk).update(
+            last_status_request=message.request_id, last_status_reply=reply
+        )
+        return reply
 
 
 def _trainer_status(task: Task, progress: dict | str) -> dict:
@@ -479,10 +493,22 @@ def assign_slice(worker, message: protocol.FetchSlice) -> protocol.SliceAssigned
     def refused(text: str) -> protocol.SliceAssigned:
         return protocol.SliceAssigned(request_id=message.request_id, dataset=message.dataset, error=text)
 
-    try:
-        task = own_task(worker, message.task_id)
-    except TaskRefused as error:
-        return refused(str(error))
+    with transaction.atomic():
+        try:
+            task = own_task(worker, message.task_id, lock=True)
+        except TaskRefused as error:
+            return refused(str(error))
+        if task.last_slice_request == message.request_id and task.last_slice_reply:
+            # A repeat after a reconnect: the same answer, not a second claim.
+            return protocol.SliceAssigned.model_validate(task.last_slice_reply)
+        reply = _assign_slice(task, message, refused)
+        Task.objects.filter(pk=task.pk).update(
+            last_slice_request=message.request_id, last_slice_reply=reply.model_dump(mode="json")
+        )
+        return reply
+
+
+def _assign_slice(task: Task, message: protocol.FetchSlice, refused) -> protocol.SliceAssigned:
     if task.role != TRAINER or not task.is_live or task.job.status != Job.Status.RUNNING:
         return refused(f"task {task.pk} is not a running trainer")
     name = plan(task.job).spec.dataset.name
@@ -544,13 +570,11 @@ def authorise_model_upload(job: Job, token: str | None) -> Task:
     return task
 
 
-def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
-    """Write one uploaded model file atomically; returns ``{"size", "sha256"}`` (recorded on the job)."""
-    if not MODEL_FILENAME.match(filename):
-        raise TransferRefused(f"{filename!r} is not an allowed model file name", status=400)
-    directory = model_directory(job.pk)
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / f".{filename}.part"
+def _write_stream(path: Path, chunks, *, limit: int) -> dict:
+    """Write ``chunks`` to ``path`` atomically (a partial file never appears there); ``{"size", "sha256"}``.
+    :class:`TransferRefused` (413) past ``limit`` bytes, leaving nothing behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.part")
     digest = hashlib.sha256()
     size = 0
     try:
@@ -558,19 +582,79 @@ def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
             for chunk in chunks:
                 size += len(chunk)
                 if size > limit:
-                    raise TransferRefused(f"the model file exceeds {limit} bytes", status=413)
+                    raise TransferRefused(f"the file exceeds {limit} bytes", status=413)
                 digest.update(chunk)
                 handle.write(chunk)
-        partial.replace(directory / filename)
+        partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
-    entry = {"size": size, "sha256": digest.hexdigest()}
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
+    """Write one uploaded model file atomically; returns ``{"size", "sha256"}`` (recorded on the job)."""
+    if not MODEL_FILENAME.match(filename):
+        raise TransferRefused(f"{filename!r} is not an allowed model file name", status=400)
+    directory = model_directory(job.pk)
+    entry = _write_stream(directory / filename, chunks, limit=limit)
     with transaction.atomic():
         locked = Job.objects.select_for_update().get(pk=job.pk)
         locked.model_files = {**locked.model_files, filename: entry}
         locked.save(update_fields=["model_files", "updated_at"])
     (directory / "model.zip").unlink(missing_ok=True)
     return entry
+
+
+# --- uploads ------------------------------------------------------------------------------------------------
+
+
+def store_upload(owner, name: str, chunks, *, limit: int) -> Upload:
+    """Store a user's upload (e.g. a zip of a model directory); :class:`TransferRefused` when refused."""
+    if not MODEL_FILENAME.match(name):
+        raise TransferRefused(
+            f"{name!r} is not an allowed file name (letters, digits, '.', '_', '-'; at most 100)", status=400
+        )
+    upload_id = uuid.uuid4()
+    entry = _write_stream(Path(settings.HYPHA_DATA_DIR) / "uploads" / str(upload_id), chunks, limit=limit)
+    return Upload.objects.create(id=upload_id, owner=owner, name=name, **entry)
+
+
+def resolve_upload(owner, reference: str) -> Upload | None:
+    """The owner's upload named by id, or else the newest of theirs with that file name."""
+    try:
+        found = Upload.objects.filter(owner=owner, pk=uuid.UUID(reference)).first()
+    except ValueError:
+        found = None
+    return found or Upload.objects.filter(owner=owner, name=reference).order_by("-created_at").first()
+
+
+def authorise_upload_download(upload: Upload, *, user, token: str | None) -> None:
+    """Its owner (or staff) may download an upload, and so may the parameter server of a job built from it."""
+    if user is not None and user.is_authenticated:
+        if user.pk == upload.owner_id or user.is_staff:
+            return
+        # Someone else's upload is a 404, as for jobs: its existence is not disclosed.
+        raise TransferRefused("No such upload.", status=404)
+    if not token:
+        raise TransferRefused("authentication required", status=401)
+    body = token.partition(".")[0]
+    try:
+        import base64
+        import json
+
+        job_id = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))).get("job")
+        job = Job.objects.filter(pk=uuid.UUID(str(job_id))).first()
+    except (ValueError, TypeError, AttributeError):
+        job = None
+    if job is None:
+        raise TransferRefused("invalid transfer token", status=401)
+    try:
+        claims = protocol.verify_transfer_token(transfer_key(job.pk), token, job_id=str(job.pk))
+    except protocol.TransferTokenError as error:
+        raise TransferRefused(str(error), status=401) from None
+    source = (job.spec.get("model") or {}).get("source") or {}
+    if claims.get("role") != PARAMETER_SERVER or source.get("file") != str(upload.pk):
+        raise TransferRefused("this token does not grant access to this upload", status=403)
 
 
 def model_archive(job: Job) -> Path | None:

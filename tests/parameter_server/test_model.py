@@ -12,7 +12,7 @@ import torch
 from aiohttp import web
 
 from parameter_server import weights as weights_io
-from parameter_server.exceptions import JobConfigError
+from parameter_server.exceptions import JobConfigError, ModelSourceError
 from parameter_server.job import parse_job
 from parameter_server.model import prepare_model
 from tests.parameter_server.conftest import ALICE, BOB, aggregate_job
@@ -20,9 +20,15 @@ from tests.parameter_server.conftest import ALICE, BOB, aggregate_job
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    """The tiny GPT-2 of the job, prepared once for the module."""
+    """The tiny GPT-2 of the job, prepared once for the module, and in ``served/`` the global model as
+    trainers get it (config.json + our model.safetensors)."""
     work_dir = tmp_path_factory.mktemp("gpt2")
-    return prepare_model(parse_job(aggregate_job(peers=[ALICE, BOB])), work_dir), work_dir
+    initial = prepare_model(parse_job(aggregate_job(peers=[ALICE, BOB])), work_dir)
+    served = work_dir / "served"
+    served.mkdir()
+    (served / "config.json").write_bytes((initial.files_dir / "config.json").read_bytes())
+    weights_io.save(served / "model.safetensors", initial.weights, metadata={"format": "pt"})
+    return initial, work_dir
 
 
 def test_a_tied_gpt2_is_saved_once_and_reloads_tied(gpt2):
@@ -39,9 +45,6 @@ def test_a_tied_gpt2_is_saved_once_and_reloads_tied(gpt2):
     assert len(initial.weights) == 28
     # then: the global weights as served (config.json + our model.safetensors) load back, still tied
     served = work_dir / "served"
-    served.mkdir()
-    (served / "config.json").write_bytes((initial.files_dir / "config.json").read_bytes())
-    weights_io.save(served / "model.safetensors", initial.weights, metadata={"format": "pt"})
     reloaded = AutoModelForCausalLM.from_pretrained(served)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
     for name, tensor in initial.weights.items():
@@ -139,3 +142,48 @@ async def test_a_uri_source_may_be_a_zip_of_the_model_directory(gpt2, tmp_path):
     expected = weights_io.load(gpt2_dir / "served" / "model.safetensors")
     assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)
     assert (initial.files_dir / "config.json").is_file()
+
+
+async def test_an_upload_is_fetched_from_the_control_plane_with_the_transfer_token(gpt2, tmp_path):
+    # given: a control plane serving an uploaded zip only to the bearer of the parameter server's token
+    from parameter_server.model import ControlPlaneAccess
+
+    _, gpt2_dir = gpt2
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for name in ("config.json", "model.safetensors"):
+            zipped.write(gpt2_dir / "served" / name, name)
+    seen: list[str | None] = []
+
+    async def content(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer ps-token":
+            return web.Response(status=401)
+        return web.Response(body=archive.getvalue())
+
+    app = web.Application()
+    app.router.add_get("/api/uploads/{id}/content/", content)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    source = {"type": "uri", "value": "/api/uploads/4f1c/content/"}
+    job = parse_job(aggregate_job(peers=[ALICE], source=source))
+    try:
+        # when
+        initial = await asyncio.to_thread(
+            prepare_model,
+            job,
+            tmp_path,
+            control_plane=ControlPlaneAccess(server_url=server_url, token="ps-token"),
+        )
+        # then: without the control plane's address it cannot be fetched at all
+        with pytest.raises(ModelSourceError, match="on the control plane"):
+            await asyncio.to_thread(prepare_model, job, tmp_path / "other")
+    finally:
+        await runner.cleanup()
+
+    assert seen == ["Bearer ps-token"]
+    expected = weights_io.load(gpt2_dir / "served" / "model.safetensors")
+    assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)

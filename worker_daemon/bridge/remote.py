@@ -221,6 +221,11 @@ class RemoteBackend:
                     )
                     round_number += 1
                     continue
+                if error.status == 404 and round_number > 1:
+                    # Past the job's last round: there is nothing more to receive (the executor was told
+                    # Done). End the stream, as Hypha's bridge does when receiving cannot go on.
+                    logger.info("task %s: no round %d: the job's rounds are over", self.task_id, round_number)
+                    return
                 logger.warning("task %s: waiting for round %d result: %s", self.task_id, round_number, error)
             except (aiohttp.ClientError, TimeoutError, OSError) as error:
                 logger.warning(

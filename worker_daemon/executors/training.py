@@ -14,9 +14,10 @@ variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``)::
 3. every round: train, reporting ``{"status": {"batch_size", "loss", "step_time"}}`` after every optimizer
    step, until the scheduler's counter says stop (below); send ``"update"``; write
    ``delta = θ_local − θ_global_prev`` to ``updates/<round>.safetensors`` and send it to ``updates``; report
-   the round's metrics; wait for the parameter server's update ``u`` on the receive stream; load
-   ``θ_global_prev + u`` into the model; send ``"update-received"``: ``Done`` ends the job (exit 0), anything
-   else starts the next round. AdamW's state is kept across rounds.
+   the round's metrics (``loss``, ``samples``, ``steps``, ``samples_per_second``, and ``train_seconds``: the
+   sum of its steps' ``step_time``); wait for the parameter server's update ``u`` on the receive stream;
+   load ``θ_global_prev + u`` into the model; send ``"update-received"``: ``Done`` ends the job (exit 0),
+   anything else starts the next round. AdamW's state is kept across rounds.
 
 Counter (exactly Hypha's): it is -1 at the start of each round; a ``ScheduleUpdate`` reply sets it to the
 reply's ``counter``, every other reply decrements it; the round's inner loop ends when it reaches 0. So
@@ -255,6 +256,8 @@ class RoundStats:
     samples: int = 0
     loss_sum: float = 0.0
     seconds: float = 0.0
+    #: The sum of the steps' ``step_time`` (batch, forward, backward, optimizer step): time spent training.
+    train_seconds: float = 0.0
 
     @property
     def mean_loss(self) -> float:
@@ -319,6 +322,7 @@ def run_round(
         stats.steps += 1
         stats.samples += batch_size
         stats.loss_sum += loss_value
+        stats.train_seconds += step_time
         reply = client.status(
             {"status": {"batch_size": batch_size, "loss": loss_value, "step_time": step_time}}
         )
@@ -384,6 +388,7 @@ def synchronise(
                     "samples": float(stats.samples),
                     "steps": float(stats.steps),
                     "samples_per_second": float(stats.samples_per_second),
+                    "train_seconds": float(stats.train_seconds),
                 },
             }
         }

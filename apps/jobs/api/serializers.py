@@ -6,7 +6,17 @@ from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from apps.datasets import services as dataset_services
-from apps.jobs.models import DEFAULT_EXECUTORS, PARAMETER_SERVER, ROLES, TRAINER, Job, JobEvent, Round, Task
+from apps.jobs.models import (
+    DEFAULT_EXECUTORS,
+    PARAMETER_SERVER,
+    ROLES,
+    TRAINER,
+    Job,
+    JobEvent,
+    Round,
+    Task,
+    Upload,
+)
 from apps.leases.models import Lease
 from hypha_site.api import (
     EnumField,
@@ -304,3 +314,12 @@ class JobDetailSerializer(JobSerializer):
     @extend_schema_field(DataProgressSerializer)
     def get_data(self, job: Job) -> dict:
         return dataset_services.progress(job)
+
+
+class UploadSerializer(serializers.ModelSerializer):
+    """A file you uploaded; name it (by id or file name) in a job's `{"type": "upload", "file": …}` source."""
+
+    class Meta:
+        model = Upload
+        fields = ["id", "name", "size", "sha256", "created_at"]
+        read_only_fields = fields

@@ -22,9 +22,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.jobs import services, spec, training
-from apps.jobs.api.serializers import JobCreateSerializer, JobDetailSerializer, JobSerializer
+from apps.jobs.api.serializers import (
+    JobCreateSerializer,
+    JobDetailSerializer,
+    JobSerializer,
+    UploadSerializer,
+)
 from apps.jobs.exceptions import JobNotCancellable, SpecError, TransferRefused
-from apps.jobs.models import Job, Task
+from apps.jobs.models import Job, Task, Upload
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
 
@@ -161,7 +166,7 @@ class JobViewSet(
                 parsed = spec.parse_json(body)
         except SpecError as error:
             return Response(spec_error_body(error), status=status.HTTP_400_BAD_REQUEST)
-        problems = services.training_problems(parsed)
+        problems = services.training_problems(parsed, request.user)
         if problems:
             return Response(problems, status=status.HTTP_400_BAD_REQUEST)
         if not isinstance(name, str) or len(name) > 200:
@@ -173,7 +178,7 @@ class JobViewSet(
             name=name,
             num_trainers=parsed.num_trainers,
             requirements=spec.to_requirements(parsed),
-            spec=parsed.model_dump(mode="json"),
+            spec=services.spec_for_storage(parsed, request.user),
         )
         return Response(
             JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_201_CREATED
@@ -223,19 +228,12 @@ class JobModelView(APIView):
         job = Job.objects.filter(pk=pk).first()
         if job is None:
             return Response({"detail": "No such job."}, status=status.HTTP_404_NOT_FOUND)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        stream = request.stream
-
-        def chunks():
-            while stream is not None and (chunk := stream.read(MODEL_UPLOAD_CHUNK)):
-                yield chunk
-
         try:
             entry = services.model_uploaded(
                 job=job,
                 filename=filename,
-                token=token.strip() if scheme.lower() == "bearer" else None,
-                chunks=chunks(),
+                token=_bearer(request),
+                chunks=_body_chunks(request),
                 limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
             )
         except TransferRefused as refused:
@@ -263,3 +261,85 @@ def job_model_download(request: Request, pk: str):
             {"detail": f"job {job.pk} has no model yet (it is {job.status})"}, status=status.HTTP_409_CONFLICT
         )
     return FileResponse(archive.open("rb"), as_attachment=True, filename=f"model-{job.pk}.zip")
+
+
+def _bearer(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _body_chunks(request: Request):
+    stream = request.stream
+    while stream is not None and (chunk := stream.read(MODEL_UPLOAD_CHUNK)):
+        yield chunk
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="List your uploads", responses={200: UploadSerializer, **error_responses(401)}
+    ),
+    retrieve=extend_schema(
+        summary="Show an upload", responses={200: UploadSerializer, **error_responses(401, 404)}
+    ),
+)
+class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Files uploaded to the control plane: a model to train (a zip or tar of a transformers model directory with
+    `config.json` and its weights) that a DiLoCo spec names with `{"type": "upload", "file": <id or name>}`."""
+
+    serializer_class = UploadSerializer
+
+    def get_queryset(self) -> QuerySet[Upload]:
+        if getattr(self, "swagger_fake_view", False):
+            return Upload.objects.none()
+        uploads = Upload.objects.all()
+        return uploads if self.request.user.is_staff else uploads.filter(owner=self.request.user)
+
+    @extend_schema(
+        summary="Upload a file",
+        description="The request body is the file itself (`Content-Type: application/octet-stream`); `?name=` "
+        "names it (letters, digits, `.`, `_`, `-`).",
+        parameters=[OpenApiParameter("name", OpenApiTypes.STR, required=True, description="the file name")],
+        request={"application/octet-stream": OpenApiTypes.BINARY},
+        responses={201: UploadSerializer, **error_responses(400, 401)},
+    )
+    def create(self, request: Request) -> Response:
+        try:
+            upload = training.store_upload(
+                request.user,
+                request.query_params.get("name", ""),
+                _body_chunks(request),
+                limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
+            )
+        except TransferRefused as refused:
+            field = "name" if refused.status == 400 else "detail"
+            body = {field: [str(refused)]} if field == "name" else {"detail": str(refused)}
+            return Response(body, status=refused.status)
+        return Response(UploadSerializer(upload).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Download an upload's content",
+        description="Its owner, or the parameter server of a job built from it (with its transfer token).",
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **error_responses(401, 404)},
+    )
+    @action(detail=True, methods=["get"], permission_classes=[], authentication_classes=[])
+    def content(self, request: Request, pk: str | None = None):
+        upload = Upload.objects.filter(pk=pk).first()
+        if upload is None:
+            return Response({"detail": "No such upload."}, status=status.HTTP_404_NOT_FOUND)
+        user = None
+        if _bearer(request) is None:
+            from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+
+            for authenticator in (TokenAuthentication(), SessionAuthentication()):
+                try:
+                    found = authenticator.authenticate(request)
+                except Exception:  # a bad token is simply not this user
+                    found = None
+                if found is not None:
+                    user = found[0]
+                    break
+        try:
+            training.authorise_upload_download(upload, user=user, token=_bearer(request))
+        except TransferRefused as refused:
+            return Response({"detail": str(refused)}, status=refused.status)
+        return FileResponse(upload.path.open("rb"), as_attachment=True, filename=upload.name)

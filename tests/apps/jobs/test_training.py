@@ -17,7 +17,6 @@ from apps.jobs import training
 from apps.jobs.exceptions import TaskRefused
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
 from apps.leases.models import Lease
-from apps.workers import services as worker_services
 from tests.apps.conftest import advert, offer_on
 from worker_daemon import protocol
 
@@ -44,20 +43,6 @@ SPEC = {
     "parameter_server": {"resources": {"cpu": 2, "memory": 8, "storage": 20, "gpu": 0}},
 }
 SLICES = [(index, 1000 + index, f"{index:x}" * 64) for index in range(4)]
-
-
-@pytest.fixture
-def sent(monkeypatch) -> list[tuple[uuid.UUID, protocol._Message]]:
-    """Every message the control plane sends to a daemon, in order (still delivered as usual)."""
-    messages: list = []
-    original = worker_services.send_to_worker
-
-    def record(worker_id, message):
-        messages.append((worker_id, message))
-        original(worker_id, message)
-
-    monkeypatch.setattr(worker_services, "send_to_worker", record)
-    return messages
 
 
 def dispatches(sent) -> dict[str, protocol.DispatchJob]:
@@ -226,6 +211,29 @@ def test_trainers_sync_every_h_steps_and_finish_after_the_last_round(running_job
     assert status(rig_a, task, "update-received") == {"type": "Done"}
     assert status(rig_a, task, step) == {"type": "Error"}
     assert status(rig_a, task, {"nonsense": 1}) == {"type": "Error"}
+
+
+@pytest.mark.django_db
+def test_a_repeated_request_is_answered_again_without_counting_twice(running_job, online_rigs):
+    # given: a daemon that reconnected repeats its pending status and slice requests with the same ids
+    rig_a, _rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    task = task_of(running_job, rig_a)
+    step = protocol.StatusReport(
+        request_id=uuid.uuid4(), task_id=task.pk, progress={"status": {"batch_size": 4}}
+    )
+    fetch = protocol.FetchSlice(request_id=uuid.uuid4(), task_id=task.pk, dataset="tiny-text")
+
+    # when
+    first = [job_services.status_reported(worker=rig_a, message=step).reply for _ in range(2)]
+    slices = [job_services.slice_requested(worker=rig_a, message=fetch) for _ in range(2)]
+
+    # then
+    assert first == [{"type": "Continue"}, {"type": "Continue"}]
+    task.refresh_from_db()
+    assert (task.steps_total, task.samples_total) == (1, 4)
+    assert slices[0] == slices[1] and slices[0].index == 0
+    assert dataset_services.progress(running_job)["assigned"] == 1
 
 
 @pytest.mark.django_db

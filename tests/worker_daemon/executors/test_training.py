@@ -151,6 +151,8 @@ async def test_two_rounds_against_the_real_bridge(tiny_model: TinyModel, short_d
         assert m["metrics"]["steps"] == 3.0
         assert m["metrics"]["samples"] == 12.0
         assert m["metrics"]["samples_per_second"] > 0
+        round_step_times = [status["step_time"] for status in statuses[number * 3 : number * 3 + 3]]
+        assert m["metrics"]["train_seconds"] == pytest.approx(sum(round_step_times), rel=1e-9)
 
     assert "round 1: 3 steps" in run.stdout
     assert "round 2: 3 steps" in run.stdout

@@ -1,0 +1,479 @@
+"""DiLoCo quality benchmark: the real system's DiLoCo against one worker and against data parallelism.
+
+On one byte-level dataset (the standard library's sources, ``bench.cluster.prepare_stdlib_text``; the last
+``--holdout`` slices held out for evaluation, as the job's ``evaluation.holdout`` does) and one model
+(``bench.cluster.TINY_GPT2``, built with ``torch.manual_seed(0)`` like the parameter server builds it), it
+trains three ways and evaluates each on the same held-out slices with the parameter server's own evaluator
+(``parameter_server.evaluation.Evaluator``: the sample-weighted mean of the model's loss over batches of 32):
+
+* **(a) DiLoCo, the real system**: ``bench.cluster.training_cluster`` with ``--trainers + 1`` worker daemons
+  (the market picks the parameter server), one job of ``--trainers`` trainers × ``--rounds`` rounds ×
+  ``--inner-steps`` (H) AdamW steps of ``--batch-size`` samples, outer Nesterov ``--outer lr:momentum``
+  (several settings: one job each, on the same cluster). Eval loss per round is the parameter server's; the
+  final model is downloaded and evaluated here too, as a check. Bytes are the rounds' measured
+  ``bytes_in + bytes_out``.
+* **(b) one worker**: in this process, plain torch + transformers: the same model, AdamW with the same
+  learning rate (and torch's defaults, as the executor), H × rounds steps of the same batch size: the steps
+  of one DiLoCo trainer with no one to average with. No communication.
+* **(c) synchronous data parallelism**: one in-process model, batches of trainers × batch size (what N
+  workers averaging their gradients every step compute), H × rounds steps: the same tokens as (a). Bytes are
+  *computed*, not measured: 2 × model bytes × workers × steps (every worker sends its gradient and receives
+  the average, each step).
+
+Data order (all three): the training slices in index order, epoch after epoch, samples in slice order, no
+shuffling: the control plane hands out the lowest-index free slice of the epoch and the executor reads a
+slice front to back. In (a) the trainers interleave over that sequence; (c) reads one 64-sample slice per
+step at the default sizes.
+
+The in-process baselines run one after the other, before the cluster starts, on ``--threads`` torch threads
+(default 1, like each trainer executor: the cluster runs executors with ``OMP_NUM_THREADS=1``).
+
+Usage::
+
+    python bench/diloco_quality.py                                 # 4 trainers, H=50, 4 rounds, outer 0.7:0.9
+    python bench/diloco_quality.py --rounds 2 --inner-steps 10     # a quick run
+    python bench/diloco_quality.py --outer 0.7:0.9,0.7:0.5,1.0:0 --skip-baselines   # outer-optimizer sweep
+
+Results and how to read them: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if (
+    str(REPO_ROOT) not in sys.path
+):  # run as `python bench/diloco_quality.py`: the repo root is not on the path
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.cluster import TINY_GPT2, diloco_spec, prepare_stdlib_text, training_cluster  # noqa: E402
+from bench.harness import load_average, machine_details, resolve_mode  # noqa: E402
+
+SEQ_LEN = 128
+SAMPLES_PER_SLICE = 64
+EVAL_BATCH_SIZE = 32
+SEED = 0  # the spec's default model.seed
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python bench/diloco_quality.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints the machine and markdown tables. See docs/benchmarks.md for results.",
+    )
+    parser.add_argument("--trainers", type=int, default=4, help="DiLoCo trainers (default: 4)")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H: AdamW steps per round (default: 50)")
+    parser.add_argument("--rounds", type=int, default=4, help="outer rounds (default: 4)")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="samples per step per trainer (default: 16)"
+    )
+    parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (default: 3e-3)")
+    parser.add_argument(
+        "--outer",
+        default="0.7:0.9",
+        help="outer Nesterov settings lr:momentum, comma-separated; one DiLoCo job each (default: 0.7:0.9, "
+        "the spec's default)",
+    )
+    parser.add_argument(
+        "--holdout", type=int, default=2, help="held-out eval slices, the last ones (default: 2)"
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=600_000,
+        help="bytes of stdlib source in the dataset (default: 600000)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the baselines (default: 1)")
+    parser.add_argument("--skip-baselines", action="store_true", help="run only the DiLoCo job(s)")
+    parser.add_argument("--skip-diloco", action="store_true", help="run only the in-process baselines")
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "embedded", "services"],
+        default="embedded",
+        help="control plane mode (default: embedded; auto: services if DATABASE_URL and REDIS_URL are set)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="give up on a job after this many seconds"
+    )
+    parser.add_argument("--json", type=Path, help="also write the raw results (job details included) here")
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory and print its path")
+    arguments = parser.parse_args(argv)
+    if min(arguments.trainers, arguments.inner_steps, arguments.rounds, arguments.batch_size) < 1:
+        parser.error("--trainers, --inner-steps, --rounds and --batch-size must be at least 1")
+    try:
+        arguments.outer = [
+            (float(item.split(":")[0]), float(item.split(":")[1]))
+            for item in arguments.outer.split(",")
+            if item.strip()
+        ]
+    except (ValueError, IndexError):
+        parser.error(f"--outer must be comma-separated lr:momentum pairs, not {arguments.outer!r}")
+    if not arguments.outer and not arguments.skip_diloco:
+        parser.error("--outer needs at least one lr:momentum pair")
+    return arguments
+
+
+# --- model, data, evaluation ---------------------------------------------------------------------------------
+
+
+def build_model():
+    """The job's initial model, exactly as the parameter server builds a ``config`` source."""
+    import torch
+    import transformers
+
+    config = dict(TINY_GPT2)
+    model_type = config.pop("model_type")
+    torch.manual_seed(SEED)
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(model_type, **config)
+    )
+
+
+def model_bytes(model) -> int:
+    """Bytes of the model's distinct floating-point tensors (tied weights once): one copy on the wire."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        if not tensor.is_floating_point() or tensor.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(tensor.untyped_storage().data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def make_evaluator(dataset: Path, held_out: list[int], cache_dir: Path):
+    """The parameter server's evaluator on the held-out slices, loaded from local copies (its cache)."""
+    import aiohttp
+
+    from data_node.slices import sha256_of, slice_file_name
+    from parameter_server.evaluation import Evaluator
+    from parameter_server.job import EvalConfig, EvalSlice
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    slices = []
+    for index in held_out:
+        source = dataset / slice_file_name(index)
+        shutil.copyfile(source, cache_dir / str(index))  # the evaluator's cache: no download needed
+        slices.append(EvalSlice(index=index, size=source.stat().st_size, sha256=sha256_of(source), urls=()))
+    evaluator = Evaluator(
+        config=EvalConfig(dataset=dataset.name, batch_size=EVAL_BATCH_SIZE, slices=tuple(slices)),
+        input_names=("input_ids", "labels"),
+        cache_dir=cache_dir,
+    )
+
+    async def prepare() -> None:
+        async with aiohttp.ClientSession() as session:
+            await evaluator.prepare(session)
+
+    asyncio.run(prepare())
+    return evaluator
+
+
+def batches(dataset: Path, training: list[int], batch_size: int):
+    """Endless batches of ``batch_size`` samples: training slices in index order, epoch after epoch."""
+    import torch
+    from safetensors.torch import load_file
+
+    from data_node.slices import slice_file_name
+
+    pending: list[dict[str, torch.Tensor]] = []
+    have = 0
+    while True:
+        for index in training:
+            tensors = load_file(str(dataset / slice_file_name(index)))
+            pending.append({"input_ids": tensors["input_ids"], "labels": tensors["labels"]})
+            have += len(tensors["input_ids"])
+            while have >= batch_size:
+                columns = {
+                    name: torch.cat([part[name] for part in pending]) for name in ("input_ids", "labels")
+                }
+                yield {name: tensor[:batch_size] for name, tensor in columns.items()}
+                rest = {name: tensor[batch_size:] for name, tensor in columns.items()}
+                have -= batch_size
+                pending = [rest] if have else []
+
+
+# --- the three ways ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    name: str
+    eval_losses: list[float | None]  # after round 0 (the initial model), 1, …, rounds
+    tokens: int
+    wall_seconds: float
+    bytes_communicated: int
+    bytes_note: str
+    extra: dict = field(default_factory=dict)
+
+
+def train_in_process(
+    *,
+    name: str,
+    dataset: Path,
+    training: list[int],
+    evaluator,
+    batch_size: int,
+    steps_per_round: int,
+    rounds: int,
+    lr: float,
+) -> Result:
+    """AdamW on one model, evaluating after every ``steps_per_round`` steps; eval time is not counted."""
+    import torch
+
+    model = build_model()
+    eval_model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    stream = batches(dataset, training, batch_size)
+    losses = [evaluator.loss(eval_model, model.state_dict())]
+    train_losses = []
+    seconds = 0.0
+    samples = 0
+    for round_number in range(1, rounds + 1):
+        model.train()
+        started = time.perf_counter()
+        total = 0.0
+        for _ in range(steps_per_round):
+            batch = next(stream)
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            total += float(loss.detach())
+            samples += len(batch["input_ids"])
+        seconds += time.perf_counter() - started
+        train_losses.append(total / steps_per_round)
+        losses.append(evaluator.loss(eval_model, model.state_dict()))
+        print(
+            f"  {name}: round {round_number}/{rounds}: train loss {train_losses[-1]:.3f}, eval loss "
+            f"{losses[-1]:.3f} ({seconds:.0f} s training)",
+            flush=True,
+        )
+    return Result(
+        name=name,
+        eval_losses=losses,
+        tokens=samples * SEQ_LEN,
+        wall_seconds=seconds,
+        bytes_communicated=0,
+        bytes_note="",
+        extra={"train_losses": train_losses},
+    )
+
+
+def _time(value: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def run_diloco(cluster, *, arguments: argparse.Namespace, outer: tuple[float, float], evaluator, root: Path):
+    lr, momentum = outer
+    spec = diloco_spec(
+        dataset="stdlib",
+        trainers=arguments.trainers,
+        rounds=arguments.rounds,
+        inner_steps=arguments.inner_steps,
+        batch_size=arguments.batch_size,
+        learning_rate=arguments.lr,
+        outer_learning_rate=lr,
+        outer_momentum=momentum,
+        holdout=arguments.holdout,
+    )
+    started = time.monotonic()
+    job_id = cluster.submit(spec, name=f"quality-{lr:g}-{momentum:g}")
+
+    def show(round_: dict) -> None:
+        print(
+            f"  DiLoCo {lr:g}:{momentum:g}: round {round_['number']}/{arguments.rounds}: "
+            f"{len(round_['participants'])} trainers, train loss {round_['mean_loss']}, "
+            f"eval loss {round_['eval_loss']} ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+
+    job = cluster.follow(job_id, timeout=arguments.timeout, on_round=show)
+    if job["status"] != "completed":
+        raise RuntimeError(f"job {job_id} is {job['status']}: {job['status_reason']}\n{cluster.logs()}")
+    # The final model, evaluated here with the same evaluator: must match the parameter server's last eval.
+    archive = cluster.download_model(job_id, root / f"model-{job_id}.zip")
+    unpacked = root / f"model-{job_id}"
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(unpacked)
+    from parameter_server import weights as weights_io
+
+    final_weights = weights_io.load(next(unpacked.rglob("model.safetensors")))
+    final_here = evaluator.loss(build_model(), final_weights)
+
+    rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
+    trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+    samples = sum(task["samples_total"] for task in trainers)
+    first_step = min(_time(task["first_step_at"]) for task in trainers)
+    created = _time(job["created_at"])
+    ended = _time(job["ended_at"]) if job.get("ended_at") else _time(rounds[-1]["closed_at"])
+    training_seconds = (_time(rounds[-1]["closed_at"]) - first_step).total_seconds()
+    return Result(
+        name=f"(a) DiLoCo, outer {lr:g}:{momentum:g}",
+        eval_losses=[None, *[r["eval_loss"] for r in rounds]],
+        tokens=samples * SEQ_LEN,
+        wall_seconds=training_seconds,
+        bytes_communicated=sum(r["bytes_in"] + r["bytes_out"] for r in rounds),
+        bytes_note="measured",
+        extra={
+            "job": job_id,
+            "train_losses": [r["mean_loss"] for r in rounds],
+            "final_eval_here": final_here,
+            "submit_to_end_seconds": (ended - created).total_seconds(),
+            "submit_to_first_step_seconds": (first_step - created).total_seconds(),
+            "bytes_in": [r["bytes_in"] for r in rounds],
+            "bytes_out": [r["bytes_out"] for r in rounds],
+            "detail": job,
+        },
+    )
+
+
+# --- report ------------------------------------------------------------------------------------------------
+
+
+def _loss(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def print_tables(results: list[Result], arguments: argparse.Namespace, model_size: int) -> None:
+    steps = arguments.inner_steps * arguments.rounds
+    print(
+        f"\n{arguments.trainers} trainers, H = {arguments.inner_steps}, {arguments.rounds} rounds "
+        f"({steps} steps per worker), batch {arguments.batch_size} × {SEQ_LEN} bytes, inner AdamW lr "
+        f"{arguments.lr:g}; model {model_size / 1e6:.2f} MB (float32)\n"
+    )
+    print("| run | final eval loss | tokens | wall time (s) | bytes communicated |")
+    print("|---|---:|---:|---:|---:|")
+    for result in results:
+        note = f" ({result.bytes_note})" if result.bytes_note else ""
+        wall = f"{result.wall_seconds:.0f}"
+        if "submit_to_end_seconds" in result.extra:
+            wall += f" ({result.extra['submit_to_end_seconds']:.0f} submit → completed)"
+        print(
+            f"| {result.name} | {_loss(result.eval_losses[-1])} | {result.tokens:,} | {wall} | "
+            f"{result.bytes_communicated / 1e6:,.1f} MB{note} |"
+        )
+    print("\nEval loss on the held-out slices after each round (round r = r × H steps per worker):\n")
+    print("| run | " + " | ".join(f"r{number}" for number in range(arguments.rounds + 1)) + " |")
+    print("|---|" + "---:|" * (arguments.rounds + 1))
+    initial = next((r.eval_losses[0] for r in results if r.eval_losses[0] is not None), None)
+    for result in results:
+        losses = list(result.eval_losses)
+        if losses[0] is None:
+            losses[0] = initial
+        print(f"| {result.name} | " + " | ".join(_loss(value) for value in losses) + " |")
+    print("\nMean training loss per round (DiLoCo: the trainers' mean, before averaging):\n")
+    print("| run | " + " | ".join(f"r{number}" for number in range(1, arguments.rounds + 1)) + " |")
+    print("|---|" + "---:|" * arguments.rounds)
+    for result in results:
+        print(f"| {result.name} | " + " | ".join(_loss(v) for v in result.extra["train_losses"]) + " |")
+    checks = [r for r in results if "final_eval_here" in r.extra]
+    if checks:
+        print()
+        for result in checks:
+            print(
+                f"{result.name}: final model downloaded and evaluated here: {_loss(result.extra['final_eval_here'])} "
+                f"(parameter server: {_loss(result.eval_losses[-1])}); submit → first step "
+                f"{result.extra['submit_to_first_step_seconds']:.1f} s; bytes in/out per round "
+                f"{[round(b / 1e6, 2) for b in result.extra['bytes_in']]} / "
+                f"{[round(b / 1e6, 2) for b in result.extra['bytes_out']]} MB"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    import torch
+
+    torch.set_num_threads(arguments.threads)
+    mode = resolve_mode(arguments.mode)
+    machine = machine_details()
+    print("Machine: " + ", ".join(f"{key} {value}" for key, value in machine.items()))
+    print(f"Load average at start: {load_average()}")
+    print(f"Command: {' '.join(sys.argv)}")
+    root = Path(tempfile.mkdtemp(prefix="hypha-quality-"))
+    results: list[Result] = []
+    try:
+        dataset = prepare_stdlib_text(
+            root / "stdlib", max_bytes=arguments.max_bytes, samples_per_slice=SAMPLES_PER_SLICE
+        )
+        count = len(list(dataset.glob("*.safetensors")))
+        held_out = list(range(count - arguments.holdout, count))
+        training = list(range(count - arguments.holdout))
+        print(
+            f"Dataset: {count} slices of {SAMPLES_PER_SLICE} × {SEQ_LEN} bytes; eval on slices {held_out} "
+            f"({len(held_out) * SAMPLES_PER_SLICE} samples), training on the other {len(training)}"
+        )
+        evaluator = make_evaluator(dataset, held_out, root / "eval-cache")
+        size = model_bytes(build_model())
+        steps = arguments.inner_steps * arguments.rounds
+        if not arguments.skip_baselines:
+            print(f"Baselines in process ({arguments.threads} torch thread(s)):", flush=True)
+            results.append(
+                train_in_process(
+                    name="(b) one worker",
+                    dataset=dataset,
+                    training=training,
+                    evaluator=evaluator,
+                    batch_size=arguments.batch_size,
+                    steps_per_round=arguments.inner_steps,
+                    rounds=arguments.rounds,
+                    lr=arguments.lr,
+                )
+            )
+            parallel = train_in_process(
+                name=f"(c) data parallel, {arguments.trainers} × batch",
+                dataset=dataset,
+                training=training,
+                evaluator=evaluator,
+                batch_size=arguments.batch_size * arguments.trainers,
+                steps_per_round=arguments.inner_steps,
+                rounds=arguments.rounds,
+                lr=arguments.lr,
+            )
+            parallel.bytes_communicated = 2 * size * arguments.trainers * steps
+            parallel.bytes_note = "computed"
+            results.append(parallel)
+        if not arguments.skip_diloco:
+            print(f"Load average before the cluster: {load_average()}", flush=True)
+            print(
+                f"Starting the cluster ({mode}): control plane, data node, {arguments.trainers + 1} daemons"
+            )
+            with training_cluster(
+                root=root / "cluster", dataset_dir=dataset, workers=arguments.trainers + 1, mode=mode
+            ) as cluster:
+                for outer in arguments.outer:
+                    results.append(
+                        run_diloco(cluster, arguments=arguments, outer=outer, evaluator=evaluator, root=root)
+                    )
+        results.sort(key=lambda result: result.name)
+        print_tables(results, arguments, size)
+        print(f"\nLoad average at end: {load_average()}")
+        if arguments.json:
+            arguments.json.write_text(
+                json.dumps(
+                    [result.__dict__ for result in results],
+                    indent=1,
+                    default=str,
+                )
+            )
+        return 0
+    finally:
+        if arguments.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

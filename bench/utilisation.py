@@ -1,0 +1,269 @@
+"""Utilisation benchmark: how much of a DiLoCo trainer's wall time is training, and how long a job takes to start.
+
+Runs one real DiLoCo job on loopback (``bench.cluster.training_cluster``: the control plane, one data node
+serving the standard library's sources byte-level, and ``--trainers + 1`` worker daemons; the market picks the
+parameter server): ``--trainers`` trainers, H = ``--inner-steps``, ``--rounds`` rounds of the tiny GPT-2
+(``bench.cluster.TINY_GPT2``). Everything comes from the job's detail (``GET /api/jobs/<id>/``):
+
+* **Utilisation per trainer** over the steady-state rounds (round 1 excluded: it starts with the executor's
+  start-up): ``Σ train_seconds`` of rounds 2…R ÷ the wall time of those rounds, ``closed_at(R) −
+  closed_at(1)``. ``train_seconds`` is the executor's per-round metric: the sum of its steps' ``step_time``
+  (next batch, forward, backward, optimizer step). A trainer's round r runs from receiving round r−1's update
+  to receiving round r's, which follows the round's close by one download; the control plane's ``closed_at``
+  stands for both boundaries. The rest is split into *reporting* (the inner loop's time outside steps: the
+  per-step status round trip through the bridge to the control plane; inner-loop time is ``samples ÷
+  samples_per_second``) and *sync* (everything after the inner loop: writing and sending the pseudo-gradient,
+  waiting for the slowest trainer, the parameter server's outer step and eval, the download of the update).
+* **Start-up**: from the job's ``created_at`` (the POST) to allocation (``allocated_at``), to the parameter
+  server's dispatch and start (its task's ``dispatched_at``, ``started_at``), to its ``ready`` report (the
+  moment the trainers are dispatched: their ``dispatched_at``), to the trainers' process start
+  (``started_at``) and first optimizer step (``first_step_at``: the control plane's receipt of the first
+  status).
+
+Goals: utilisation ≥ 97 %, submit → first step < 10 s. The run prints whether each was met.
+
+Usage::
+
+    python bench/utilisation.py                     # 4 trainers, H = 50, 5 rounds (4 steady-state)
+    python bench/utilisation.py --rounds 3 --inner-steps 20
+
+Results and how to read them: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as `python bench/utilisation.py`: the repo root is not on the path
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster  # noqa: E402
+from bench.harness import load_average, machine_details, resolve_mode  # noqa: E402
+
+UTILISATION_GOAL = 0.97
+STARTUP_GOAL = 10.0
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python bench/utilisation.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints the machine and markdown tables. See docs/benchmarks.md for results.",
+    )
+    parser.add_argument("--trainers", type=int, default=4, help="DiLoCo trainers (default: 4)")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H: AdamW steps per round (default: 50)")
+    parser.add_argument("--rounds", type=int, default=5, help="outer rounds, at least 2 (default: 5)")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="samples per step per trainer (default: 16)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "embedded", "services"],
+        default="embedded",
+        help="control plane mode (default: embedded; auto: services if DATABASE_URL and REDIS_URL are set)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="give up on the job after this many seconds"
+    )
+    parser.add_argument("--json", type=Path, help="also write the job's detail JSON here")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the run's directory (logs) and print its path"
+    )
+    arguments = parser.parse_args(argv)
+    if min(arguments.trainers, arguments.inner_steps, arguments.batch_size) < 1 or arguments.rounds < 2:
+        parser.error("--trainers, --inner-steps and --batch-size must be at least 1, --rounds at least 2")
+    return arguments
+
+
+def _time(value: str | None) -> datetime.datetime | None:
+    return None if value is None else datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f} %" if whole > 0 else "—"
+
+
+def utilisation_rows(job: dict) -> list[dict]:
+    """Per trainer, over rounds 2…R: train, reporting and sync seconds, wall seconds, steps."""
+    rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
+    steady = rounds[1:]
+    wall = (_time(rounds[-1]["closed_at"]) - _time(rounds[0]["closed_at"])).total_seconds()
+    trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+    rows = []
+    for task in sorted(trainers, key=lambda task: task["worker"]):
+        metrics = [r["trainer_metrics"].get(str(task["worker_id"]), {}) for r in steady]
+        train = sum(m.get("train_seconds", 0.0) for m in metrics)
+        inner = sum(m["samples"] / m["samples_per_second"] for m in metrics if m.get("samples_per_second"))
+        steps = sum(m.get("steps", 0.0) for m in metrics)
+        per_round = []
+        for previous, current, m in zip(rounds, steady, metrics, strict=False):
+            seconds = (_time(current["closed_at"]) - _time(previous["closed_at"])).total_seconds()
+            per_round.append(m.get("train_seconds", 0.0) / seconds if seconds > 0 else 0.0)
+        rows.append(
+            {
+                "worker": task["worker"],
+                "train": train,
+                "reporting": inner - train,
+                "sync": wall - inner,
+                "wall": wall,
+                "steps": steps,
+                "utilisation": train / wall if wall > 0 else 0.0,
+                "per_round": per_round,
+                "missing_metric": any("train_seconds" not in m for m in metrics),
+            }
+        )
+    return rows
+
+
+def startup_rows(job: dict) -> list[tuple[str, float]]:
+    """(milestone, seconds after the job's created_at) in order."""
+    created = _time(job["created_at"])
+    server = next(task for task in job["tasks"] if task["role"] == "parameter_server")
+    trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+
+    def after(moment: datetime.datetime | None) -> float:
+        return float("nan") if moment is None else (moment - created).total_seconds()
+
+    def first_and_last(key: str) -> tuple[float, float]:
+        moments = [_time(task[key]) for task in trainers if task[key]]
+        return (after(min(moments)), after(max(moments))) if moments else (float("nan"), float("nan"))
+
+    rows = [
+        ("allocated (all leases active)", after(_time(job["allocated_at"]))),
+        ("parameter server dispatched", after(_time(server["dispatched_at"]))),
+        ("parameter server process started", after(_time(server["started_at"]))),
+    ]
+    dispatched = first_and_last("dispatched_at")
+    rows.append(("parameter server ready = trainers dispatched", dispatched[0]))
+    started = first_and_last("started_at")
+    rows += [("first trainer process started", started[0]), ("last trainer process started", started[1])]
+    first_step = first_and_last("first_step_at")
+    rows += [("first trainer's first step", first_step[0]), ("last trainer's first step", first_step[1])]
+    rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
+    if rounds:
+        rows.append(("round 1 closed", after(_time(rounds[0]["closed_at"]))))
+    return rows
+
+
+def print_report(job: dict, arguments: argparse.Namespace) -> bool:
+    rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
+    rows = utilisation_rows(job)
+    print(
+        f"\n{arguments.trainers} trainers, H = {arguments.inner_steps}, {len(rounds)} rounds, batch "
+        f"{arguments.batch_size}; steady state = rounds 2–{len(rounds)}, "
+        f"{rows[0]['wall']:.1f} s of wall time\n"
+    )
+    print(
+        "| trainer | steps | train (s) | reporting (s) | sync (s) | wall (s) | mean step (s) | utilisation | "
+        "per round |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        per_round = " / ".join(f"{100 * value:.0f}" for value in row["per_round"])
+        print(
+            f"| {row['worker']} | {row['steps']:.0f} | {row['train']:.1f} | {row['reporting']:.1f} | "
+            f"{row['sync']:.1f} | {row['wall']:.1f} | {row['train'] / max(row['steps'], 1):.3f} | "
+            f"**{_percent(row['train'], row['wall'])}** | {per_round} % |"
+        )
+    if any(row["missing_metric"] for row in rows):
+        print("\n(some rounds lack train_seconds: an executor without the metric; they count as 0)")
+
+    print("\nRounds (from the control plane and the parameter server's report):\n")
+    print(
+        "| round | closed after previous (s) | PS duration (s) | samples | bytes in (MB) | bytes out (MB) | eval loss |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    previous = None
+    for round_ in rounds:
+        closed = _time(round_["closed_at"])
+        gap = "—" if previous is None else f"{(closed - previous).total_seconds():.1f}"
+        previous = closed
+        evaluation = round_["eval_loss"]
+        print(
+            f"| {round_['number']} | {gap} | {round_['duration']:.1f} | {round_['samples']} | "
+            f"{round_['bytes_in'] / 1e6:.2f} | {round_['bytes_out'] / 1e6:.2f} | "
+            f"{'—' if evaluation is None else f'{evaluation:.3f}'} |"
+        )
+
+    print("\nStart-up: seconds after the job was submitted (its created_at):\n")
+    print("| milestone | at (s) | step (s) |")
+    print("|---|---:|---:|")
+    last = 0.0
+    for name, seconds in startup_rows(job):
+        print(f"| {name} | {seconds:.2f} | {seconds - last:+.2f} |")
+        last = seconds
+
+    utilisation = min(row["utilisation"] for row in rows)
+    mean = statistics.fmean(row["utilisation"] for row in rows)
+    first_step = dict(startup_rows(job))["first trainer's first step"]
+    met_u = utilisation >= UTILISATION_GOAL
+    met_s = first_step < STARTUP_GOAL
+    print(
+        f"\nGoal utilisation ≥ {100 * UTILISATION_GOAL:.0f} %: {'met' if met_u else 'MISSED'} "
+        f"(lowest trainer {100 * utilisation:.1f} %, mean {100 * mean:.1f} %)"
+    )
+    print(
+        f"Goal submit → first step < {STARTUP_GOAL:g} s: {'met' if met_s else 'MISSED'} ({first_step:.1f} s)"
+    )
+    return met_u and met_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    mode = resolve_mode(arguments.mode)
+    print("Machine: " + ", ".join(f"{key} {value}" for key, value in machine_details().items()))
+    print(f"Load average at start: {load_average()}")
+    print(f"Command: {' '.join(sys.argv)}")
+    root = Path(tempfile.mkdtemp(prefix="hypha-utilisation-"))
+    try:
+        dataset = prepare_stdlib_text(root / "stdlib")
+        print(f"Starting the cluster ({mode}): control plane, data node, {arguments.trainers + 1} daemons")
+        with training_cluster(
+            root=root / "cluster", dataset_dir=dataset, workers=arguments.trainers + 1, mode=mode
+        ) as cluster:
+            spec = diloco_spec(
+                dataset="stdlib",
+                trainers=arguments.trainers,
+                rounds=arguments.rounds,
+                inner_steps=arguments.inner_steps,
+                batch_size=arguments.batch_size,
+            )
+            started = time.monotonic()
+            job_id = cluster.submit(spec, name="utilisation")
+
+            def show(round_: dict) -> None:
+                print(
+                    f"  round {round_['number']}/{arguments.rounds} closed "
+                    f"({time.monotonic() - started:.0f} s after submission)",
+                    flush=True,
+                )
+
+            job = cluster.follow(job_id, timeout=arguments.timeout, on_round=show)
+            if job["status"] != "completed":
+                print(
+                    f"the job is {job['status']}: {job['status_reason']}\n{cluster.logs()}", file=sys.stderr
+                )
+                return 1
+        if arguments.json:
+            arguments.json.write_text(json.dumps(job, indent=1))
+        print_report(job, arguments)
+        print(f"\nLoad average at end: {load_average()}")
+        return 0
+    finally:
+        if arguments.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

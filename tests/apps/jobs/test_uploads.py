@@ -1,0 +1,118 @@
+"""Uploads: a model file a user puts on the control plane, named by a job's ``upload`` source, fetched by the
+job's parameter server with its transfer token."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from rest_framework.test import APIClient
+
+from apps.datasets import services as dataset_services
+from apps.jobs import training
+from apps.jobs.models import Job, Task, Upload
+from tests.apps.jobs.test_training import SPEC
+
+UPLOAD_SPEC = {**SPEC, "model": {**SPEC["model"], "source": {"type": "upload", "file": "tiny.zip"}}}
+UPLOAD_SPEC.pop("evaluation")
+
+
+def upload(persona, body: bytes = b"PK fake zip", name: str = "tiny.zip"):
+    return persona.client.post(f"/api/uploads/?name={name}", body, content_type="application/octet-stream")
+
+
+@pytest.fixture
+def tiny_text(db):
+    node, _ = dataset_services.create_data_node(name="data-east", url="http://east.example:8100")
+    dataset_services.register_dataset(node, "tiny-text", [(index, 100, "a" * 64) for index in range(4)])
+
+
+@pytest.mark.django_db
+def test_an_upload_is_stored_with_its_digest_and_listed_for_its_owner_only(alice, bob, settings):
+    # when
+    response = upload(alice, b"model bytes")
+
+    # then
+    assert response.status_code == 201, response.content
+    body = response.json()
+    stored = Upload.objects.get(pk=body["id"])
+    assert (body["name"], body["size"], body["sha256"]) == (
+        "tiny.zip",
+        11,
+        hashlib.sha256(b"model bytes").hexdigest(),
+    )
+    assert stored.path.read_bytes() == b"model bytes"
+    assert [entry["id"] for entry in alice.client.get("/api/uploads/").json()["results"]] == [body["id"]]
+    assert bob.client.get("/api/uploads/").json()["results"] == []
+    assert bob.client.get(f"/api/uploads/{body['id']}/content/").status_code == 404
+    owner_download = alice.client.get(f"/api/uploads/{body['id']}/content/")
+    assert b"".join(owner_download.streaming_content) == b"model bytes"
+
+
+@pytest.mark.django_db
+def test_a_bad_upload_name_is_refused_and_nothing_is_stored(alice, settings):
+    uploads = settings.HYPHA_DATA_DIR / "uploads"
+    before = set(uploads.iterdir()) if uploads.exists() else set()
+
+    response = upload(alice, name="../escape")
+
+    assert response.status_code == 400
+    assert list(response.json()) == ["name"]
+    assert not Upload.objects.exists()
+    assert (set(uploads.iterdir()) if uploads.exists() else set()) == before
+
+
+@pytest.mark.django_db
+def test_a_spec_naming_an_upload_pins_its_id_and_an_unknown_one_is_refused(alice, bob, tiny_text):
+    # an upload bob does not have is refused for him
+    refused = bob.client.post("/api/jobs/diloco/", UPLOAD_SPEC, format="json")
+    assert refused.status_code == 400
+    assert list(refused.json()) == ["model.source.file"]
+
+    # alice's upload, named by its file name, is pinned to its id
+    upload_id = upload(alice).json()["id"]
+    created = alice.client.post("/api/jobs/diloco/", UPLOAD_SPEC, format="json")
+    assert created.status_code == 201, created.content
+    assert Job.objects.get(pk=created.json()["id"]).spec["model"]["source"] == {
+        "type": "upload",
+        "file": upload_id,
+    }
+
+
+@pytest.mark.django_db
+def test_the_parameter_server_of_a_job_built_from_an_upload_may_download_it(
+    alice, tiny_text, online_rigs, sent, django_capture_on_commit_callbacks
+):
+    # given: a job on alice's upload, allocated, its parameter server dispatched
+    from apps.jobs import services as job_services
+    from apps.jobs.models import PARAMETER_SERVER, TRAINER
+    from tests.apps.conftest import advert, offer_on
+    from tests.apps.jobs.test_training import dispatches
+
+    upload_id = upload(alice, b"the model").json()["id"]
+    with django_capture_on_commit_callbacks(execute=True):
+        job_id = alice.client.post("/api/jobs/diloco/", UPLOAD_SPEC, format="json").json()["id"]
+    job = Job.objects.get(pk=job_id)
+    rig_a, rig_b, rig_c = online_rigs
+    with django_capture_on_commit_callbacks(execute=True):
+        job_services.offer_made(worker=rig_a, message=offer_on(advert(job, TRAINER), price=120.0))
+        job_services.offer_made(worker=rig_b, message=offer_on(advert(job, TRAINER), price=125.0))
+        job_services.offer_made(worker=rig_c, message=offer_on(advert(job, PARAMETER_SERVER), price=100.0))
+    dispatch = dispatches(sent)[PARAMETER_SERVER]
+    source = dispatch.spec["executor"]["config"]["model"]["source"]
+    assert source == {"type": "uri", "value": f"/api/uploads/{upload_id}/content/"}
+
+    anonymous = APIClient()
+
+    def fetch(token: str | None):
+        headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
+        return anonymous.get(source["value"], **headers)
+
+    # then: the parameter server's token reads it; a trainer's token, a forged one or none do not
+    allowed = fetch(dispatch.transfer_token)
+    assert allowed.status_code == 200 and b"".join(allowed.streaming_content) == b"the model"
+    trainer_lease = job.leases.get(worker=rig_a)
+    assert fetch(training.transfer_token(trainer_lease)).status_code == 403
+    assert fetch(dispatch.transfer_token[:-4] + "AAAA").status_code == 401
+    assert fetch(None).status_code == 401
+    assert Task.objects.filter(job=job).count() == 1
