@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -124,8 +125,30 @@ def utilisation_rows(job: dict) -> list[dict]:
     return rows
 
 
-def startup_rows(job: dict) -> list[tuple[str, float]]:
-    """(milestone, seconds after the job's created_at) in order."""
+#: The executor's own log lines (re-logged by its daemon as ``[task <id prefix>] <line>``) that mark its start-up.
+EXECUTOR_LINE = re.compile(
+    r"\[task (?P<task>[0-9a-f-]+)\] (?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO "
+    r"worker_daemon\.executors\.training: job \S+: (?P<what>starting the trainer|model .* loaded on)"
+)
+
+
+def executor_milestones(logs: list[str]) -> dict[str, dict[str, datetime.datetime]]:
+    """Task id prefix → {"main": the executor's main() started, "loaded": model loaded}, from daemon logs."""
+    found: dict[str, dict[str, datetime.datetime]] = {}
+    for text in logs:
+        for match in EXECUTOR_LINE.finditer(text):
+            # The executor logs local time without a zone: make it aware in this machine's zone.
+            at = datetime.datetime.strptime(match["at"], "%Y-%m-%d %H:%M:%S,%f").astimezone()
+            key = "main" if match["what"] == "starting the trainer" else "loaded"
+            found.setdefault(match["task"], {}).setdefault(key, at)
+    return found
+
+
+def startup_rows(
+    job: dict, milestones: dict[str, dict[str, datetime.datetime]]
+) -> list[tuple[str, float, float]]:
+    """(milestone, seconds after the job's created_at for the first and the last trainer) in order; the
+    job-wide milestones have the same value twice."""
     created = _time(job["created_at"])
     server = next(task for task in job["tasks"] if task["role"] == "parameter_server")
     trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
@@ -133,28 +156,37 @@ def startup_rows(job: dict) -> list[tuple[str, float]]:
     def after(moment: datetime.datetime | None) -> float:
         return float("nan") if moment is None else (moment - created).total_seconds()
 
-    def first_and_last(key: str) -> tuple[float, float]:
-        moments = [_time(task[key]) for task in trainers if task[key]]
-        return (after(min(moments)), after(max(moments))) if moments else (float("nan"), float("nan"))
+    def spread(moments: list[datetime.datetime | None]) -> tuple[float, float]:
+        known = [moment for moment in moments if moment is not None]
+        return (after(min(known)), after(max(known))) if known else (float("nan"), float("nan"))
 
+    def of_tasks(key: str) -> tuple[float, float]:
+        return spread([_time(task[key]) for task in trainers])
+
+    def of_logs(key: str) -> tuple[float, float]:
+        return spread([milestones.get(str(task["id"])[:8], {}).get(key) for task in trainers])
+
+    allocated = after(_time(job["allocated_at"]))
+    server_dispatched = after(_time(server["dispatched_at"]))
+    server_started = after(_time(server["started_at"]))
     rows = [
-        ("allocated (all leases active)", after(_time(job["allocated_at"]))),
-        ("parameter server dispatched", after(_time(server["dispatched_at"]))),
-        ("parameter server process started", after(_time(server["started_at"]))),
+        ("allocated (all leases active)", allocated, allocated),
+        ("parameter server dispatched", server_dispatched, server_dispatched),
+        ("parameter server process started", server_started, server_started),
+        ("parameter server ready = trainers dispatched", *of_tasks("dispatched_at")),
+        ("trainer process started (`accelerate launch`)", *of_tasks("started_at")),
+        ("executor's main() running (after launch + interpreter)", *of_logs("main")),
+        ("model loaded (imports, fetch, from_pretrained, prepare)", *of_logs("loaded")),
+        ("first optimizer step reported", *of_tasks("first_step_at")),
     ]
-    dispatched = first_and_last("dispatched_at")
-    rows.append(("parameter server ready = trainers dispatched", dispatched[0]))
-    started = first_and_last("started_at")
-    rows += [("first trainer process started", started[0]), ("last trainer process started", started[1])]
-    first_step = first_and_last("first_step_at")
-    rows += [("first trainer's first step", first_step[0]), ("last trainer's first step", first_step[1])]
     rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
     if rounds:
-        rows.append(("round 1 closed", after(_time(rounds[0]["closed_at"]))))
+        closed = after(_time(rounds[0]["closed_at"]))
+        rows.append(("round 1 closed", closed, closed))
     return rows
 
 
-def print_report(job: dict, arguments: argparse.Namespace) -> bool:
+def print_report(job: dict, arguments: argparse.Namespace, milestones: dict) -> bool:
     rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
     rows = utilisation_rows(job)
     print(
@@ -194,17 +226,18 @@ def print_report(job: dict, arguments: argparse.Namespace) -> bool:
             f"{'—' if evaluation is None else f'{evaluation:.3f}'} |"
         )
 
-    print("\nStart-up: seconds after the job was submitted (its created_at):\n")
-    print("| milestone | at (s) | step (s) |")
-    print("|---|---:|---:|")
+    print("\nStart-up: seconds after the job was submitted (its created_at), first and last trainer:\n")
+    print("| milestone | first (s) | last (s) | first: step (s) |")
+    print("|---|---:|---:|---:|")
     last = 0.0
-    for name, seconds in startup_rows(job):
-        print(f"| {name} | {seconds:.2f} | {seconds - last:+.2f} |")
-        last = seconds
+    rows_startup = startup_rows(job, milestones)
+    for name, first, final in rows_startup:
+        print(f"| {name} | {first:.2f} | {final:.2f} | {first - last:+.2f} |")
+        last = first
 
     utilisation = min(row["utilisation"] for row in rows)
     mean = statistics.fmean(row["utilisation"] for row in rows)
-    first_step = dict(startup_rows(job))["first trainer's first step"]
+    first_step = next(first for name, first, _ in rows_startup if name == "first optimizer step reported")
     met_u = utilisation >= UTILISATION_GOAL
     met_s = first_step < STARTUP_GOAL
     print(
@@ -248,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
 
             job = cluster.follow(job_id, timeout=arguments.timeout, on_round=show)
+            milestones = executor_milestones([child.tail(10**8) for child in cluster.daemons.values()])
             if job["status"] != "completed":
                 print(
                     f"the job is {job['status']}: {job['status_reason']}\n{cluster.logs()}", file=sys.stderr
@@ -255,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         if arguments.json:
             arguments.json.write_text(json.dumps(job, indent=1))
-        print_report(job, arguments)
+        print_report(job, arguments, milestones)
         print(f"\nLoad average at end: {load_average()}")
         return 0
     finally:

@@ -95,3 +95,51 @@ def test_a_diloco_job_trains_a_tiny_model_and_its_model_is_downloadable(tmp_path
         assert set(model) == set(global_weights)
         for name, tensor in global_weights.items():
             assert model[name].equal(tensor), name
+
+
+def test_cancelling_a_training_job_stops_every_executor_and_releases_every_lease(tmp_path: Path) -> None:
+    import time
+
+    from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster
+
+    dataset = prepare_stdlib_text(tmp_path / "stdlib", max_bytes=120_000, samples_per_slice=32)
+    spec = diloco_spec(
+        dataset="stdlib", trainers=TRAINERS, rounds=100, inner_steps=50, batch_size=8, holdout=1
+    )
+    root = tmp_path / "cluster"
+    with training_cluster(
+        root=root,
+        dataset_dir=dataset,
+        workers=TRAINERS + 1,
+        mode="services" if services_mode() else "embedded",
+    ) as cluster:
+        job_id = cluster.submit(spec, name="e2e-cancel")
+        # given: training under way (every trainer has taken steps)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            job = cluster.job(job_id)
+            trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+            if len(trainers) == TRAINERS and all(task["steps_total"] > 0 for task in trainers):
+                break
+            assert job["status"] in ("pending", "allocating", "allocated", "running"), job["status_reason"]
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"training did not start:\n{cluster.logs()}")
+        assert any(root.glob("workers/*/hypha-*")), "no task work dir while training"
+
+        # when
+        with cluster.api() as client:
+            assert client.post(f"/api/jobs/{job_id}/cancel/").status_code == 200
+
+        # then: the job, its tasks and leases end at once; the daemons stop the executors and clean up
+        job = cluster.job(job_id)
+        assert job["status"] == "cancelled"
+        assert {task["status"] for task in job["tasks"]} == {"cancelled"}
+        assert {lease["status"] for lease in job["leases"]} == {"released"}
+        deadline = time.monotonic() + 30
+        while any(root.glob("workers/*/hypha-*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(root.glob("workers/*/hypha-*")), cluster.logs()
+        logs = "\n".join(child.tail(500_000) for child in cluster.daemons.values())
+        for task in job["tasks"]:
+            assert f"task {task['id']} exited" in logs, logs[-4000:]
