@@ -1,7 +1,7 @@
 """DiLoCo quality benchmark: the real system's DiLoCo against one worker and against data parallelism.
 
-On one byte-level dataset (the standard library's sources, ``bench.cluster.prepare_stdlib_text``; the last
-``--holdout`` slices held out for evaluation, as the job's ``evaluation.holdout`` does) and one model
+On one byte-level dataset (the standard library's sources, ``bench.cluster.prepare_stdlib_text``; the slices
+of ``--eval-slices`` held out for evaluation, the job's ``evaluation.slices``) and one model
 (``bench.cluster.TINY_GPT2``, built with ``torch.manual_seed(0)`` like the parameter server builds it), it
 trains three ways and evaluates each on the same held-out slices with the parameter server's own evaluator
 (``parameter_server.evaluation.Evaluator``: the sample-weighted mean of the model's loss over batches of 32):
@@ -86,7 +86,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "the spec's default)",
     )
     parser.add_argument(
-        "--holdout", type=int, default=2, help="held-out eval slices, the last ones (default: 2)"
+        "--eval-slices",
+        default="spread:4",
+        help="held-out eval slices: spread:N (N slices evenly spread over the dataset), last:N (the last N, "
+        "the spec's holdout), or comma-separated indices (default: spread:4)",
     )
     parser.add_argument(
         "--max-bytes",
@@ -125,6 +128,24 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --- model, data, evaluation ---------------------------------------------------------------------------------
+
+
+def eval_slices(choice: str, count: int) -> list[int]:
+    """The held-out slice indices ``--eval-slices`` names, for a dataset of ``count`` slices."""
+    kind, _, number = choice.partition(":")
+    try:
+        if kind == "spread":
+            wanted = int(number)
+            indices = sorted({int((position + 0.5) * count / wanted) for position in range(wanted)})
+        elif kind == "last":
+            indices = list(range(max(0, count - int(number)), count))
+        else:
+            indices = sorted({int(index) for index in choice.split(",") if index.strip()})
+    except (ValueError, ZeroDivisionError):
+        raise SystemExit(f"--eval-slices {choice!r}: spread:N, last:N or comma-separated indices") from None
+    if not indices or indices[-1] >= count or len(indices) >= count:
+        raise SystemExit(f"--eval-slices {choice!r} does not fit a dataset of {count} slices")
+    return indices
 
 
 def build_model():
@@ -286,8 +307,8 @@ def run_diloco(cluster, *, arguments: argparse.Namespace, outer: tuple[float, fl
         learning_rate=arguments.lr,
         outer_learning_rate=lr,
         outer_momentum=momentum,
-        holdout=arguments.holdout,
     )
+    spec["evaluation"] = {"slices": arguments.held_out, "batch_size": EVAL_BATCH_SIZE}
     started = time.monotonic()
     job_id = cluster.submit(spec, name=f"quality-{lr:g}-{momentum:g}")
 
@@ -408,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
             root / "stdlib", max_bytes=arguments.max_bytes, samples_per_slice=SAMPLES_PER_SLICE
         )
         count = len(list(dataset.glob("*.safetensors")))
-        held_out = list(range(count - arguments.holdout, count))
-        training = list(range(count - arguments.holdout))
+        held_out = eval_slices(arguments.eval_slices, count)
+        arguments.held_out = held_out
+        training = [index for index in range(count) if index not in held_out]
         print(
             f"Dataset: {count} slices of {SAMPLES_PER_SLICE} × {SEQ_LEN} bytes; eval on slices {held_out} "
             f"({len(held_out) * SAMPLES_PER_SLICE} samples), training on the other {len(training)}"

@@ -128,13 +128,26 @@ class _TomlTranslation:
         if rounds is not None:
             self.rename["rounds"] = self.path("rounds")
             data["rounds"] = {}
-            for key in ("update_rounds", "inner_steps", "avg_samples_between_updates", "max_batch_size"):
+            for key in (
+                "update_rounds",
+                "inner_steps",
+                "avg_samples_between_updates",
+                "max_batch_size",
+                "round_timeout",
+                "weighted",
+            ):
                 value = self.take(rounds, ("rounds",), (key, key.replace("_", "-")), f"rounds.{key}")
                 if value is not None:
                     data["rounds"][key] = value
             self.unknown(rounds, ("rounds",))
-        if "batch_size" in table:
-            data["batch_size"] = self.take(table, (), ("batch_size",), "batch_size")
+        for key in ("batch_size", "seed"):
+            if key in table:
+                data[key] = self.take(table, (), (key,), key)
+        evaluation = self.subtable(table, "evaluation", ())
+        if evaluation is not None:
+            # Ours, not Hypha's: held-out slices whose loss the parameter server reports every round.
+            self.rename["evaluation"] = self.path("evaluation")
+            data["evaluation"] = evaluation
         resources = self.subtable(table, "resources", ())
         if resources is not None:
             self.resources(resources, data)

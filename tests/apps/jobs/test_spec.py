@@ -699,3 +699,21 @@ def test_the_docs_flat_schedule_reports_a_missing_step_beside_it():
     assert errors_of(parse_toml, text) == [
         {"field": "scheduler.job.inner_optimizer.decay_steps", "message": "Field required"}
     ]
+
+
+def test_the_toml_takes_our_evaluation_timeout_and_seed_keys():
+    # given: Hypha's default job plus the keys only we read
+    text = HYPHA_DEFAULT_TOML.replace(
+        "[scheduler.job.rounds]",
+        "[scheduler.job.evaluation]\nholdout = 2\nbatch_size = 8\n\n[scheduler.job.rounds]\nround_timeout = 30.0",
+    ).replace("[scheduler.job]\n", "[scheduler.job]\nseed = 7\n", 1)
+
+    # when
+    spec = parse_toml(text)
+
+    # then
+    assert (spec.seed, spec.rounds.round_timeout) == (7, 30.0)
+    assert (spec.evaluation.holdout, spec.evaluation.batch_size, spec.evaluation.slices) == (2, 8, None)
+    with pytest.raises(SpecError) as refused:
+        parse_toml(text.replace("holdout = 2", "holdout = 2\nslices = [1]"))
+    assert [error["field"] for error in refused.value.errors] == ["scheduler.job.evaluation"]
