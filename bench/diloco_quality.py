@@ -367,7 +367,9 @@ def _loss(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
-def print_tables(results: list[Result], arguments: argparse.Namespace, model_size: int) -> None:
+def print_tables(
+    results: list[Result], arguments: argparse.Namespace, model_size: int, initial: float | None
+) -> None:
     steps = arguments.inner_steps * arguments.rounds
     print(
         f"\n{arguments.trainers} trainers, H = {arguments.inner_steps}, {arguments.rounds} rounds "
@@ -388,7 +390,6 @@ def print_tables(results: list[Result], arguments: argparse.Namespace, model_siz
     print("\nEval loss on the held-out slices after each round (round r = r × H steps per worker):\n")
     print("| run | " + " | ".join(f"r{number}" for number in range(arguments.rounds + 1)) + " |")
     print("|---|" + "---:|" * (arguments.rounds + 1))
-    initial = next((r.eval_losses[0] for r in results if r.eval_losses[0] is not None), None)
     for result in results:
         losses = list(result.eval_losses)
         if losses[0] is None:
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                         run_diloco(cluster, arguments=arguments, outer=outer, evaluator=evaluator, root=root)
                     )
         results.sort(key=lambda result: result.name)
-        print_tables(results, arguments, size)
+        print_tables(results, arguments, size, evaluator.loss(build_model(), build_model().state_dict()))
         print(f"\nLoad average at end: {load_average()}")
         if arguments.json:
             arguments.json.write_text(
