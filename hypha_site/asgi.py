@@ -15,14 +15,23 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
+from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from apps.workers.routing import websocket_urlpatterns  # noqa: E402
+from apps.dashboard.routing import websocket_urlpatterns as dashboard_websockets  # noqa: E402
+from apps.workers.routing import websocket_urlpatterns as worker_websockets  # noqa: E402
 from hypha_site.runtime import EmbeddedRunner  # noqa: E402
 
 #: The router without the embedded runner: what tests drive with WebsocketCommunicator.
-router = ProtocolTypeRouter({"http": django_asgi_app, "websocket": URLRouter(websocket_urlpatterns)})
+#: Browsers authenticate with their session cookie (AuthMiddlewareStack); daemons with their Bearer token
+#: (the gateway consumer checks it and ignores the session).
+router = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": AuthMiddlewareStack(URLRouter(worker_websockets + dashboard_websockets)),
+    }
+)
 
 
 async def application(scope, receive, send):

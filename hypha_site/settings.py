@@ -197,6 +197,7 @@ INSTALLED_APPS = [
     "apps.market",
     "apps.datasets",
     "apps.jobs",
+    "apps.dashboard",
 ]
 
 MIDDLEWARE = [

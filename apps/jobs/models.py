@@ -136,6 +136,9 @@ class Job(models.Model):
                 setattr(self, field, value)
             if current != to or self._last_reason() != reason[:500]:
                 JobEvent.objects.create(job=self, from_status=current, to_status=to, reason=reason[:500])
+                from apps.jobs import observers
+
+                observers.job_changed(self)
 
     def _last_reason(self) -> str:
         last = self.events.order_by("-at", "-id").first()

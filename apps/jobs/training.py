@@ -31,6 +31,7 @@ from django.utils import timezone
 from apps.datasets import services as dataset_services
 from apps.datasets.exceptions import DatasetError
 from apps.datasets.models import Dataset, Slice
+from apps.jobs import observers
 from apps.jobs import spec as job_spec
 from apps.jobs.exceptions import TaskRefused, TransferRefused
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task, Upload
@@ -394,6 +395,7 @@ def _trainer_status(task: Task, progress: dict | str) -> dict:
     for field, value in changes.items():
         setattr(task, field, value)
     Task.objects.filter(pk=task.pk).update(**changes)
+    observers.task_progress(task)
     return reply
 
 
@@ -413,6 +415,8 @@ def _record_trainer_metrics(task: Task, body: Any) -> None:
     losses = [entry["loss"] for entry in round_.trainer_metrics.values() if "loss" in entry]
     round_.mean_loss = sum(losses) / len(losses) if losses else None
     round_.save(update_fields=["trainer_metrics", "mean_loss"])
+    observers.round_recorded(round_)
+    observers.trainer_metrics(task, round_number=number, metrics=clean)
 
 
 def _locked_round(job: Job, number: int) -> Round:
@@ -474,6 +478,7 @@ def _record_round(task: Task, body: Any) -> dict:
     round_.duration = _finite(body.get("duration"))
     round_.eval_loss = _finite(body.get("eval_loss"))
     round_.save()
+    observers.round_recorded(round_)
     evaluation = f", eval loss {round_.eval_loss:.4f}" if round_.eval_loss is not None else ""
     left_out = f", {len(round_.left_out)} left out" if round_.left_out else ""
     job.transition(
