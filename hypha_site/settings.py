@@ -369,3 +369,42 @@ CELERY_BEAT_SCHEDULE = {
     "lease-clock": {"task": "apps.jobs.tasks.tick_leases", "schedule": HYPHA_TICK_INTERVAL},
     "market-clock": {"task": "apps.jobs.tasks.tick_market", "schedule": HYPHA_TICK_INTERVAL},
 }
+
+# --- observability (docs/observability.md) --------------------------------------------------------------
+
+
+def status_bridge_checked(name: str, value: str | None) -> str | None:
+    """``host:port`` of Hypha's AIM status bridge; ``http://host:port`` is accepted too (no other scheme, no
+    path: the bridge's endpoint is always ``/status``)."""
+    if value is None:
+        return None
+    address = value.strip()
+    if address.lower().startswith("http://"):
+        address = address[len("http://") :].rstrip("/")
+    parsed = urlparse(f"http://{address}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if not parsed.hostname or port is None or parsed.path or parsed.query or "@" in address:
+        raise ImproperlyConfigured(
+            f"{name}={value!r} is not a host:port (e.g. 127.0.0.1:61000, the AIM driver's default port)"
+        )
+    return address
+
+
+#: Hypha's ``status_bridge`` key (the original reads it from ``HYPHA_STATUS_BRIDGE`` too): each trainer
+#: metric of a round is POSTed to ``http://<it>/status`` (reference §8). Unset: no posts.
+HYPHA_STATUS_BRIDGE = status_bridge_checked("HYPHA_STATUS_BRIDGE", env_str("HYPHA_STATUS_BRIDGE"))
+#: Seconds one post to the bridge may take (connect and reply) before it counts as failed.
+HYPHA_STATUS_BRIDGE_TIMEOUT = env_float("HYPHA_STATUS_BRIDGE_TIMEOUT", 2.0, minimum=0.1, maximum=60.0)
+#: When set, ``GET /metrics`` requires ``Authorization: Bearer <it>``; unset, the endpoint is open.
+HYPHA_METRICS_TOKEN = env_str("HYPHA_METRICS_TOKEN")
+if HYPHA_METRICS_TOKEN is not None and len(HYPHA_METRICS_TOKEN) < 16:
+    raise ImproperlyConfigured("HYPHA_METRICS_TOKEN must be at least 16 characters long")
+
+# OpenTelemetry tracing is switched on by the standard OTEL_* variables alone (hypha_site.telemetry); Django
+# calls LOGGING_CONFIG once per process in django.setup(), after the settings and before the apps and the
+# request handler load: the one hook every entry point (daphne, Celery worker and beat, manage.py) passes
+# through, and the moment the Django instrumentation needs to add its middleware.
+LOGGING_CONFIG = "hypha_site.telemetry.configure_logging_and_tracing"

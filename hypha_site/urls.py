@@ -5,6 +5,8 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from hypha_site.metrics import metrics_view
+
 
 def healthz(request):
     """Liveness and database check for load balancers and docker compose."""
@@ -18,6 +20,8 @@ def healthz(request):
 urlpatterns = [
     path("", include("apps.dashboard.urls")),
     path("healthz", healthz, name="healthz"),
+    # Prometheus scrapes without a session (optionally a bearer token); a plain view, so not in the schema.
+    path("metrics", metrics_view, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/", include("hypha_site.api_urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

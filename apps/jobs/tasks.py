@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from apps.jobs import services
+from apps.jobs import services, status_bridge
 
 
 @shared_task(name="apps.jobs.tasks.allocate_job")
@@ -27,3 +27,10 @@ def tick_leases() -> dict:
 @shared_task(name="apps.jobs.tasks.tick_market")
 def tick_market() -> None:
     services.tick_market()
+
+
+@shared_task(name="apps.jobs.tasks.post_to_status_bridge")
+def post_to_status_bridge(address: str, posts: list[dict]) -> dict:
+    """One trainer's metrics of a round to the AIM status bridge (services mode); never raises, never retries
+    (a metric that missed the bridge is in the round's record all the same)."""
+    return status_bridge.post(address, posts)

@@ -22,6 +22,7 @@ from apps.jobs.exceptions import TaskRefused
 from apps.market.exceptions import OfferRefused
 from apps.workers import services as worker_services
 from apps.workers.exceptions import AuthenticationFailed
+from hypha_site import metrics, telemetry
 from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,13 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         try:
             message = protocol.parse_daemon_message(text_data)
         except protocol.ProtocolError as error:
+            metrics.DAEMON_MESSAGES.labels(type="invalid").inc()
             await self.send(text_data=protocol.encode(error.to_frame()))
             return
+        metrics.DAEMON_MESSAGES.labels(type=message.type).inc()
         try:
-            await self._handle(message)
+            with telemetry.span(f"gateway {message.type}", **{"hypha.worker": self.worker.name}):
+                await self._handle(message)
         except Exception:
             logger.exception("worker %s: handling %s failed", self.worker.name, message.type)
             await self._error(
@@ -124,15 +128,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                 if not found:
                     await self._unknown_lease(message)
             case protocol.StatusReport():
-                try:
-                    reply = await database_sync_to_async(job_services.status_reported)(
-                        worker=self.worker, message=message
-                    )
-                except TaskRefused as refused:
-                    # The bridge waits for a reply: answer Error (as Hypha's scheduler does) and say why.
-                    await self._error(protocol.ErrorCode.REFUSED, str(refused), ref=message.type)
-                    reply = protocol.StatusReply(request_id=message.request_id, reply={"type": "Error"})
-                await self.send(text_data=protocol.encode(reply))
+                await self._status(message)
             case protocol.FetchSlice():
                 reply = await database_sync_to_async(job_services.slice_requested)(
                     worker=self.worker, message=message
@@ -148,6 +144,25 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                     await database_sync_to_async(handler)(worker=self.worker, message=message)
                 except (TaskRefused, DatasetError) as refused:
                     await self._error(protocol.ErrorCode.REFUSED, str(refused), ref=message.type)
+
+    async def _status(self, message: protocol.StatusReport) -> None:
+        kind = metrics.status_kind(message.progress)
+        outcome = "failed"  # unless the reply is ready: an exception propagates to receive()'s error frame
+        started = time.perf_counter()
+        try:
+            try:
+                reply = await database_sync_to_async(job_services.status_reported)(
+                    worker=self.worker, message=message
+                )
+                outcome = "error" if reply.reply.get("type") == "Error" else "ok"
+            except TaskRefused as refused:
+                outcome = "refused"
+                # The bridge waits for a reply: answer Error (as Hypha's scheduler does) and say why.
+                await self._error(protocol.ErrorCode.REFUSED, str(refused), ref=message.type)
+                reply = protocol.StatusReply(request_id=message.request_id, reply={"type": "Error"})
+        finally:
+            metrics.status_handled(kind=kind, outcome=outcome, seconds=time.perf_counter() - started)
+        await self.send(text_data=protocol.encode(reply))
 
     async def _hello(self, hello: protocol.Hello) -> None:
         if hello.protocol_version not in protocol.SUPPORTED_VERSIONS:

@@ -1,0 +1,257 @@
+"""``hypha``: submit, watch, cancel and download DiLoCo jobs and list workers from the command line.
+
+The arguments are parsed before anything heavy is imported (httpx, rich), so ``--help`` and usage errors are
+instant; the commands live in :mod:`hypha_cli.commands`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from hypha_cli.exceptions import CLIError, ExitCode
+
+PROG = "hypha"
+
+DESCRIPTION = """\
+The command line of a Hypha control plane: submit DiLoCo training jobs, watch them learn, cancel them,
+download their models, list workers. Log in once with `hypha login --server URL`."""
+
+EPILOG = f"""\
+exit codes:
+  {ExitCode.OK:<3d} success; `watch`: the job completed
+  {ExitCode.REFUSED:<3d} the server refused the request (invalid spec, not cancellable, no model yet);
+      `watch`: the job failed
+  {ExitCode.CANCELLED:<3d} `watch`: the job was cancelled
+  {ExitCode.AUTHENTICATION:<3d} not logged in, or the server refused the token (HTTP 401/403)
+  {ExitCode.NOT_FOUND:<3d} no such job, or not one of yours (HTTP 404)
+  {ExitCode.WRONG_SERVER:<3d} wrong server: cannot connect or no answer in time, or not a Hypha control plane
+  {ExitCode.SERVER_ERROR:<3d} the server failed (HTTP 5xx) or answered something unexpected
+  {ExitCode.USAGE:<3d} usage error: bad flags or arguments, unreadable file, no server configured
+  {ExitCode.INTERRUPTED:<3d} interrupted (Ctrl-C)
+
+environment:
+  HYPHA_SERVER      the control plane's URL (overrides the config file; --server overrides it)
+  HYPHA_API_TOKEN   the API token (overrides the config file; --token overrides it)
+  HYPHA_CONFIG      the config file (default: ~/.config/hypha/cli.json, written by `hypha login`, mode 0600)
+
+Every command takes --server, --token and --timeout; read commands take --json (the API's JSON on stdout).
+Manual: docs/cli.md."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with usage errors exiting 64: exit code 2 means "cancelled" for `hypha watch`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\n")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for (importlib.metadata is not free)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("hypha")
+        except metadata.PackageNotFoundError:
+            version = "0.1.0"
+        print(f"{PROG} {version}")
+        parser.exit()
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _job_id(text: str) -> str:
+    """A job id is a UUID: checked here so a typo is a usage error, not a confusing 404 from the server."""
+    import uuid
+
+    try:
+        return str(uuid.UUID(text.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a job id: {text!r} (job ids are UUIDs, see `hypha jobs`)"
+        ) from None
+
+
+def _connection_options(*, suppress: bool) -> argparse.ArgumentParser:
+    """--server, --token, --timeout: accepted before and after the command name. After it, the defaults are
+    suppressed so that a subcommand does not overwrite a value given before it."""
+    default = argparse.SUPPRESS if suppress else None
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("connection")
+    group.add_argument(
+        "--server",
+        metavar="URL",
+        default=default,
+        help="the control plane (default: $HYPHA_SERVER, then the config)",
+    )
+    group.add_argument(
+        "--token",
+        metavar="TOKEN",
+        default=default,
+        help="API token (default: $HYPHA_API_TOKEN, then the config)",
+    )
+    group.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=_positive,
+        default=default,
+        help="limit of every HTTP call: connecting, each read and write (default: 30)",
+    )
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line parser (exposed for documentation and tests)."""
+    parser = ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[_connection_options(suppress=False)],
+    )
+    parser.add_argument("--version", action=_VersionAction)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    connection = [_connection_options(suppress=True)]
+
+    def command(name: str, summary: str, *, json_help: str | None = None) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary, parents=connection)
+        if json_help:
+            sub.add_argument("--json", action="store_true", help=json_help)
+        return sub
+
+    login = command("login", "check a server and token, and save both in the config file")
+    login.epilog = "Without --token (or $HYPHA_API_TOKEN) the token is prompted for, or read from stdin."
+
+    command("logout", "forget the saved token")
+
+    submit = command(
+        "submit",
+        "submit a DiLoCo job from a spec file; prints the job id",
+        json_help="print the created job as JSON (a refusal: the API's error body)",
+    )
+    submit.add_argument(
+        "file",
+        metavar="FILE",
+        help="the spec: JSON (.json) or Hypha scheduler TOML (.toml); - for stdin (JSON)",
+    )
+    submit.add_argument("--name", metavar="NAME", help="the job's name (overrides a name in a JSON spec)")
+
+    jobs = command("jobs", "list your jobs, newest first", json_help="print the API's job objects as JSON")
+    jobs.add_argument(
+        "--limit", type=_count, default=20, metavar="N", help="show the newest N jobs (default: 20)"
+    )
+
+    show = command("show", "show one job in full", json_help="print the API's job detail as JSON")
+    show.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+
+    watch = command(
+        "watch",
+        "follow a job until it ends; exit 0 completed, 1 failed, 2 cancelled",
+        json_help="print nothing while watching, then the final job as JSON",
+    )
+    watch.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+    watch.add_argument(
+        "--patience",
+        type=_positive,
+        default=None,
+        metavar="SECONDS",
+        help="keep retrying an unreachable or failing server this long before giving up (default: 120)",
+    )
+
+    cancel = command("cancel", "cancel a job", json_help="print the cancelled job as JSON")
+    cancel.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+
+    download = command(
+        "download",
+        "save a completed job's model (a zip)",
+        json_help='print {"path", "bytes", "extracted"} as JSON',
+    )
+    download.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+    download.add_argument(
+        "-o", "--output", metavar="DIR", default=".", help="directory to save in (default: .)"
+    )
+    download.add_argument("--extract", action="store_true", help="also unpack the zip into DIR/model-<ID>/")
+
+    workers = command(
+        "workers", "list the workers you can see", json_help="print the API's worker objects as JSON"
+    )
+    workers.add_argument(
+        "--limit", type=_count, default=100, metavar="N", help="show at most N (default: 100)"
+    )
+    return parser
+
+
+def run(
+    argv: Sequence[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    transport: Any = None,
+) -> int:
+    """Run one command; its exit code. ``environ`` and ``transport`` (an ``httpx`` transport) are for tests."""
+    parser = build_parser()
+    arguments = parser.parse_args(argv)
+    if arguments.command is None:
+        parser.error("a command is required (see `hypha --help`)")
+    try:
+        from hypha_cli import commands
+
+        return commands.dispatch(
+            arguments, environ=os.environ if environ is None else environ, transport=transport
+        )
+    except CLIError as error:
+        _print_error(error)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+def _print_error(error: CLIError) -> None:
+    from hypha_cli.exceptions import RefusedError
+
+    if isinstance(error, RefusedError) and error.status == 400 and error.errors:
+        print(f"{PROG}: error: the server refused the request (HTTP {error.status}):", file=sys.stderr)
+        for path, message in error.errors:
+            print(f"  {path}: {message}" if path else f"  {message}", file=sys.stderr)
+    else:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``hypha`` console script."""
+    try:
+        return run(argv)
+    except BrokenPipeError:  # `hypha jobs | head`: the reader left; that is not an error
+        sys.stderr.close()
+        return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""The commands of ``hypha``: each takes the parsed arguments and returns the process exit code.
+
+Errors are raised (:mod:`hypha_cli.exceptions`) and turned into messages and exit codes by ``__main__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hypha_cli import config, output
+from hypha_cli.client import HyphaClient
+from hypha_cli.exceptions import WATCH_EXIT_CODES, ExitCode, RefusedError, ServerError, UsageError
+
+#: Job statuses that can have rounds: `hypha jobs` fetches the detail of these for their rounds and loss.
+STARTED_STATUSES = ("running", "completed", "failed", "cancelled")
+
+
+def dispatch(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any = None) -> int:
+    handler = COMMANDS[arguments.command]
+    return handler(arguments, environ=environ, transport=transport)
+
+
+def _client(
+    arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any, need_token: bool = True
+) -> HyphaClient:
+    settings = config.resolve(
+        server=getattr(arguments, "server", None),
+        token=getattr(arguments, "token", None),
+        timeout=getattr(arguments, "timeout", None),
+        environ=environ,
+        need_token=need_token,
+    )
+    return HyphaClient(settings, transport=transport)
+
+
+# --- login / logout ----------------------------------------------------------------------------------------
+
+
+def login(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    server = arguments.server or environ.get("HYPHA_SERVER")
+    if not server:
+        raise UsageError("login needs --server URL (or HYPHA_SERVER)")
+    server = config.normalise_server(server)
+    token = arguments.token or environ.get("HYPHA_API_TOKEN") or _ask_token(server)
+    settings = config.Settings(
+        server=server, token=token, timeout=arguments.timeout or config.DEFAULT_TIMEOUT
+    )
+    with HyphaClient(settings, transport=transport) as client:
+        count = client.verify()
+    path = config.config_path(environ)
+    config.save_config(path, {"server": server, "token": token})
+    print(f"Logged in to {server} ({count} job{'s' if count != 1 else ''} visible); saved to {path}")
+    return ExitCode.OK
+
+
+def _ask_token(server: str) -> str:
+    # Without a terminal to prompt on (`echo $TOKEN | hypha login --server URL`), the token is stdin's line.
+    prompt = f"API token for {server}: "
+    token = (getpass.getpass(prompt) if sys.stdin.isatty() else sys.stdin.readline()).strip()
+    if not token:
+        raise UsageError("no token given (pass --token, set HYPHA_API_TOKEN, or type it at the prompt)")
+    return token
+
+
+def logout(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    path = config.config_path(environ)
+    saved = config.load_config(path)
+    if "token" not in saved:
+        print(f"Not logged in ({path} holds no token)")
+        return ExitCode.OK
+    saved.pop("token")
+    config.save_config(path, saved)
+    print(f"Logged out of {saved.get('server', 'the server')}; the token was removed from {path}")
+    return ExitCode.OK
+
+
+# --- jobs ---------------------------------------------------------------------------------------------------
+
+
+def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    content, content_type = read_spec(arguments.file, name=arguments.name)
+    with _client(arguments, environ=environ, transport=transport) as client:
+        try:
+            job = client.submit(content=content, content_type=content_type, name=arguments.name)
+        except RefusedError as refused:
+            if arguments.json and refused.body is not None:
+                output.print_json(refused.body)
+            raise
+    if arguments.json:
+        output.print_json(job)
+    else:
+        print(job["id"])
+    return ExitCode.OK
+
+
+def read_spec(file: str, *, name: str | None) -> tuple[bytes, str]:
+    """The request body and content type of a spec file: TOML by its ``.toml`` suffix, else JSON (checked
+    here, so a syntax error names its line; ``--name`` is set in it)."""
+    try:
+        raw = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
+    except OSError as error:
+        raise UsageError(f"cannot read {file}: {error.strerror or error}") from None
+    if file.lower().endswith(".toml"):
+        return raw, "application/toml"
+    try:
+        spec = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RefusedError(f"{file} is not valid JSON: {error}", status=0) from None
+    if not isinstance(spec, dict):
+        raise RefusedError(
+            f"{file} must hold a JSON object (the DiLoCo spec), not {type(spec).__name__}", status=0
+        )
+    if name is not None:
+        spec["name"] = name
+    return json.dumps(spec).encode(), "application/json"
+
+
+def jobs(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    with _client(arguments, environ=environ, transport=transport) as client:
+        listed = client.jobs(limit=arguments.limit)
+        if arguments.json:
+            output.print_json(listed)
+            return ExitCode.OK
+        # The list has no rounds: a started job's rounds and loss come from its detail.
+        shown = [
+            client.job(job["id"]) if job.get("status") in STARTED_STATUSES else {**job, "rounds": []}
+            for job in listed
+        ]
+    if not shown:
+        print("No jobs yet: submit one with `hypha submit FILE`")
+        return ExitCode.OK
+    output.console().print(output.jobs_table(shown))
+    return ExitCode.OK
+
+
+def show(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    with _client(arguments, environ=environ, transport=transport) as client:
+        job = client.job(arguments.job_id)
+    if arguments.json:
+        output.print_json(job)
+        return ExitCode.OK
+    console = output.console()
+    console.print(output.jobs_table([job]))
+    console.print(f"\nstatus reason: {job.get('status_reason') or '-'}", markup=False)
+    data = job.get("data") or {}
+    if data:
+        console.print(
+            f"data: epoch {output.number_text(data.get('epoch'))}, {data.get('used')} used, "
+            f"{data.get('assigned')} assigned, {data.get('available')} available of {data.get('total')} slices",
+            markup=False,
+        )
+    for lease in job.get("leases") or []:
+        console.print(
+            f"lease: {lease.get('role')} on {lease.get('worker')} ({lease.get('status')})", markup=False
+        )
+    for round_ in output.closed_rounds(job):
+        console.print(output.round_line(round_, output.rounds_total(job)), markup=False)
+    if job.get("model_files"):
+        console.print(f"model: {', '.join(job['model_files'])} (hypha download {job['id']})", markup=False)
+    return ExitCode.OK
+
+
+def watch(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    from hypha_cli import watch as watching
+
+    with _client(arguments, environ=environ, transport=transport) as client:
+        first = client.job(arguments.job_id)  # a missing job or a bad token fails now, not after retries
+        if arguments.json:
+            reporter: watching.Reporter = watching.QuietReporter()
+        elif sys.stdout.isatty():
+            reporter = watching.ProgressReporter(output.console())
+        else:
+            reporter = watching.PlainReporter(sys.stdout)
+        answers = iter([first])
+        try:
+            job = watching.follow(
+                lambda: next(answers, None) or client.job(arguments.job_id),
+                reporter=reporter,
+                patience=arguments.patience or watching.DEFAULT_PATIENCE,
+            )
+        finally:
+            reporter.close()
+    if arguments.json:
+        output.print_json(job)
+    else:
+        print(output.job_summary(job))
+    return WATCH_EXIT_CODES[job["status"]]
+
+
+def cancel(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    with _client(arguments, environ=environ, transport=transport) as client:
+        job = client.cancel(arguments.job_id)
+    if arguments.json:
+        output.print_json(job)
+    else:
+        print(f"job {job['id']} {job.get('status')}: {job.get('status_reason') or ''}".rstrip(": "))
+    return ExitCode.OK
+
+
+def download(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    directory = Path(arguments.output)
+    with _client(arguments, environ=environ, transport=transport) as client:
+        archive = client.download_model(arguments.job_id, directory)
+    extracted = extract(archive, directory / f"model-{arguments.job_id}") if arguments.extract else None
+    if arguments.json:
+        output.print_json(
+            {
+                "path": str(archive),
+                "bytes": archive.stat().st_size,
+                "extracted": str(extracted) if extracted else None,
+            }
+        )
+    else:
+        print(archive)
+        if extracted:
+            print(extracted)
+    return ExitCode.OK
+
+
+def extract(archive: Path, destination: Path) -> Path:
+    """Unpack ``archive`` into ``destination``, refusing members that would land outside it."""
+    try:
+        with zipfile.ZipFile(archive) as bundle:
+            root = destination.resolve()
+            for member in bundle.namelist():
+                target = (root / member).resolve()
+                if not target.is_relative_to(root):
+                    raise ServerError(f"{archive} holds a file outside its directory: {member!r}")
+            bundle.extractall(destination)
+    except zipfile.BadZipFile as error:
+        raise ServerError(f"{archive} is not a zip: {error}") from None
+    except OSError as error:
+        raise UsageError(f"cannot extract into {destination}: {error.strerror or error}") from None
+    return destination
+
+
+# --- workers ------------------------------------------------------------------------------------------------
+
+
+def workers(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    with _client(arguments, environ=environ, transport=transport) as client:
+        listed = client.workers(limit=arguments.limit)
+    if arguments.json:
+        output.print_json(listed)
+    elif not listed:
+        print("No workers visible: register one with POST /api/workers/ and start `hypha-worker-daemon`")
+    else:
+        output.console().print(output.workers_table(listed))
+    return ExitCode.OK
+
+
+COMMANDS = {
+    "login": login,
+    "logout": logout,
+    "submit": submit,
+    "jobs": jobs,
+    "show": show,
+    "watch": watch,
+    "cancel": cancel,
+    "download": download,
+    "workers": workers,
+}

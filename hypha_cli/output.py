@@ -1,0 +1,193 @@
+"""What the CLI prints: tables for people (rich), JSON for scripts, and the numbers both are made of.
+
+``--json`` output is the API's own JSON (``docs/openapi.yaml``), indented, on stdout; everything for people is
+here. Errors go to stderr as ``hypha: error: …`` lines (see ``__main__``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+#: Final job statuses: ``hypha watch`` stops at these.
+FINAL_STATUSES = ("completed", "failed", "cancelled")
+STATUS_STYLES = {
+    "completed": "green",
+    "running": "cyan",
+    "failed": "red",
+    "cancelled": "yellow",
+    "online": "green",
+    "offline": "dim",
+}
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A console on stdout (or stderr). Not a terminal: no colours, and wide enough that a table piped to
+    a file or ``grep`` is not wrapped mid-cell."""
+    stream: TextIO = sys.stderr if stderr else sys.stdout
+    terminal = stream.isatty()
+    width = None if terminal or os.environ.get("COLUMNS") else 200
+    return Console(file=stream, width=width, no_color=not terminal, highlight=False, soft_wrap=False)
+
+
+def print_json(value: Any) -> None:
+    """``value`` as indented JSON on stdout (plain text: never styled, never wrapped)."""
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+# --- numbers of a job ---------------------------------------------------------------------------------------
+
+
+def rounds_total(job: dict[str, Any]) -> int | None:
+    """Outer rounds the job will run (``spec.rounds.update_rounds``), if its spec says."""
+    total = ((job.get("spec") or {}).get("rounds") or {}).get("update_rounds")
+    return total if isinstance(total, int) else None
+
+
+def closed_rounds(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's closed rounds in order (only a job's detail carries rounds)."""
+    return sorted((r for r in job.get("rounds") or [] if r.get("closed")), key=lambda r: r.get("number", 0))
+
+
+def live_training_loss(job: dict[str, Any]) -> float | None:
+    """The mean of the trainers' last reported step losses (a loss per step, between rounds)."""
+    losses = [
+        task["last_loss"]
+        for task in job.get("tasks") or []
+        if task.get("role") == "trainer" and isinstance(task.get("last_loss"), int | float)
+    ]
+    return sum(losses) / len(losses) if losses else None
+
+
+def last_loss(job: dict[str, Any]) -> float | None:
+    """The latest closed round's mean training loss, else the trainers' live loss."""
+    rounds = closed_rounds(job)
+    if rounds and rounds[-1].get("mean_loss") is not None:
+        return rounds[-1]["mean_loss"]
+    return live_training_loss(job)
+
+
+def rounds_text(job: dict[str, Any]) -> str:
+    """``done/total`` (``done/?`` when the spec does not say; ``-`` for a job without detail)."""
+    if "rounds" not in job:
+        return "-"
+    total = rounds_total(job)
+    return f"{len(closed_rounds(job))}/{total if total is not None else '?'}"
+
+
+def loss_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def time_text(value: str | None) -> str:
+    """An API timestamp as local ``YYYY-MM-DD HH:MM:SS`` (``-`` when absent, as sent when unparsable)."""
+    if not value:
+        return "-"
+    try:
+        return datetime.fromisoformat(value).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return value
+
+
+def number_text(value: Any) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, int | float) else str(value)
+
+
+def _status(value: str | None) -> str:
+    value = value or "-"
+    style = STATUS_STYLES.get(value)
+    return f"[{style}]{value}[/]" if style else value
+
+
+# --- tables -------------------------------------------------------------------------------------------------
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> Table:
+    """Jobs: id, name, status, rounds done/total, last loss, created."""
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("ID", "NAME", "STATUS", "ROUNDS", "LAST LOSS", "CREATED"):
+        table.add_column(
+            column, no_wrap=True, justify="right" if column in ("ROUNDS", "LAST LOSS") else "left"
+        )
+    for job in jobs:
+        table.add_row(
+            str(job.get("id", "")),
+            job.get("name") or "-",
+            _status(job.get("status")),
+            rounds_text(job),
+            loss_text(last_loss(job)),
+            time_text(job.get("created_at")),
+        )
+    return table
+
+
+def workers_table(workers: list[dict[str, Any]]) -> Table:
+    """Workers: name, status, resources, executors, price floor, live leases, last seen."""
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("NAME", "STATUS", "CPU", "MEM GB", "GPU GB", "EXECUTORS", "FLOOR", "LEASES", "LAST SEEN"):
+        table.add_column(
+            column,
+            no_wrap=True,
+            justify="right" if column in ("CPU", "MEM GB", "GPU GB", "FLOOR") else "left",
+        )
+    for worker in workers:
+        resources = worker.get("resources") or {}
+        executors = ", ".join(
+            f"{executor.get('class')}/{executor.get('name')}" for executor in worker.get("executors") or []
+        )
+        leases = ", ".join(
+            f"{lease.get('role')} ({lease.get('status')})" for lease in worker.get("leases") or []
+        )
+        status = "revoked" if worker.get("revoked") else worker.get("status")
+        table.add_row(
+            worker.get("name") or "-",
+            _status(status),
+            number_text(resources.get("cpu")),
+            number_text(resources.get("memory")),
+            number_text(resources.get("gpu")),
+            executors or "-",
+            number_text(worker.get("price_floor")),
+            leases or "-",
+            time_text(worker.get("last_seen_at")),
+        )
+    return table
+
+
+def job_summary(job: dict[str, Any]) -> str:
+    """One line on how a job ended (or stands): status, rounds, first → last loss, eval loss, reason."""
+    rounds = closed_rounds(job)
+    parts = [f"job {job.get('id')} {job.get('status')}", f"rounds {rounds_text(job)}"]
+    losses = [r["mean_loss"] for r in rounds if r.get("mean_loss") is not None]
+    if losses:
+        parts.append(
+            f"loss {losses[0]:.4f} → {losses[-1]:.4f}" if len(losses) > 1 else f"loss {losses[0]:.4f}"
+        )
+    evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
+    if evals:
+        parts.append(f"eval {evals[-1]:.4f}")
+    if job.get("status") != "completed" and job.get("status_reason"):
+        parts.append(job["status_reason"])
+    return " · ".join(parts)
+
+
+def round_line(round_: dict[str, Any], total: int | None) -> str:
+    """One closed round: its number, losses, trainers and duration."""
+    participants = round_.get("participants") or []
+    left_out = round_.get("left_out") or []
+    line = (
+        f"round {round_.get('number')}/{total if total is not None else '?'}: "
+        f"loss {loss_text(round_.get('mean_loss'))} · eval {loss_text(round_.get('eval_loss'))} · "
+        f"{len(participants)} trainer{'s' if len(participants) != 1 else ''}"
+    )
+    if left_out:
+        line += f" ({len(left_out)} left out)"
+    if isinstance(round_.get("duration"), int | float):
+        line += f" · {round_['duration']:.1f}s"
+    return line
