@@ -1,6 +1,7 @@
-"""Fail when code that runs on GPU hosts imports the control plane.
+"""Fail when code that runs on GPU hosts (or a user's machine) imports the control plane.
 
-``worker_daemon/`` and ``parameter_server/`` are installed from ``requirements/daemon.txt``, which has no
+``worker_daemon/``, ``parameter_server/``, ``data_node/`` and ``hypha_cli/`` are installed from
+``requirements/daemon.txt``, which has no
 Django and no database driver: an import of ``apps``, ``hypha_site`` or a server-only library there works in
 the development venv and breaks on a real worker. Run by ``scripts/check``.
 """
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMON_PACKAGES = ("worker_daemon", "parameter_server", "data_node")
+DAEMON_PACKAGES = ("worker_daemon", "parameter_server", "data_node", "hypha_cli")
 FORBIDDEN = frozenset(
     {
         "apps",
