@@ -258,7 +258,7 @@ STATIC_ROOT = env_str("STATIC_ROOT")
 #: Serve from the finders, so no collectstatic step is needed before `hypha-server` starts.
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "/login/"
 
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
 if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

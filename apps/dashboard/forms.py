@@ -1,0 +1,290 @@
+"""The submit-a-job forms: the DiLoCo specification as fields with defaults, or a Hypha scheduler TOML.
+
+The fields only parse types (a number is a number); every rule of the specification is checked by
+:func:`apps.jobs.spec.parse_json` / :func:`~apps.jobs.spec.parse_toml` and
+:func:`apps.jobs.services.training_problems` — the same checks as ``POST /api/jobs/diloco/`` — and each error
+is put next to the field it is about (:data:`FIELD_OF_PATH` maps the spec's dotted paths to fields).
+"""
+
+from __future__ import annotations
+
+import json
+
+from django import forms
+
+from apps.jobs import services as job_services
+from apps.jobs import spec as job_spec
+from apps.jobs.exceptions import SpecError
+
+#: A tiny GPT-2 trained from scratch on bytes (bench/cluster.py's TINY_GPT2): trains on a CPU.
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 256,
+    "n_positions": 128,
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+#: The spec's dotted paths (their longest matching prefix) → the form field an error is shown next to.
+FIELD_OF_PATH = {
+    "name": "name",
+    "model": "model_config",
+    "model.source": "model_config",
+    "model.type": "model_type",
+    "model.input_names": "input_names",
+    "dataset": "dataset",
+    "inner_optimizer": "inner_learning_rate",
+    "inner_optimizer.learning_rate": "inner_learning_rate",
+    "outer_optimizer": "outer_learning_rate",
+    "outer_optimizer.learning_rate": "outer_learning_rate",
+    "outer_optimizer.momentum": "outer_momentum",
+    "rounds": "inner_steps",
+    "rounds.update_rounds": "update_rounds",
+    "rounds.inner_steps": "inner_steps",
+    "rounds.round_timeout": "round_timeout",
+    "batch_size": "batch_size",
+    "num_trainers": "num_trainers",
+    "evaluation": "holdout",
+    "evaluation.holdout": "holdout",
+    "evaluation.batch_size": "eval_batch_size",
+    "seed": "seed",
+    **{
+        f"{role}.{group}.{key}": f"{prefix}_{key}"
+        for role, prefix in (("trainer", "trainer"), ("parameter_server", "ps"))
+        for group, keys in (("resources", ("cpu", "memory", "storage", "gpu")), ("price", ("bid", "max")))
+        for key in keys
+    },
+}
+
+
+def field_for(path: str, fields) -> str | None:
+    """The form field of a spec error's dotted ``path`` (``None``: a non-field error)."""
+    parts = path.split(".") if path else []
+    for length in range(len(parts), 0, -1):
+        field = FIELD_OF_PATH.get(".".join(parts[:length]))
+        if field is not None and field in fields:
+            return field
+    return None
+
+
+def _number(label: str, initial: float, help_text: str = "", *, integer: bool = False, required=True):
+    field_class = forms.IntegerField if integer else forms.FloatField
+    widget = forms.NumberInput(attrs={"step": "1" if integer else "any"})
+    return field_class(label=label, initial=initial, help_text=help_text, required=required, widget=widget)
+
+
+class _SpecForm(forms.Form):
+    """A form whose valid data becomes a :class:`~apps.jobs.spec.DiLoCoSpec`, checked like the REST API."""
+
+    name = forms.CharField(
+        label="Name", max_length=200, required=False, help_text="a label for you (optional)"
+    )
+
+    def __init__(self, *args, owner, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.owner = owner
+        self.parsed: job_spec.DiLoCoSpec | None = None
+
+    def parse(self) -> job_spec.DiLoCoSpec:
+        raise NotImplementedError
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.errors:
+            return cleaned
+        try:
+            parsed = self.parse()
+        except SpecError as error:
+            for item in error.errors:
+                self._spec_error(item["field"], item["message"])
+            return cleaned
+        problems = job_services.training_problems(parsed, self.owner)
+        for path, messages in problems.items():
+            for message in messages:
+                self._spec_error(path, message)
+        if not problems:
+            self.parsed = parsed
+        return cleaned
+
+    def _spec_error(self, path: str, message: str) -> None:
+        self.add_error(field_for(path, self.fields), message)
+
+
+class DiLoCoJobForm(_SpecForm):
+    """The DiLoCo specification as fields; the defaults train a tiny GPT-2 on a CPU in minutes."""
+
+    model_config = forms.CharField(
+        label="Model config (transformers config.json)",
+        initial=json.dumps(TINY_GPT2, indent=2),
+        widget=forms.Textarea(attrs={"rows": 10, "spellcheck": "false", "class": "code"}),
+        help_text="trained from scratch; the default is a 0.45 M-parameter GPT-2 over bytes",
+    )
+    model_type = forms.ChoiceField(
+        label="Model type", choices=[(value, value) for value in job_spec.MODEL_TYPES], initial="causal-lm"
+    )
+    input_names = forms.CharField(
+        label="Input names",
+        initial="input_ids, labels",
+        help_text="batch keys the model takes, comma-separated",
+    )
+    dataset = forms.ChoiceField(label="Dataset", choices=(), help_text="registered by a data node")
+    num_trainers = _number("Trainers", 2, integer=True)
+    batch_size = _number("Batch size", 16, "per trainer", integer=True)
+    update_rounds = _number("Rounds", 10, "outer rounds", integer=True)
+    inner_steps = _number("Inner steps (H)", 50, "optimizer steps per trainer per round", integer=True)
+    round_timeout = _number("Round timeout", 120.0, "seconds the parameter server waits for stragglers")
+    inner_learning_rate = _number("Inner learning rate", 3e-3, "AdamW on the trainers")
+    outer_learning_rate = _number("Outer learning rate", 0.7, "Nesterov on the parameter server")
+    outer_momentum = _number("Outer momentum", 0.9)
+    holdout = _number(
+        "Held-out slices",
+        2,
+        "the last slices, for the eval loss; empty for none",
+        integer=True,
+        required=False,
+    )
+    eval_batch_size = _number("Eval batch size", 32, integer=True)
+    seed = _number("Seed", 0, "seeds the model's initial weights", integer=True)
+    trainer_cpu = _number("CPU cores", 1.0)
+    trainer_memory = _number("Memory (GB)", 1.0)
+    trainer_storage = _number("Storage (GB)", 0.0)
+    trainer_gpu = _number("GPU memory (GB)", 0.0)
+    trainer_bid = _number("Bid", job_spec.DEFAULT_BID, "public price per trainer")
+    trainer_max = _number("Maximum price", job_spec.DEFAULT_MAX_PRICE, "private; at least the bid")
+    ps_cpu = _number("CPU cores", 1.0)
+    ps_memory = _number("Memory (GB)", 1.0)
+    ps_storage = _number("Storage (GB)", 0.0)
+    ps_gpu = _number("GPU memory (GB)", 0.0)
+    ps_bid = _number("Bid", job_spec.DEFAULT_BID, "public price")
+    ps_max = _number("Maximum price", job_spec.DEFAULT_MAX_PRICE, "private; at least the bid")
+
+    #: The template's fieldsets: (legend, field names).
+    SECTIONS = (
+        ("Job", ("name",)),
+        ("Model", ("model_config", "model_type", "input_names", "seed")),
+        ("Data", ("dataset", "holdout", "eval_batch_size")),
+        (
+            "Training",
+            (
+                "num_trainers",
+                "batch_size",
+                "update_rounds",
+                "inner_steps",
+                "round_timeout",
+                "inner_learning_rate",
+                "outer_learning_rate",
+                "outer_momentum",
+            ),
+        ),
+        (
+            "Each trainer",
+            ("trainer_cpu", "trainer_memory", "trainer_storage", "trainer_gpu", "trainer_bid", "trainer_max"),
+        ),
+        ("The parameter server", ("ps_cpu", "ps_memory", "ps_storage", "ps_gpu", "ps_bid", "ps_max")),
+    )
+
+    def __init__(self, *args, owner, **kwargs) -> None:
+        super().__init__(*args, owner=owner, **kwargs)
+        from apps.datasets.models import Dataset
+
+        names = list(Dataset.objects.order_by("name").values_list("name", "slice_count"))
+        self.fields["dataset"].choices = [(name, f"{name} ({count} slices)") for name, count in names]
+        if not names:
+            self.fields["dataset"].help_text = "no data node has registered a dataset yet"
+
+    def sections(self):
+        return [(legend, [self[name] for name in names]) for legend, names in self.SECTIONS]
+
+    def clean_model_config(self) -> dict:
+        text = self.cleaned_data["model_config"]
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise forms.ValidationError(f"Not JSON: {error}") from None
+        if not isinstance(config, dict):
+            raise forms.ValidationError('A JSON object, e.g. {"model_type": "gpt2", …}.')
+        return config
+
+    def clean_input_names(self) -> list[str]:
+        return [name.strip() for name in self.cleaned_data["input_names"].split(",") if name.strip()]
+
+    def specification(self) -> dict:
+        """The JSON specification the fields describe (``POST /api/jobs/diloco/``'s body, without the name)."""
+        data = self.cleaned_data
+        spec = {
+            "model": {
+                "source": {"type": "config", "config": data["model_config"]},
+                "type": data["model_type"],
+                "input_names": data["input_names"],
+            },
+            "dataset": {"name": data["dataset"]},
+            "inner_optimizer": {"learning_rate": data["inner_learning_rate"]},
+            "outer_optimizer": {
+                "learning_rate": data["outer_learning_rate"],
+                "momentum": data["outer_momentum"],
+            },
+            "rounds": {
+                "update_rounds": data["update_rounds"],
+                "inner_steps": data["inner_steps"],
+                "round_timeout": data["round_timeout"],
+            },
+            "batch_size": data["batch_size"],
+            "num_trainers": data["num_trainers"],
+            "seed": data["seed"],
+            "trainer": _role(data, "trainer"),
+            "parameter_server": _role(data, "ps"),
+        }
+        if data.get("holdout"):
+            spec["evaluation"] = {"holdout": data["holdout"], "batch_size": data["eval_batch_size"]}
+        return spec
+
+    def parse(self) -> job_spec.DiLoCoSpec:
+        return job_spec.parse_json(self.specification())
+
+
+def _role(data: dict, prefix: str) -> dict:
+    return {
+        "resources": {key: data[f"{prefix}_{key}"] for key in ("cpu", "memory", "storage", "gpu")},
+        "price": {"bid": data[f"{prefix}_bid"], "max": data[f"{prefix}_max"]},
+    }
+
+
+class TomlJobForm(_SpecForm):
+    """A Hypha scheduler TOML (its ``[scheduler.job]`` table), uploaded as a file or pasted."""
+
+    toml_file = forms.FileField(label="TOML file", required=False)
+    toml_text = forms.CharField(
+        label="…or paste it",
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 12, "spellcheck": "false", "class": "code"}),
+    )
+
+    #: The largest TOML accepted (a job description, not a data file).
+    MAX_BYTES = 256 * 1024
+
+    def clean(self):
+        upload = self.cleaned_data.get("toml_file")
+        if upload is not None:
+            if upload.size > self.MAX_BYTES:
+                self.add_error("toml_file", f"At most {self.MAX_BYTES // 1024} KiB.")
+                return self.cleaned_data
+            try:
+                self.cleaned_data["toml_text"] = upload.read().decode("utf-8")
+            except UnicodeDecodeError:
+                self.add_error("toml_file", "The file must be UTF-8 text.")
+                return self.cleaned_data
+        if not (self.cleaned_data.get("toml_text") or "").strip():
+            self.add_error("toml_file", "Choose a TOML file or paste one.")
+            return self.cleaned_data
+        return super().clean()
+
+    def parse(self) -> job_spec.DiLoCoSpec:
+        return job_spec.parse_toml(self.cleaned_data["toml_text"])
+
+    def _spec_error(self, path: str, message: str) -> None:
+        # The paths name the TOML's own keys: shown with the key, next to the TOML.
+        field = "toml_file" if self.cleaned_data.get("toml_file") is not None else "toml_text"
+        self.add_error(field, f"{path}: {message}" if path else message)

@@ -1,0 +1,26 @@
+"""The dashboard's two workflows: submit a validated DiLoCo job, and cancel one. Both are the jobs service's,
+called exactly as the REST API calls them (``apps/jobs/api/views.py``)."""
+
+from __future__ import annotations
+
+from apps.jobs import services as job_services
+from apps.jobs import spec as job_spec
+from apps.jobs.models import Job
+
+
+def submit(*, owner, name: str, parsed: job_spec.DiLoCoSpec) -> Job:
+    """Create the job of a spec that passed :func:`~apps.jobs.services.training_problems`, as
+    ``POST /api/jobs/diloco/`` does; its allocation is queued on commit."""
+    return job_services.create_job(
+        owner=owner,
+        name=name,
+        num_trainers=parsed.num_trainers,
+        requirements=job_spec.to_requirements(parsed),
+        spec=job_services.spec_for_storage(parsed, owner),
+    )
+
+
+def cancel(job: Job, *, by) -> Job:
+    """Cancel ``job`` on behalf of ``by`` (its owner or staff); raises ``JobNotCancellable`` once it ended."""
+    reason = "cancelled by its owner" if job.owner_id == by.pk else f"cancelled by {by}"
+    return job_services.cancel_job(job, reason=reason)

@@ -1,0 +1,251 @@
+"""What the dashboard shows, read from the database: who may see what, and the JSON the job page draws.
+
+The job page is rendered with :func:`job_snapshot` embedded in it, its websocket starts with the same snapshot,
+and the live events of :mod:`apps.dashboard.live` carry parts of it in the same shapes, so the page's script has
+one data model. Rounds, tasks and leases use the REST serializers' shapes (``apps/jobs/api/serializers.py``), so
+what the page shows is what ``GET /api/jobs/<id>/`` says.
+
+Visibility is the REST API's: a user sees their own jobs and workers, and the market activity of their jobs
+(offers on them, and offers their workers made); staff see everything.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import Count, Prefetch, Q, QuerySet
+from django.utils import timezone
+
+from apps.datasets import services as dataset_services
+from apps.jobs.api.serializers import JobEventSerializer, JobLeaseSerializer, RoundSerializer, TaskSerializer
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
+from apps.leases.models import Lease
+from apps.market.models import Advertisement, Offer
+from apps.workers.models import Worker
+
+#: How many rows of market activity and lease history the pages show.
+RECENT_ADVERTISEMENTS = 15
+RECENT_OFFERS = 25
+RECENT_JOBS = 25
+LEASE_HISTORY = 50
+
+
+def to_json(value) -> str:
+    """``value`` as JSON text (datetimes, UUIDs and decimals as strings), the one encoding of every event."""
+    return json.dumps(value, cls=DjangoJSONEncoder, separators=(",", ":"))
+
+
+# --- visibility -------------------------------------------------------------------------------------------
+
+
+def visible_jobs(user) -> QuerySet[Job]:
+    jobs = Job.objects.select_related("owner")
+    return jobs if user.is_staff else jobs.filter(owner=user)
+
+
+def visible_workers(user) -> QuerySet[Worker]:
+    workers = Worker.objects.select_related("owner")
+    return workers if user.is_staff else workers.filter(owner=user)
+
+
+def can_see_job(user, job_id) -> bool:
+    return bool(user.is_authenticated and user.is_active and visible_jobs(user).filter(pk=job_id).exists())
+
+
+# --- the job page -----------------------------------------------------------------------------------------
+
+
+def job_state(job: Job) -> dict:
+    """The job's header: status, why, and whether its model can be downloaded."""
+    return {
+        "id": str(job.pk),
+        "name": job.name,
+        "status": job.status,
+        "status_reason": job.status_reason,
+        "final": job.is_final,
+        "created_at": job.created_at,
+        "ended_at": job.ended_at,
+        "model_ready": job.status == Job.Status.COMPLETED and bool(job.model_files),
+        "update_rounds": _update_rounds(job),
+    }
+
+
+def _update_rounds(job: Job) -> int | None:
+    rounds = job.spec.get("rounds") if isinstance(job.spec, dict) else None
+    return rounds.get("update_rounds") if isinstance(rounds, dict) else None
+
+
+def job_leases(job: Job) -> list[dict]:
+    leases = Lease.objects.filter(job=job).select_related("worker").order_by("role", "created_at")
+    return [{**JobLeaseSerializer(lease).data, "worker_id": str(lease.worker_id)} for lease in leases]
+
+
+def job_tasks(job: Job) -> list[dict]:
+    tasks = Task.objects.filter(job=job).select_related("lease__worker")
+    return [TaskSerializer(task).data for task in tasks]
+
+
+def samples_per_second(task: Task, *, now: datetime | None = None) -> float | None:
+    """A trainer's throughput since its first step (until it ended): samples over wall time, sync waits
+    included, so it is what the job actually got from the worker."""
+    if task.first_step_at is None or not task.samples_total:
+        return None
+    until = task.ended_at or now or timezone.now()
+    seconds = (until - task.first_step_at).total_seconds()
+    return round(task.samples_total / seconds, 2) if seconds > 0 else None
+
+
+def trainer_progress(job_id) -> list[dict]:
+    """Each trainer's place in the run: the numbers the job page's trainer table shows."""
+    now = timezone.now()
+    tasks = Task.objects.filter(job_id=job_id, role=TRAINER).select_related("lease__worker")
+    return [
+        {
+            "id": str(task.pk),
+            "worker": task.lease.worker.name,
+            "worker_id": str(task.lease.worker_id),
+            "status": task.status,
+            "sync_state": task.sync_state,
+            "round": task.round,
+            "steps_in_round": task.steps_in_round,
+            "steps_total": task.steps_total,
+            "samples_total": task.samples_total,
+            "last_loss": task.last_loss,
+            "samples_per_second": samples_per_second(task, now=now),
+        }
+        for task in tasks
+    ]
+
+
+def worker_names(job: Job) -> dict[str, str]:
+    """Worker id → name of every worker that held a lease of the job (the chart's trainer lines)."""
+    rows = Lease.objects.filter(job=job).values_list("worker_id", "worker__name").distinct()
+    return {str(worker_id): name for worker_id, name in rows}
+
+
+def job_rounds(job: Job) -> list[dict]:
+    return [RoundSerializer(round_).data for round_ in job.rounds.order_by("number")]
+
+
+def job_snapshot(job: Job) -> dict:
+    """Everything the job page's script draws; the first message of the job's websocket."""
+    return {
+        "type": "snapshot",
+        "job": job_state(job),
+        "leases": job_leases(job),
+        "tasks": job_tasks(job),
+        "trainers": trainer_progress(job.pk),
+        "rounds": job_rounds(job),
+        "workers": worker_names(job),
+        "data": dataset_services.progress(job),
+    }
+
+
+def job_page(job: Job) -> dict:
+    """The job page's template context (besides the snapshot): roles, history, model files."""
+    leases = job_leases(job)
+    roles = []
+    for role in ROLES:
+        singular, plural = ROLE_LABELS[role]
+        wanted = job.num_trainers if role == TRAINER else 1
+        requirement = job.requirements.get(role) or {}
+        roles.append(
+            {
+                "role": role,
+                "label": plural if wanted != 1 else singular,
+                "wanted": wanted,
+                "bid": requirement.get("bid"),
+                "max": requirement.get("max"),
+                "resources": requirement.get("resources") or {},
+                "leases": [lease for lease in leases if lease["role"] == role],
+            }
+        )
+    return {
+        "roles": roles,
+        "events": JobEventSerializer(job.events.order_by("-at", "-id")[:30], many=True).data,
+        "tasks": job_tasks(job),
+        "spec": job.spec,
+    }
+
+
+# --- the overview -----------------------------------------------------------------------------------------
+
+
+def overview(user) -> dict:
+    """Workers with their current leases, jobs by status, and the market's recent activity, as ``user`` may
+    see them."""
+    live_leases = Lease.objects.filter(status__in=Lease.LIVE).select_related("job").order_by("created_at")
+    workers = visible_workers(user).prefetch_related(
+        Prefetch("leases", queryset=live_leases, to_attr="live_leases")
+    )
+    jobs = visible_jobs(user)
+    counts = dict(jobs.order_by().values_list("status").annotate(count=Count("pk")))
+    visible_job_ids = set()
+    if not user.is_staff:
+        visible_job_ids = set(jobs.values_list("pk", flat=True))
+    advertisements = Advertisement.objects.select_related("job").order_by("-created_at")
+    offers = Offer.objects.select_related("advertisement__job", "worker").order_by("-created_at")
+    if not user.is_staff:
+        advertisements = advertisements.filter(job__owner=user)
+        offers = offers.filter(Q(advertisement__job__owner=user) | Q(worker__owner=user))
+    return {
+        "workers": list(workers),
+        "online": sum(worker.status == Worker.Status.ONLINE for worker in workers),
+        "job_counts": [
+            {"status": status, "label": label, "count": counts.get(status, 0)}
+            for status, label in Job.Status.choices
+        ],
+        "jobs": list(jobs[:RECENT_JOBS]),
+        "job_total": sum(counts.values()),
+        "advertisements": list(advertisements[:RECENT_ADVERTISEMENTS]),
+        "offers": list(offers[:RECENT_OFFERS]),
+        "all_jobs_visible": user.is_staff,
+        "visible_job_ids": visible_job_ids,
+    }
+
+
+# --- the worker page --------------------------------------------------------------------------------------
+
+
+def worker_page(worker: Worker, user) -> dict:
+    """A worker's lease history, the jobs it served and its trainers' throughput."""
+    leases = list(
+        Lease.objects.filter(worker=worker).select_related("job").order_by("-created_at")[:LEASE_HISTORY]
+    )
+    visible = set(visible_jobs(user).filter(leases__worker=worker).values_list("pk", flat=True).distinct())
+    served: dict = {}
+    for lease in Lease.objects.filter(worker=worker, activated_at__isnull=False).select_related("job"):
+        entry = served.setdefault(
+            lease.job_id,
+            {"job": lease.job, "roles": set(), "visible": lease.job_id in visible, "price": lease.price},
+        )
+        entry["roles"].add(ROLE_LABELS.get(lease.role, (lease.role,))[0])
+    now = timezone.now()
+    tasks = list(
+        Task.objects.filter(lease__worker=worker)
+        .select_related("job")
+        .order_by("-dispatched_at")[:LEASE_HISTORY]
+    )
+    throughput = [
+        {
+            "task": task,
+            "visible": task.job_id in visible,
+            "samples_per_second": samples_per_second(task, now=now) if task.role == TRAINER else None,
+        }
+        for task in tasks
+    ]
+    trained = [task for task in tasks if task.role == TRAINER]
+    return {
+        "leases": [{"lease": lease, "visible": lease.job_id in visible} for lease in leases],
+        "served": sorted(served.values(), key=lambda entry: entry["job"].created_at, reverse=True),
+        "throughput": throughput,
+        "totals": {
+            "steps": sum(task.steps_total for task in trained),
+            "samples": sum(task.samples_total for task in trained),
+            "rounds": sum(task.round for task in trained),
+            "parameter_servers": sum(task.role == PARAMETER_SERVER for task in tasks),
+        },
+        "live_leases": [lease for lease in leases if lease.is_live],
+    }

@@ -1,0 +1,120 @@
+"""The dashboard's pages: overview, submit a job, a job, a worker. Login required; users see their own jobs and
+workers, staff see everything; another user's job or worker is a 404, as an unknown one is."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.db import transaction
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse, reverse_lazy
+from django.views.decorators.http import require_http_methods, require_POST
+
+from apps.dashboard import services, snapshots
+from apps.dashboard.forms import DiLoCoJobForm, TomlJobForm
+from apps.jobs.exceptions import JobNotCancellable
+from apps.jobs.models import Job
+
+#: The dashboard's own login page (the project's LOGIN_URL points at the admin's).
+LOGIN_URL = reverse_lazy("dashboard:login")
+
+dashboard_login_required = login_required(login_url=LOGIN_URL)
+
+
+class LoginView(auth_views.LoginView):
+    template_name = "dashboard/login.html"
+    redirect_authenticated_user = True
+    next_page = reverse_lazy("dashboard:overview")
+
+
+class LogoutView(auth_views.LogoutView):
+    next_page = LOGIN_URL
+
+
+@dashboard_login_required
+def overview(request: HttpRequest) -> HttpResponse:
+    context = snapshots.overview(request.user)
+    # The page's script re-fetches the page with ?fragment=1 when something changed, and swaps the sections.
+    template = (
+        "dashboard/_overview_sections.html" if request.GET.get("fragment") else "dashboard/overview.html"
+    )
+    return render(request, template, context)
+
+
+@dashboard_login_required
+@require_http_methods(["GET", "POST"])
+def submit_job(request: HttpRequest) -> HttpResponse:
+    source = request.POST.get("source", "fields") if request.method == "POST" else "fields"
+    fields_form = DiLoCoJobForm(
+        request.POST if source == "fields" and request.method == "POST" else None,
+        owner=request.user,
+        prefix="job",
+    )
+    toml_form = TomlJobForm(
+        request.POST if source == "toml" else None,
+        request.FILES if source == "toml" else None,
+        owner=request.user,
+        prefix="toml",
+    )
+    form = toml_form if source == "toml" else fields_form
+    if request.method == "POST" and form.is_valid():
+        job = services.submit(owner=request.user, name=form.cleaned_data["name"], parsed=form.parsed)
+        messages.success(
+            request, f"Job {job.name or job.pk} submitted: it is being advertised to the market."
+        )
+        return redirect("dashboard:job", job_id=job.pk)
+    status = 400 if request.method == "POST" else 200
+    return render(
+        request,
+        "dashboard/submit.html",
+        {"form": fields_form, "toml_form": toml_form, "source": source},
+        status=status,
+    )
+
+
+def _visible_job(request: HttpRequest, job_id) -> Job:
+    job = snapshots.visible_jobs(request.user).filter(pk=job_id).first()
+    if job is None:
+        raise Http404("No such job.")
+    return job
+
+
+@dashboard_login_required
+def job_detail(request: HttpRequest, job_id) -> HttpResponse:
+    job = _visible_job(request, job_id)
+    context = {
+        "job": job,
+        "snapshot": snapshots.job_snapshot(job),
+        "websocket_path": f"/ws/dashboard/jobs/{job.pk}/",
+        "model_url": reverse("job-model", kwargs={"pk": job.pk}),
+        **snapshots.job_page(job),
+    }
+    return render(request, "dashboard/job.html", context)
+
+
+@dashboard_login_required
+@require_POST
+def cancel_job(request: HttpRequest, job_id) -> HttpResponse:
+    with transaction.atomic():
+        job = _visible_job(request, job_id)
+        try:
+            services.cancel(job, by=request.user)
+        except JobNotCancellable as error:
+            messages.error(request, str(error))
+        else:
+            messages.success(request, "Job cancelled: its leases are released and its tasks stopped.")
+    return redirect("dashboard:job", job_id=job.pk)
+
+
+@dashboard_login_required
+def worker_detail(request: HttpRequest, worker_id) -> HttpResponse:
+    worker = snapshots.visible_workers(request.user).filter(pk=worker_id).first()
+    if worker is None:
+        raise Http404("No such worker.")
+    return render(
+        request,
+        "dashboard/worker.html",
+        {"worker": worker, **snapshots.worker_page(worker, request.user)},
+    )

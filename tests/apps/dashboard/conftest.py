@@ -1,0 +1,134 @@
+"""Fixtures of the dashboard tests.
+
+* ``tiny_text`` — the dataset "tiny-text" (4 slices), registered by data node "data-east".
+* ``training_job`` — Ada's DiLoCo job "tiny-gpt" on it, RUNNING: rig-a and rig-b train, rig-c is its parameter
+  server (listening), every trainer dispatched.
+* ``ada_browser`` / ``eve_browser`` / ``staff_browser`` — Django test clients logged in as Ada (the job's
+  owner), as Eve (another user, no jobs) and as a staff user.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from apps.datasets import services as dataset_services
+from apps.jobs import services as job_services
+from apps.jobs import spec as job_spec
+from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Task
+from tests.apps.conftest import advert, offer_on
+from worker_daemon import protocol
+
+SLICES = [(index, 1000 + index, f"{index:x}" * 64) for index in range(4)]
+
+SPEC = {
+    "model": {
+        "source": {
+            "type": "config",
+            "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2},
+        },
+        "type": "causal-lm",
+        "input_names": ["input_ids", "labels"],
+    },
+    "dataset": {"name": "tiny-text"},
+    "inner_optimizer": {"learning_rate": 0.001},
+    "outer_optimizer": {"learning_rate": 0.7, "momentum": 0.9},
+    "rounds": {"update_rounds": 3, "inner_steps": 3, "round_timeout": 30.0},
+    "batch_size": 4,
+    "num_trainers": 2,
+    "evaluation": {"holdout": 1, "batch_size": 8},
+    "trainer": {
+        "resources": {"cpu": 4, "memory": 16, "storage": 50, "gpu": 16},
+        "price": {"bid": 100, "max": 130},
+    },
+    "parameter_server": {"resources": {"cpu": 2, "memory": 8, "storage": 20, "gpu": 0}},
+}
+
+
+@pytest.fixture
+def tiny_text(db):
+    node, _ = dataset_services.create_data_node(name="data-east", url="http://east.example:8100")
+    return dataset_services.register_dataset(node, "tiny-text", SLICES)
+
+
+def status(worker, task: Task, progress) -> dict:
+    """What the worker's bridge forwards for ``task``: one progress value; returns the control plane's reply."""
+    message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=task.pk, progress=progress)
+    return job_services.status_reported(worker=worker, message=message).reply
+
+
+def task_of(job: Job, worker) -> Task:
+    return Task.objects.select_related("lease").get(job=job, lease__worker=worker)
+
+
+@pytest.fixture
+def training_job(job_owner, online_rigs, tiny_text, django_capture_on_commit_callbacks) -> Job:
+    parsed = job_spec.parse_json(SPEC)
+    with django_capture_on_commit_callbacks(execute=True):
+        job = job_services.create_job(
+            owner=job_owner,
+            name="tiny-gpt",
+            num_trainers=2,
+            requirements=job_spec.to_requirements(parsed),
+            spec=parsed.model_dump(mode="json"),
+        )
+    rig_a, rig_b, rig_c = online_rigs
+    with django_capture_on_commit_callbacks(execute=True):
+        job_services.offer_made(worker=rig_a, message=offer_on(advert(job, TRAINER), price=120.0))
+        job_services.offer_made(worker=rig_b, message=offer_on(advert(job, TRAINER), price=125.0))
+        job_services.offer_made(worker=rig_c, message=offer_on(advert(job, PARAMETER_SERVER), price=90.0))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert status(rig_c, task_of(job, rig_c), {"ready": {"url": "http://10.0.0.3:7070", "round": 0}}) == {
+            "type": "Ok"
+        }
+    job.refresh_from_db()
+    assert job.status == Job.Status.RUNNING, job.status_reason
+    return job
+
+
+def record_round(job: Job, rigs, number: int, *, losses=(3.5, 3.7), eval_loss: float = 3.4) -> None:
+    """Both trainers report their metrics for round ``number``, then the parameter server reports it."""
+    rig_a, rig_b, rig_c = rigs
+    for rig, loss in zip((rig_a, rig_b), losses, strict=True):
+        status(rig, task_of(job, rig), {"metrics": {"round": number, "metrics": {"loss": loss}}})
+    report = {
+        "round": number,
+        "participants": [str(rig_a.pk), str(rig_b.pk)],
+        "left_out": [],
+        "refused": {},
+        "samples": 24,
+        "duration": 1.5,
+        "bytes_in": 4096,
+        "bytes_out": 2048,
+        "eval_loss": eval_loss,
+    }
+    status(rig_c, task_of(job, rig_c), {"round": report})
+
+
+def browser(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def ada_browser(job_owner) -> Client:
+    return browser(job_owner)
+
+
+@pytest.fixture
+def eve(db):
+    return get_user_model().objects.create_user(username="eve", password=None)
+
+
+@pytest.fixture
+def eve_browser(eve) -> Client:
+    return browser(eve)
+
+
+@pytest.fixture
+def staff_browser(db) -> Client:
+    return browser(get_user_model().objects.create_user(username="root", password=None, is_staff=True))

@@ -1,0 +1,219 @@
+"""The browsers' websockets, driven with WebsocketCommunicator against ``hypha_site.asgi.router`` with a real
+session cookie: a job's page gets a snapshot, then live events after commit; another user's job, an anonymous
+visitor and a foreign Origin are refused during the handshake."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.db import connections
+from django.test import Client
+
+from apps.dashboard import live
+from apps.dashboard.consumers import FORBIDDEN, NOT_LOGGED_IN
+from apps.jobs import services as job_services
+from hypha_site.asgi import router
+from tests.apps.dashboard.conftest import record_round, status, task_of
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TIMEOUT = 3.0
+
+
+def session_cookie(user) -> bytes:
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+@pytest.fixture
+async def browser_socket():
+    """``await browser_socket(path, user=…, origin=…)`` → (connected, close code or None, communicator)."""
+    opened: list[WebsocketCommunicator] = []
+
+    async def open_socket(path: str, *, user=None, origin: bytes | None = b"http://testserver"):
+        headers = [(b"host", b"testserver")]
+        if origin is not None:
+            headers.append((b"origin", origin))
+        if user is not None:
+            headers.append((b"cookie", await database_sync_to_async(session_cookie)(user)))
+        communicator = WebsocketCommunicator(router, path, headers=headers)
+        opened.append(communicator)
+        connected, code = await communicator.connect(timeout=TIMEOUT)
+        return connected, code, communicator
+
+    yield open_socket
+    for communicator in opened:
+        if not communicator.future.done():
+            await communicator.disconnect(timeout=TIMEOUT)
+    await database_sync_to_async(connections.close_all)()
+
+
+async def next_event(communicator: WebsocketCommunicator, kind: str) -> dict:
+    """The next event of type ``kind`` (events of other types before it are skipped)."""
+    deadline = asyncio.get_running_loop().time() + TIMEOUT
+    while True:
+        remaining = deadline - asyncio.get_running_loop().time()
+        assert remaining > 0, f"no {kind!r} event in time"
+        event = json.loads(await communicator.receive_from(timeout=remaining))
+        if event["type"] == kind:
+            return event
+
+
+# --- the job's socket -------------------------------------------------------------------------------------
+
+
+async def test_the_owner_gets_a_snapshot_and_then_the_round_as_it_is_recorded(
+    browser_socket, training_job, online_rigs, job_owner
+):
+    # given: Ada's job page is open
+    connected, _, socket = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/", user=job_owner)
+    assert connected
+    snapshot = json.loads(await socket.receive_from(timeout=TIMEOUT))
+    assert (snapshot["type"], snapshot["job"]["status"], snapshot["rounds"]) == ("snapshot", "running", [])
+
+    # when: the trainers and the parameter server report round 1
+    await database_sync_to_async(record_round)(training_job, online_rigs, 1, losses=(3.5, 3.7), eval_loss=3.4)
+
+    # then: round events (the trainers' metrics, then the parameter server's report) and the job's new reason
+    rig_a, rig_b, _ = online_rigs
+    event = await next_event(socket, "round")
+    while not event["round"]["closed"]:
+        event = await next_event(socket, "round")
+    round_ = event["round"]
+    assert (round_["number"], round_["mean_loss"], round_["eval_loss"], round_["samples"]) == (
+        1,
+        3.6,
+        3.4,
+        24,
+    )
+    assert round_["trainer_metrics"] == {str(rig_a.pk): {"loss": 3.5}, str(rig_b.pk): {"loss": 3.7}}
+    assert (round_["bytes_in"], round_["bytes_out"], round_["duration"]) == (4096, 2048, 1.5)
+    assert sorted(trainer["worker"] for trainer in event["trainers"]) == ["rig-a", "rig-b"]
+    assert event["data"]["total"] == 3
+    job_event = await next_event(socket, "job")
+    assert job_event["job"]["status_reason"] == "RUNNING: round 1 of 3 applied (2 trainers, eval loss 3.4000)"
+    assert [lease["worker"] for lease in job_event["leases"]] == ["rig-c", "rig-a", "rig-b"]
+
+
+async def test_trainer_progress_is_throttled_per_job(browser_socket, training_job, online_rigs, job_owner):
+    # given
+    live._last_progress.clear()
+    connected, _, socket = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/", user=job_owner)
+    assert connected
+    await socket.receive_from(timeout=TIMEOUT)  # the snapshot
+    rig_a = online_rigs[0]
+
+    def steps(count: int) -> None:
+        task = task_of(training_job, rig_a)
+        for _ in range(count):
+            status(rig_a, task, {"status": {"batch_size": 4, "loss": 4.0, "step_time": 0.1}})
+
+    # when: two steps at once — only the first is sent; a step after the interval is sent again
+    await database_sync_to_async(steps)(2)
+    first = await next_event(socket, "progress")
+    assert await socket.receive_nothing(timeout=0.2)
+    await asyncio.sleep(live.PROGRESS_INTERVAL)
+    await database_sync_to_async(steps)(1)
+    second = await next_event(socket, "progress")
+
+    # then
+    [trainer_a_first] = [trainer for trainer in first["trainers"] if trainer["worker"] == "rig-a"]
+    [trainer_a_second] = [trainer for trainer in second["trainers"] if trainer["worker"] == "rig-a"]
+    assert (trainer_a_first["steps_total"], trainer_a_first["samples_total"]) == (1, 4)
+    assert (trainer_a_second["steps_total"], trainer_a_second["samples_total"]) == (3, 12)
+    assert trainer_a_second["last_loss"] == 4.0
+
+
+async def test_a_cancelled_job_is_announced_to_its_page(browser_socket, training_job, job_owner):
+    connected, _, socket = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/", user=job_owner)
+    assert connected
+    await socket.receive_from(timeout=TIMEOUT)
+
+    await database_sync_to_async(job_services.cancel_job)(training_job, reason="cancelled by its owner")
+
+    event = await next_event(socket, "job")
+    assert (event["job"]["status"], event["job"]["final"]) == ("cancelled", True)
+    assert {lease["status"] for lease in event["leases"]} == {"released"}
+
+
+async def test_another_users_job_is_refused(browser_socket, training_job, eve):
+    connected, code, _ = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/", user=eve)
+
+    assert (connected, code) == (False, FORBIDDEN)
+
+
+async def test_staff_may_watch_any_job(browser_socket, training_job, operator):
+    connected, _, socket = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/", user=operator.user)
+
+    assert connected
+    assert json.loads(await socket.receive_from(timeout=TIMEOUT))["job"]["id"] == str(training_job.pk)
+
+
+async def test_an_anonymous_visitor_is_refused(browser_socket, training_job):
+    connected, code, _ = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/")
+
+    assert (connected, code) == (False, NOT_LOGGED_IN)
+
+
+async def test_another_sites_page_is_refused(browser_socket, training_job, job_owner):
+    connected, code, _ = await browser_socket(
+        f"/ws/dashboard/jobs/{training_job.pk}/", user=job_owner, origin=b"http://evil.example"
+    )
+
+    assert (connected, code) == (False, FORBIDDEN)
+
+
+# --- the overview's socket --------------------------------------------------------------------------------
+
+
+async def test_the_overview_hears_of_the_users_own_jobs_only(browser_socket, training_job, job_owner, eve):
+    # given: Ada's and Eve's overviews are open
+    _, _, ada = await browser_socket("/ws/dashboard/", user=job_owner)
+    _, _, eve_socket = await browser_socket("/ws/dashboard/", user=eve)
+
+    # when
+    await database_sync_to_async(job_services.cancel_job)(training_job, reason="cancelled by its owner")
+
+    # then
+    event = json.loads(await ada.receive_from(timeout=TIMEOUT))
+    assert event == {
+        "type": "job",
+        "job": {
+            "id": str(training_job.pk),
+            "name": "tiny-gpt",
+            "status": "cancelled",
+            "status_reason": "CANCELLED: cancelled by its owner",
+        },
+    }
+    assert await eve_socket.receive_nothing(timeout=0.3)
+
+
+async def test_the_overview_of_staff_hears_of_every_job(browser_socket, training_job, operator):
+    _, _, socket = await browser_socket("/ws/dashboard/", user=operator.user)
+
+    await database_sync_to_async(job_services.cancel_job)(training_job, reason="cancelled by staff")
+
+    event = json.loads(await socket.receive_from(timeout=TIMEOUT))
+    assert (event["job"]["id"], event["job"]["status"]) == (str(training_job.pk), "cancelled")
+
+
+async def test_the_overview_refuses_an_anonymous_visitor(browser_socket):
+    connected, code, _ = await browser_socket("/ws/dashboard/")
+
+    assert (connected, code) == (False, NOT_LOGGED_IN)
+
+
+async def test_the_worker_gateway_is_not_reachable_with_a_session(browser_socket, job_owner):
+    # The gateway ignores the session: without a worker token it is refused (error frame, then 4000).
+    connected, _, socket = await browser_socket("/ws/worker/", user=job_owner)
+
+    assert connected
+    frame = json.loads(await socket.receive_from(timeout=TIMEOUT))
+    assert frame["type"] == "error"
+    output = await socket.receive_output(timeout=TIMEOUT)
+    assert (output["type"], output["code"]) == ("websocket.close", 4000)
