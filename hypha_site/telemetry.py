@@ -1,7 +1,8 @@
 """OpenTelemetry tracing of the control plane (Django requests, Celery tasks, the worker gateway's messages),
 switched on by the standard ``OTEL_*`` variables alone.
 
-On when ``OTEL_TRACES_EXPORTER`` names an exporter (``otlp``, ``console``; ``none`` is off), or, without it,
+The on/off rule is :func:`worker_daemon.telemetry.exporters_named`, shared with the daemons:
+on when ``OTEL_TRACES_EXPORTER`` names an exporter (``otlp``, ``console``; ``none`` is off), or, without it,
 when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set (then ``otlp``).
 ``OTEL_SDK_DISABLED=true`` turns it off whatever else is set. Off, nothing of opentelemetry is imported.
 
@@ -29,11 +30,11 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from worker_daemon import telemetry as daemon_telemetry
+
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "hypha-control-plane"
-ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-EXPORTERS = ("otlp", "console")
 #: Health checks and Prometheus scrapes would be most of the spans and tell nothing; the standard
 #: ``OTEL_PYTHON_DJANGO_EXCLUDED_URLS`` / ``OTEL_PYTHON_EXCLUDED_URLS`` replace this list.
 DEFAULT_EXCLUDED_URLS = "/healthz$,/metrics$"
@@ -43,24 +44,14 @@ _tracer_provider: Any = None
 
 
 def exporters_named(environ: Mapping[str, str]) -> list[str]:
-    """The trace exporters the ``OTEL_*`` variables of ``environ`` ask for; empty means tracing is off."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return []
-    named = environ.get("OTEL_TRACES_EXPORTER", "").strip()
-    if named:
-        names = [name.strip().lower() for name in named.split(",") if name.strip()]
-        if "none" in names:
-            return []
-        unknown = [name for name in names if name not in EXPORTERS]
-        if unknown:
-            raise ImproperlyConfigured(
-                f"OTEL_TRACES_EXPORTER={named!r}: {', '.join(unknown)} not installed; "
-                f"use {', '.join(EXPORTERS)} or none"
-            )
-        return names
-    if any(environ.get(name, "").strip() for name in ENDPOINT_VARIABLES):
-        return ["otlp"]
-    return []
+    """The trace exporters the ``OTEL_*`` variables of ``environ`` ask for; empty means tracing is off.
+
+    The rule is :func:`worker_daemon.telemetry.exporters_named` (shared with the daemons); a bad value is an
+    ``ImproperlyConfigured`` here."""
+    try:
+        return daemon_telemetry.exporters_named(environ)
+    except daemon_telemetry.TelemetryConfigError as error:
+        raise ImproperlyConfigured(str(error)) from None
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -88,26 +79,14 @@ def configure() -> bool:
 
 
 def _start(names: list[str]) -> Any:
-    from opentelemetry import trace
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
     from opentelemetry.instrumentation.django import DjangoInstrumentor
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    attributes = {}
-    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get(
-        "OTEL_RESOURCE_ATTRIBUTES", ""
-    ):
-        attributes["service.name"] = SERVICE_NAME
-    provider = TracerProvider(resource=Resource.create(attributes))
-    for name in names:
-        if name == "otlp":
-            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
-        else:
-            # For a look at the spans while debugging: printed as they end, not batched.
-            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
-    trace.set_tracer_provider(provider)
+    # The provider, its exporters and the service name's rule are the daemons' (one place for them).
+    try:
+        provider = daemon_telemetry.start_provider(names, service_name=SERVICE_NAME)
+    except daemon_telemetry.TelemetryConfigError as error:
+        raise ImproperlyConfigured(str(error)) from None
     excluded = None
     if not (
         os.environ.get("OTEL_PYTHON_DJANGO_EXCLUDED_URLS") or os.environ.get("OTEL_PYTHON_EXCLUDED_URLS")
@@ -119,19 +98,10 @@ def _start(names: list[str]) -> Any:
 
 
 def _otlp_exporter() -> Any:
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
-    if protocol != "http/protobuf":
-        raise ImproperlyConfigured(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: only http/protobuf is installed "
-            "(the collector's port 4318, e.g. OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318)"
-        )
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()
+    try:
+        return daemon_telemetry.otlp_exporter()
+    except daemon_telemetry.TelemetryConfigError as error:
+        raise ImproperlyConfigured(str(error)) from None
 
 
 def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager:

@@ -35,6 +35,9 @@ EXIT_CODES_HELP = f"""exit codes:
 
 logger = logging.getLogger("parameter_server")
 
+#: The traces' default ``service.name`` (``OTEL_SERVICE_NAME`` wins).
+SERVICE_NAME = "hypha-parameter-server"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -68,6 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= arguments.port <= 65535:
         logger.error("--port must be in 0..65535, got %d", arguments.port)
         return EXIT_BAD_ARGUMENTS
+    # Tracing, if the OTEL_* variables (inherited from the daemon) ask for it.
+    from worker_daemon import telemetry
+
+    try:
+        telemetry.configure(service_name=SERVICE_NAME)
+    except telemetry.TelemetryConfigError as error:
+        logger.error("%s", error)
+        return EXIT_BAD_ARGUMENTS
+    try:
+        return _main(arguments)
+    finally:
+        telemetry.shutdown()  # export the spans still queued (not reached after a SIGTERM's os._exit)
+
+
+def _main(arguments: argparse.Namespace) -> int:
     environment = {
         name: os.environ.get(name, "")
         for name in ("HYPHA_TRANSFER_KEY", "HYPHA_TRANSFER_TOKEN", "HYPHA_SERVER_URL")
@@ -114,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if code == EXIT_TERMINATED:
             # A model download or build may still run in a worker thread, which a normal shutdown would wait
             # for; the daemon wants us gone now (and SIGKILLs after 5 s). Rounds are checkpointed already.
+            from worker_daemon import telemetry
+
+            telemetry.flush(timeout=1.0)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

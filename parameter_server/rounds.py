@@ -38,6 +38,7 @@ import torch
 
 from parameter_server.exceptions import RoundConflict, RoundPruned, UnknownRound
 from parameter_server.math import StateDict, StreamingMean, nesterov_step
+from worker_daemon import telemetry
 
 logger = logging.getLogger("parameter_server")
 
@@ -242,6 +243,31 @@ class RoundCoordinator:
         return update, new_weights, momentum, True
 
     async def _close(self, current: _OpenRound) -> None:
+        # One span per round: its step and checkpoint, with what the round was (duration: open → close).
+        with telemetry.span("round", **{"hypha.round": current.number}) as traced:
+            closed = await self._close_round(current)
+            if closed is None:
+                telemetry.annotate(traced, **{"hypha.failed": True})
+            else:
+                telemetry.annotate(
+                    traced,
+                    **{
+                        "hypha.participants": list(closed.participants),
+                        "hypha.participant_count": len(closed.participants),
+                        "hypha.left_out": list(closed.left_out),
+                        "hypha.refused_count": len(closed.refused),
+                        "hypha.samples": closed.samples,
+                        "hypha.bytes_in": closed.bytes_in,
+                        "hypha.duration_s": closed.duration,
+                        "hypha.stepped": closed.stepped,
+                    },
+                )
+        if closed is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _close_round(self, current: _OpenRound) -> RoundResult | None:
+        """Step, persist and publish the round; its result, or None if that failed (:attr:`failure` set)."""
         try:
             async with self._lock:
                 update, new_weights, new_momentum, stepped = await asyncio.to_thread(self._step, current)
@@ -266,9 +292,8 @@ class RoundCoordinator:
             logger.exception("closing round %d failed", current.number)
             if not self.failure.done():
                 self.failure.set_result(error)
-            return
-        async with self._changed:
-            self._changed.notify_all()
+            return None
+        return result
 
     def _publish(self, result: RoundResult) -> None:
         self._results[result.round_number] = result

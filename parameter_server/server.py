@@ -39,6 +39,7 @@ from aiohttp import web
 from parameter_server import weights as weights_io
 from parameter_server.exceptions import RoundError, TensorRefused, WeightsFileError
 from parameter_server.rounds import RoundCoordinator
+from worker_daemon import telemetry
 from worker_daemon.protocol import TransferTokenError, verify_transfer_token
 
 logger = logging.getLogger("parameter_server")
@@ -254,9 +255,41 @@ class ParameterServerApp:
         return update
 
     async def _update(self, request: web.Request) -> web.Response:
+        """A span per update (when tracing is on): ``hypha.outcome`` accepted or refused, with the reason."""
+        with telemetry.span("update") as current:
+            try:
+                response = await self._accept_update(request, current)
+            except _HTTPFailure as failure:
+                telemetry.annotate(
+                    current,
+                    **{
+                        "hypha.outcome": "refused",
+                        "hypha.reason": str(failure),
+                        "http.response.status_code": failure.response.status,
+                    },
+                )
+                raise
+            except RoundError as error:
+                telemetry.annotate(
+                    current,
+                    **{
+                        "hypha.outcome": "refused",
+                        "hypha.reason": str(error),
+                        "http.response.status_code": error.status,
+                    },
+                )
+                raise
+            telemetry.annotate(
+                current, **{"hypha.outcome": "accepted", "http.response.status_code": response.status}
+            )
+            return response
+
+    async def _accept_update(self, request: web.Request, current: Any) -> web.Response:
         claims = self._authorize(request, trainer=True, expected=True)
         peer = str(claims["peer"])
+        telemetry.annotate(current, **{"hypha.peer": peer})
         round_number = self._round_number(request)
+        telemetry.annotate(current, **{"hypha.round": round_number})
         samples = self._samples(request)
         # Before reading the body: a late or duplicate update is refused without receiving megabytes.
         self.coordinator.check_can_submit(peer, round_number)
@@ -275,6 +308,7 @@ class ParameterServerApp:
         finally:
             path.unlink(missing_ok=True)
         await self.coordinator.submit(peer, round_number, update, samples)
+        telemetry.annotate(current, **{"hypha.samples": samples})
         return web.json_response({"round": round_number, "accepted": True})
 
     async def _result(self, request: web.Request) -> web.StreamResponse:

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from worker_daemon.exceptions import ConfigError, ExitCode
 
 PROG = "hypha-worker-daemon"
+#: The traces' default ``service.name`` (``OTEL_SERVICE_NAME`` wins).
+SERVICE_NAME = "hypha-worker-daemon"
 
 DESCRIPTION = """\
 Offer this machine's resources to a Hypha control plane. The daemon connects outbound to the control
@@ -35,6 +37,7 @@ environment:
   HYPHA_TOKEN_FILE   a file holding the token, used when neither --token nor HYPHA_TOKEN is set
   HYPHA_WORK_DIR     overrides work_dir from the config file (--work-dir overrides both)
   HYPHA_LOG_LEVEL    default for --log-level
+  OTEL_*             OpenTelemetry tracing, off unless e.g. OTEL_EXPORTER_OTLP_ENDPOINT is set
 
 config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
 [offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured.
@@ -177,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         parser.error(str(error))
     configure_logging(log_level)
+    # Light (opentelemetry itself is imported only when tracing is on), but not needed by --help.
+    from worker_daemon import telemetry
 
     try:
         # Heavy imports only now that the arguments are known to be usable.
@@ -193,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps_port=args.ps_port,
             ps_public_url=args.ps_public_url,
         )
-    except ConfigError as error:
+        # Tracing, if the OTEL_* variables ask for it (opentelemetry is imported only then).
+        telemetry.configure(service_name=SERVICE_NAME)
+    except (ConfigError, telemetry.TelemetryConfigError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return ExitCode.USAGE
     except KeyboardInterrupt:
@@ -212,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # A Ctrl-C before the signal handlers were installed: nothing was held yet.
         return ExitCode.OK
+    finally:
+        telemetry.shutdown()  # export the spans still queued
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker_daemon import protocol
+from worker_daemon import protocol, telemetry
 from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.bridge.remote import RemoteBackend
 from worker_daemon.config import ExecutorConfig, WorkerConfig, http_base_url
@@ -163,11 +163,24 @@ class JobManager:
         """Act on a message that concerns tasks; False for any other message."""
         match message:
             case protocol.DispatchJob():
-                self.start(message)
+                with telemetry.span(
+                    "dispatch_job",
+                    **{
+                        "hypha.job_id": message.job_id,
+                        "hypha.task_id": message.task_id,
+                        "hypha.role": message.role,
+                        "hypha.lease_id": message.lease_id,
+                    },
+                ) as current:
+                    task = self.start(message)
+                    telemetry.annotate(current, **{"hypha.started": task is not None})
             case protocol.CancelJob():
-                if not self.cancel(
-                    message.task_id, reason=message.reason or "cancelled by the control plane"
-                ):
+                with telemetry.span("cancel_job", **{"hypha.task_id": message.task_id}) as current:
+                    found = self.cancel(
+                        message.task_id, reason=message.reason or "cancelled by the control plane"
+                    )
+                    telemetry.annotate(current, **{"hypha.found": found})
+                if not found:
                     logger.info("cancel_job for task %s, which does not run here", message.task_id)
             case protocol.StatusReply() | protocol.SliceAssigned():
                 self.link.resolve(message)
@@ -266,6 +279,31 @@ class JobManager:
         return executor, ""
 
     async def _run(self, task: Task) -> protocol.JobExited:
+        dispatch = task.dispatch
+        # The task's lifetime, from its launch to its job_exited (a child of the dispatch_job span; the
+        # bridge's requests, served in this task's context, are its children).
+        with telemetry.span(
+            "task",
+            **{
+                "hypha.job_id": dispatch.job_id,
+                "hypha.task_id": dispatch.task_id,
+                "hypha.role": dispatch.role,
+                "hypha.executor": f"{task.executor.executor_class}/{task.executor.name}",
+            },
+        ) as current:
+            exited = await self._launch_and_supervise(task)
+            telemetry.annotate(
+                current,
+                **{
+                    "hypha.exit_code": exited.exit_code,
+                    "hypha.signal": exited.signal,
+                    "hypha.cancelled": exited.cancelled,
+                    "hypha.reason": exited.reason or None,
+                },
+            )
+        return exited
+
+    async def _launch_and_supervise(self, task: Task) -> protocol.JobExited:
         try:
             try:
                 await self._launch(task)

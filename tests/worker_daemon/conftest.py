@@ -25,7 +25,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from worker_daemon import protocol
+from worker_daemon import protocol, telemetry
 from worker_daemon.config import WorkerConfig
 from worker_daemon.connection import WorkerDaemon
 from worker_daemon.link import ControlLink
@@ -462,3 +462,18 @@ def slice_answer(peer: FakePeer, dataset: str, index: int, *, sha256: str | None
 @pytest.fixture
 def answer_slice() -> Callable[..., dict[str, Any]]:
     return slice_answer
+
+
+@pytest.fixture
+def memory_spans(monkeypatch):
+    """Tracing on for this test only: a private provider whose finished spans ``memory_spans()`` returns."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    monkeypatch.setattr(telemetry, "_tracer_provider", provider)
+    yield memory.get_finished_spans
+    provider.shutdown()

@@ -198,6 +198,43 @@ async def test_a_task_runs_with_its_bridge_and_reports_its_exit(
     assert [ack.index for ack in answerer.of_type(protocol.SliceAck)] == [4]
 
 
+async def test_a_dispatch_a_cancel_and_the_task_lifetime_are_spans(
+    manager, link, answerer, short_dir, memory_spans
+):
+    # given: tracing on; an executor that waits to be cancelled
+    record = short_dir / "record.json"
+    message = dispatch(record, mode="wait")
+
+    # when
+    manager.handle(message)
+    task = manager.tasks[message.task_id]
+    await wait_for_line(task, "ready")
+    manager.handle(protocol.CancelJob(task_id=message.task_id, reason="test over"))
+    exited = await asyncio.wait_for(task.runner, 20)
+
+    # then: dispatch_job ends at once; the task's span lasts until its exit and holds its outcome
+    spans = {span.name: span for span in memory_spans()}
+    assert set(spans) == {"dispatch_job", "cancel_job", "task"}
+    ids = {"hypha.job_id": str(JOB), "hypha.task_id": str(message.task_id), "hypha.role": "trainer"}
+    assert dict(spans["dispatch_job"].attributes) == {
+        **ids,
+        "hypha.lease_id": str(LEASE),
+        "hypha.started": True,
+    }
+    assert dict(spans["cancel_job"].attributes) == {
+        "hypha.task_id": str(message.task_id),
+        "hypha.found": True,
+    }
+    assert dict(spans["task"].attributes) == {
+        **ids,
+        "hypha.executor": "train/test-executor",
+        "hypha.signal": exited.signal,
+        "hypha.cancelled": True,
+        "hypha.reason": "test over",
+    }
+    assert spans["task"].parent.span_id == spans["dispatch_job"].context.span_id
+
+
 async def test_cancel_sends_sigterm_then_sigkill_to_the_whole_group(manager, link, answerer, short_dir):
     # given a task that ignores SIGTERM and has a child of its own
     message = dispatch(short_dir / "record.json", mode="ignore-term")

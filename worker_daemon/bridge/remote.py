@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from worker_daemon import protocol
+from worker_daemon import protocol, telemetry
 from worker_daemon.bridge.backend import ProgressValue
 from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
 from worker_daemon.bridge.paths import FILE_MODE, resolve_in
@@ -213,6 +213,8 @@ class RemoteBackend:
                     headers=self._auth(),
                     read_timeout=self.result_wait + self.read_timeout,
                     no_content_ok=True,
+                    operation="result fetch",
+                    trace_attributes={"hypha.round": round_number},
                 )
             except HttpStatusError as error:
                 if error.status == 410:
@@ -310,7 +312,12 @@ class RemoteBackend:
         for url in assigned.urls:
             try:
                 download = await self._download(
-                    url, target, expected_size=assigned.size, sha256=assigned.sha256
+                    url,
+                    target,
+                    expected_size=assigned.size,
+                    sha256=assigned.sha256,
+                    operation="slice download",
+                    trace_attributes={"hypha.dataset": dataset, "hypha.slice": assigned.index},
                 )
             except (HttpStatusError, IntegrityError, aiohttp.ClientError, TimeoutError) as error:
                 failures.append(f"{url}: {str(error) or type(error).__name__}")
@@ -353,7 +360,9 @@ class RemoteBackend:
             url = f"{base}/jobs/{self.job_id}/model/{urllib.parse.quote(filename)}"
             download = await self._with_retries(
                 f"model file {filename}",
-                lambda url=url, target=target: self._download(url, target, headers=self._auth()),
+                lambda url=url, target=target: self._download(
+                    url, target, headers=self._auth(), operation="model download"
+                ),
             )
             written.append((filename, download.size))
             rounds = download.headers.get("X-Round")
@@ -373,7 +382,9 @@ class RemoteBackend:
         segment = urllib.parse.unquote(urllib.parse.urlsplit(value).path.rsplit("/", 1)[-1])
         name = segment or "part-0.bin"
         target = resolve_in(artifacts_dir, name)
-        download = await self._with_retries(value, lambda: self._download(value, target))
+        download = await self._with_retries(
+            value, lambda: self._download(value, target, operation="uri download")
+        )
         return [(name, download.size)]
 
     async def _fetch_huggingface(
@@ -408,8 +419,21 @@ class RemoteBackend:
 
         async def put() -> None:
             session = self._http()
-            with path.open("rb") as body:
+            with (
+                telemetry.span(
+                    "update upload",
+                    **{
+                        "http.request.method": "PUT",
+                        "url.full": _without_query(url),
+                        "hypha.task_id": self.task_id,
+                        "hypha.round": round_number,
+                        "hypha.samples": samples,
+                    },
+                ) as current,
+                path.open("rb") as body,
+            ):
                 async with session.put(url, data=body, headers=headers, timeout=self._timeout()) as response:
+                    telemetry.annotate(current, **{"http.response.status_code": response.status})
                     if response.status >= 300:
                         raise HttpStatusError(url, response.status, await _detail(response))
 
@@ -504,16 +528,56 @@ class RemoteBackend:
         sha256: str = "",
         read_timeout: float | None = None,
         no_content_ok: bool = False,
+        operation: str = "download",
+        trace_attributes: Mapping[str, Any] | None = None,
     ) -> Download:
         """``GET url`` streamed into ``target`` (via a temporary file beside it, renamed when complete and
         checked). Raises :class:`HttpStatusError` for a status other than 200 (or 204 with ``no_content_ok``,
-        which writes nothing) and :class:`IntegrityError` when size or digest differ from the expected ones."""
+        which writes nothing) and :class:`IntegrityError` when size or digest differ from the expected ones.
+        Traced as a span named ``operation`` (with ``trace_attributes``) when tracing is on."""
+        with telemetry.span(
+            operation,
+            **{
+                "http.request.method": "GET",
+                "url.full": _without_query(url),
+                "hypha.task_id": self.task_id,
+                **(trace_attributes or {}),
+            },
+        ) as current:
+            download = await self._download_untraced(
+                url,
+                target,
+                params=params,
+                headers=headers,
+                expected_size=expected_size,
+                sha256=sha256,
+                read_timeout=read_timeout,
+                no_content_ok=no_content_ok,
+                on_status=lambda status: telemetry.annotate(current, **{"http.response.status_code": status}),
+            )
+            telemetry.annotate(current, **{"hypha.bytes": download.size})
+            return download
+
+    async def _download_untraced(
+        self,
+        url: str,
+        target: Path,
+        *,
+        params: Mapping[str, str] | None,
+        headers: Mapping[str, str] | None,
+        expected_size: int | None,
+        sha256: str,
+        read_timeout: float | None,
+        no_content_ok: bool,
+        on_status: Callable[[int], None],
+    ) -> Download:
         session = self._http()
         partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
         try:
             async with session.get(
                 url, params=params, headers=headers, timeout=self._timeout(read_timeout)
             ) as response:
+                on_status(response.status)
                 if response.status == 204 and no_content_ok:
                     return Download(status=204, size=0, headers=response.headers)
                 if response.status != 200:
@@ -541,6 +605,11 @@ class RemoteBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 partial.unlink()
+
+
+def _without_query(url: str) -> str:
+    """``url`` for a span: without its query and fragment, which may hold signatures."""
+    return urllib.parse.urlsplit(url)._replace(query="", fragment="").geturl()
 
 
 async def _detail(response: aiohttp.ClientResponse) -> str:

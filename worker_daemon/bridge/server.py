@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from worker_daemon import telemetry
 from worker_daemon.bridge.backend import BridgeBackend
 from worker_daemon.bridge.exceptions import (
     BridgeError,
@@ -128,6 +129,27 @@ async def _errors(
         return _error_response(BridgeIOError(str(error)))
 
 
+@web.middleware
+async def _traced(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A span per request (``bridge POST /status/send``) with its status code, when tracing is on. Outermost,
+    so it sees the answer :func:`_errors` made of a bridge error; an event stream's span lasts as long as it."""
+    if not telemetry.enabled():
+        return await handler(request)
+    with telemetry.span(
+        f"bridge {request.method} {request.path}",
+        **{"http.request.method": request.method, "url.path": request.path},
+    ) as current:
+        try:
+            response = await handler(request)
+        except web.HTTPException as error:  # the plain-text 400/415/422 answers are raised
+            telemetry.annotate(current, **{"http.response.status_code": error.status})
+            raise
+        telemetry.annotate(current, **{"http.response.status_code": response.status})
+        return response
+
+
 class BridgeServer:
     """A running bridge. Use :func:`serve_bridge` to start one and :meth:`close` to stop it."""
 
@@ -158,7 +180,7 @@ class BridgeServer:
     # --- lifecycle -------------------------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        app = web.Application(middlewares=[_errors])
+        app = web.Application(middlewares=[_traced, _errors])
         app.router.add_get("/openapi.json", self._openapi)
         app.router.add_post("/resources/fetch", self._fetch)
         app.router.add_post("/resources/send", self._send)
