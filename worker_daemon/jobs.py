@@ -70,6 +70,23 @@ SHUTDOWN_REASON = "daemon shutting down"
 _PLACEHOLDER = re.compile(r"\{(SOCKET_PATH|WORK_DIR|JOB_JSON)\}")
 
 
+def die_with_parent() -> None:
+    """Run in a task's process between fork and exec: the kernel sends it SIGTERM if the daemon dies.
+
+    A daemon killed outright (``kill -9``, the OOM killer) cannot stop its tasks, and a task in its own
+    session is reached by nothing else: a parameter server would go on serving, holding its port, forever.
+    (An executor notices by itself: its next bridge call fails.) Linux only; elsewhere a no-op.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the daemon died before the prctl: nobody would send the signal
+        os._exit(1)
+
+
 class LaunchError(Exception):
     """A task could not be started (its work dir, bridge or process)."""
 
@@ -387,6 +404,7 @@ class JobManager:
                 stderr=asyncio.subprocess.PIPE,
                 env=environment,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         except OSError as error:
             raise LaunchError(f"{argv[0]}: {error.strerror or error}") from None

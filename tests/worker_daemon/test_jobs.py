@@ -436,3 +436,44 @@ async def test_a_task_that_cannot_start_is_reported_and_cleaned_up(
     assert list(deep.iterdir()) == [] and list(deep_temp.iterdir()) == []
     assert await posted(link, answerer, protocol.JobStarted) == []
     assert await posted(link, answerer, protocol.JobExited) == [exited]
+
+
+def test_a_task_process_dies_with_its_daemon(tmp_path):
+    # given: a stand-in daemon that starts a long-running child the way the job manager does, then waits
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "daemon.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from worker_daemon.jobs import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+        "                         start_new_session=True, preexec_fn=die_with_parent)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    daemon = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child_pid = int(daemon.stdout.readline())
+
+    # when: the daemon is killed outright
+    daemon.send_signal(signal.SIGKILL)
+    daemon.wait(5)
+
+    # then: its task process gets SIGTERM from the kernel and is gone within a few seconds
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        # a zombie (exited, waiting for init to reap it) counts as gone
+        with open(f"/proc/{child_pid}/stat") as stat:
+            if stat.read().split()[2] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        os.kill(child_pid, signal.SIGKILL)
+        raise AssertionError("the task process outlived its daemon")
