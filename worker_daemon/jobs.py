@@ -57,6 +57,10 @@ WORK_DIR_MODE = 0o700
 #: Lines of output kept for ``job_exited.log_tail`` (which holds at most 8000 characters).
 LOG_TAIL_LINES = 50
 LOG_TAIL_CHARS = 8000
+#: Seconds between two ``task_log`` frames of a running task (its new output lines, so the job page can show
+#: the log while it runs); at most :data:`LOG_BATCH_LINES` lines each, older ones are dropped.
+LOG_FORWARD_INTERVAL = 2.0
+LOG_BATCH_LINES = 100
 #: A line longer than this is logged in pieces (progress bars without newlines must not grow a buffer).
 MAX_LINE = 8192
 #: AF_UNIX socket paths hold at most 107 bytes on Linux.
@@ -124,6 +128,8 @@ class Task:
     bridge: BridgeServer | None = None
     backend: RemoteBackend | None = None
     output: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    #: Output lines not yet forwarded to the control plane in a ``task_log`` frame.
+    unsent: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_BATCH_LINES))
     cancel_reason: str | None = None
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
@@ -464,6 +470,7 @@ class JobManager:
         ]
         exit_wait = asyncio.create_task(process.wait())
         cancel_wait = asyncio.create_task(task.cancel_requested.wait())
+        forwarder = asyncio.create_task(self._forward_output(task))
         try:
             await asyncio.wait({exit_wait, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
             if not exit_wait.done():
@@ -480,6 +487,7 @@ class JobManager:
                     await exit_wait
         finally:
             cancel_wait.cancel()
+            forwarder.cancel()
         # Whatever of its process group is still around (children that outlived the leader) goes too.
         self._signal(task, signal.SIGKILL)
         _, pending = await asyncio.wait(readers, timeout=OUTPUT_DRAIN_TIMEOUT)
@@ -522,9 +530,20 @@ class JobManager:
                 line = part.decode("utf-8", errors="replace").rstrip()
                 if line:
                     task.output.append(line)
+                    task.unsent.append(line[:1000])
                     logger.info("[task %s] %s", prefix, line)
             if not chunk:
                 return
+
+    async def _forward_output(self, task: Task) -> None:
+        """Post the task's new output lines every :data:`LOG_FORWARD_INTERVAL` while it runs (the last ones
+        travel in ``job_exited.log_tail``)."""
+        while True:
+            await asyncio.sleep(LOG_FORWARD_INTERVAL)
+            if task.unsent:
+                lines = list(task.unsent)
+                task.unsent.clear()
+                self.link.post(protocol.TaskLog(task_id=task.task_id, lines=lines))
 
     def _signal(self, task: Task, signal_number: signal.Signals) -> None:
         process = task.process

@@ -22,6 +22,7 @@ Conversation (``→`` daemon to control plane, ``←`` control plane to daemon):
     ← advertisement_closed       the advertisement is filled or cancelled; stop offering on it
     ← dispatch_job               run a task of a job under an ACTIVE lease (the JOB_JSON and how to reach peers)
     → job_started                the task's process runs (and the parameter server's URL, once it listens)
+    → task_log                   new output lines of a running task (every few seconds)
     → job_exited                 the task's process ended: exit code, signal, last log lines
     ← cancel_job                 stop a task (SIGTERM, then SIGKILL after a grace period)
     → status                     a progress value from an executor's bridge (verbatim), with a request id
@@ -201,6 +202,14 @@ class JobExited(_Message):
     log_tail: str = Field(default="", max_length=8000, description="The last lines of its output.")
 
 
+class TaskLog(_Message):
+    """New output lines of a running task, sent every few seconds (the job page shows them)."""
+
+    type: Literal["task_log"] = "task_log"
+    task_id: uuid.UUID
+    lines: list[Annotated[str, Field(max_length=1000)]] = Field(max_length=200)
+
+
 class StatusReport(_Message):
     """A progress value exactly as the task's bridge received it (Hypha's ``Progress``: ``{"status": …}``,
     ``{"metrics": …}``, ``"update"``, ``"update-received"``; a parameter server also sends ``{"ready": …}``
@@ -233,6 +242,7 @@ DaemonMessage = Annotated[
     | ReleaseLease
     | JobStarted
     | JobExited
+    | TaskLog
     | StatusReport
     | FetchSlice
     | SliceAck,
@@ -401,6 +411,7 @@ DAEMON_MESSAGE_TYPES = frozenset(
         "release_lease",
         "job_started",
         "job_exited",
+        "task_log",
         "status",
         "fetch_slice",
         "slice_ack",

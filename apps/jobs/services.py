@@ -338,6 +338,11 @@ def task_exited(*, worker: Worker, message: protocol.JobExited) -> None:
             _complete_or_fail(job)
 
 
+def task_output(*, worker: Worker, message: protocol.TaskLog) -> None:
+    """New output lines of a running task: kept as its log tail (shown live on the job page)."""
+    training.append_output(worker, message.task_id, message.lines)
+
+
 def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protocol.StatusReply:
     """The reply to a progress value from a task's bridge (``{"type": "Error"}`` when it is refused)."""
     with transaction.atomic():
@@ -571,6 +576,7 @@ __all__ = [
     "slice_requested",
     "status_reported",
     "task_exited",
+    "task_output",
     "task_started",
     "TRAINER",
     "allocate",

@@ -285,6 +285,22 @@ def record_exit(worker, message: protocol.JobExited) -> Task | None:
     return task if ended else None
 
 
+#: Lines of a task's output the control plane keeps (``Task.log_tail``).
+LOG_TAIL_LINES = 100
+
+
+def append_output(worker, task_id, lines: list[str]) -> None:
+    """Add a running task's new output lines to its log tail (the last :data:`LOG_TAIL_LINES` are kept)."""
+    with transaction.atomic():
+        task = own_task(worker, task_id, lock=True)
+        if not task.is_live or not lines:
+            return
+        kept = (task.log_tail.splitlines() + list(lines))[-LOG_TAIL_LINES:]
+        task.log_tail = "\n".join(kept)
+        Task.objects.filter(pk=task.pk).update(log_tail=task.log_tail)
+        observers.job_changed(task.job)
+
+
 def describe_exit(task: Task) -> str:
     how = f"exit code {task.exit_code}" if task.exit_code is not None else f"signal {task.signal}"
     label = "parameter server" if task.role == PARAMETER_SERVER else "trainer"

@@ -134,11 +134,12 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                     worker=self.worker, message=message
                 )
                 await self.send(text_data=protocol.encode(reply))
-            case protocol.SliceAck() | protocol.JobStarted() | protocol.JobExited():
+            case protocol.SliceAck() | protocol.JobStarted() | protocol.JobExited() | protocol.TaskLog():
                 handler = {
                     "slice_ack": job_services.slice_acknowledged,
                     "job_started": job_services.task_started,
                     "job_exited": job_services.task_exited,
+                    "task_log": job_services.task_output,
                 }[message.type]
                 try:
                     await database_sync_to_async(handler)(worker=self.worker, message=message)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from worker_daemon import jobs as jobs_module
 from worker_daemon import protocol
 from worker_daemon.config import WorkerConfig
 from worker_daemon.jobs import JobManager, Task, substitute
@@ -477,3 +478,30 @@ def test_a_task_process_dies_with_its_daemon(tmp_path):
     else:
         os.kill(child_pid, signal.SIGKILL)
         raise AssertionError("the task process outlived its daemon")
+
+
+async def test_a_running_tasks_output_is_forwarded_every_few_seconds(
+    manager, link, answerer, short_dir, monkeypatch
+):
+    # given: a task that prints its lines and then keeps running
+    monkeypatch.setattr(jobs_module, "LOG_FORWARD_INTERVAL", 0.05)
+    message = dispatch(short_dir / "record.json", mode="sleep")
+    task = manager.start(message)
+    await wait_for_line(task, "ready")
+
+    # when: a forwarding interval passes while it runs
+    deadline = asyncio.get_running_loop().time() + 5
+    forwarded: list[str] = []
+    while "ready" not in forwarded:
+        assert asyncio.get_running_loop().time() < deadline, forwarded[-5:]
+        await asyncio.sleep(0.05)
+        forwarded = [line for frame in answerer.of_type(protocol.TaskLog) for line in frame.lines]
+
+    # then: every line went out once, in order, tagged with the task, before it exited
+    frames = answerer.of_type(protocol.TaskLog)
+    assert {frame.task_id for frame in frames} == {message.task_id}
+    assert [line for line in forwarded if line.startswith("line ")] == [f"line {n}" for n in range(60)]
+    assert forwarded.count("ready") == 1 and "to stderr" in forwarded
+    assert answerer.of_type(protocol.JobExited) == []
+    manager.cancel(message.task_id, reason="done")
+    await asyncio.wait_for(task.runner, 10)

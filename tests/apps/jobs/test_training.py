@@ -494,3 +494,25 @@ def test_a_job_on_an_unregistered_dataset_is_refused_at_submission(alice):
     assert response.status_code == 400
     assert list(response.json()) == ["dataset.name"]
     assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_running_tasks_output_becomes_its_log_tail(running_job, online_rigs):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    task = task_of(running_job, rig_a)
+
+    # when: two batches of output arrive, together longer than the kept tail
+    first = [f"step {n}" for n in range(60)]
+    second = [f"step {n}" for n in range(60, 130)]
+    for lines in (first, second):
+        job_services.task_output(worker=rig_a, message=protocol.TaskLog(task_id=task.pk, lines=lines))
+
+    # then: the last 100 lines are kept, in order
+    task.refresh_from_db()
+    assert task.log_tail.splitlines() == [f"step {n}" for n in range(30, 130)]
+    # another worker cannot write into it
+    with pytest.raises(TaskRefused):
+        job_services.task_output(worker=rig_b, message=protocol.TaskLog(task_id=task.pk, lines=["forged"]))
+    task.refresh_from_db()
+    assert task.log_tail.splitlines()[-1] == "step 129"
