@@ -37,7 +37,7 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +60,8 @@ LOG_TAIL_CHARS = 8000
 #: Seconds between two ``task_log`` frames of a running task (its new output lines, so the job page can show
 #: the log while it runs); at most :data:`LOG_BATCH_LINES` lines each, older ones are dropped.
 LOG_FORWARD_INTERVAL = 2.0
+#: Ended tasks remembered (see ``JobManager.finished``).
+FINISHED_REMEMBERED = 1000
 LOG_BATCH_LINES = 100
 #: A line longer than this is logged in pieces (progress bars without newlines must not grow a buffer).
 MAX_LINE = 8192
@@ -178,6 +180,9 @@ class JobManager:
         self.backend_options = dict(backend_options or {})
         self.bridge_options = dict(bridge_options or {})
         self.tasks: dict[uuid.UUID, Task] = {}
+        #: How the last tasks ended, by task id: a dispatch repeated after a reconnect (the control plane had
+        #: not heard of the exit yet) is answered with the exit again, never with a second run.
+        self.finished: OrderedDict[uuid.UUID, protocol.JobExited] = OrderedDict()
         self.closing = False
 
     # --- control-plane messages ----------------------------------------------------------------------------
@@ -213,6 +218,11 @@ class JobManager:
 
     def start(self, dispatch: protocol.DispatchJob) -> Task | None:
         """Start the task ``dispatch`` describes, or refuse it with a ``job_exited``; None when not started."""
+        ended = self.finished.get(dispatch.task_id)
+        if ended is not None:
+            logger.info("task %s has ended already; dispatch answered with its exit again", dispatch.task_id)
+            self.link.post(ended)
+            return None
         existing = self.tasks.get(dispatch.task_id)
         if existing is not None:
             # A repeated dispatch (e.g. after a reconnect): the task runs already; say so again.
@@ -350,6 +360,9 @@ class JobManager:
             raise
         await self._clean_up(task)
         self.tasks.pop(task.task_id, None)
+        self.finished[task.task_id] = exited
+        while len(self.finished) > FINISHED_REMEMBERED:
+            self.finished.popitem(last=False)
         logger.info(
             "task %s exited: %s",
             task.task_id,

@@ -212,6 +212,9 @@ class Task(models.Model):
     last_status_reply = models.JSONField(default=dict, blank=True)
     last_slice_request = models.UUIDField(null=True, blank=True)
     last_slice_reply = models.JSONField(default=dict, blank=True)
+    #: The ``dispatch_job`` frame sent for this task: sent again when its daemon reconnects (a frame sent while
+    #: the connection was down is lost; the daemon answers a repeat without starting a second process).
+    dispatch_message = models.JSONField(default=dict, blank=True)
     dispatched_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     first_step_at = models.DateTimeField(null=True, blank=True)

@@ -338,6 +338,11 @@ def task_exited(*, worker: Worker, message: protocol.JobExited) -> None:
             _complete_or_fail(job)
 
 
+def pending_dispatches(*, worker: Worker) -> list[protocol.DispatchJob]:
+    """What to send a daemon again right after its welcome: the dispatches of its live tasks."""
+    return training.pending_dispatches(worker)
+
+
 def task_output(*, worker: Worker, message: protocol.TaskLog) -> None:
     """New output lines of a running task: kept as its log tail (shown live on the job page)."""
     training.append_output(worker, message.task_id, message.lines)
@@ -577,6 +582,7 @@ __all__ = [
     "status_reported",
     "task_exited",
     "task_output",
+    "pending_dispatches",
     "task_started",
     "TRAINER",
     "allocate",

@@ -194,8 +194,8 @@ def start(job: Job) -> str | None:
         model_source=model_source,
         evaluation=evaluation,
     )
-    worker_services.send_to_worker(
-        server_lease.worker_id,
+    _dispatch(
+        task,
         protocol.DispatchJob(
             task_id=task.pk,
             lease_id=server_lease.pk,
@@ -211,6 +211,23 @@ def start(job: Job) -> str | None:
         reason=f"RUNNING: parameter server dispatched to {server_lease.worker.name}; waiting for it to listen",
     )
     return None
+
+
+def _dispatch(task: Task, message: protocol.DispatchJob) -> None:
+    task.dispatch_message = message.model_dump(mode="json", by_alias=True)
+    Task.objects.filter(pk=task.pk).update(dispatch_message=task.dispatch_message)
+    worker_services.send_to_worker(task.lease.worker_id, message)
+
+
+def pending_dispatches(worker) -> list[protocol.DispatchJob]:
+    """The ``dispatch_job`` frames of the live tasks on the worker's ACTIVE leases, to send again after it
+    reconnected (it may have missed them; it answers a repeat without a second run)."""
+    tasks = Task.objects.filter(
+        lease__worker_id=worker.pk, lease__status=Lease.Status.ACTIVE, status__in=Task.LIVE
+    ).exclude(dispatch_message={})
+    return [
+        protocol.DispatchJob.model_validate(task.dispatch_message) for task in tasks.order_by("dispatched_at")
+    ]
 
 
 def _dispatch_trainers(job: Job, server: Task) -> int:
@@ -229,8 +246,8 @@ def _dispatch_trainers(job: Job, server: Task) -> int:
             results_reference=_peers_reference([server_peer]),
             model_reference={"type": "parameter-server", "peer": server_peer, "filenames": list(MODEL_FILES)},
         )
-        worker_services.send_to_worker(
-            lease.worker_id,
+        _dispatch(
+            task,
             protocol.DispatchJob(
                 task_id=task.pk,
                 lease_id=lease.pk,

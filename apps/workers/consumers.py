@@ -187,6 +187,9 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         )
         logger.info("worker %s connected from %s", self.worker.name, info["peer"])
         await self.send(text_data=protocol.encode(welcome))
+        # After the welcome: the daemon may have missed a dispatch while it was away.
+        for dispatch in await database_sync_to_async(job_services.pending_dispatches)(worker=self.worker):
+            await self.send(text_data=protocol.encode(dispatch))
 
     # --- channel-layer events ---------------------------------------------------------------------------
 

@@ -179,6 +179,9 @@ async def test_status_reports_over_the_gateway_are_counted_with_their_latency(
     # it reconnects holding its lease, as a daemon does (a hello without it would give the lease up)
     await gateway.send_to(text_data=protocol.encode(hello(leases=(trainer.lease_id,))))
     assert (await gateway.receive_json_from(timeout=3))["type"] == "welcome"
+    # after the welcome, the dispatch of its live task again (it may have missed it while away)
+    redispatch = await gateway.receive_json_from(timeout=3)
+    assert (redispatch["type"], redispatch["task_id"]) == ("dispatch_job", str(trainer.pk))
 
     async def report(task_id, progress) -> dict:
         message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=task_id, progress=progress)

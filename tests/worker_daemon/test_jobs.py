@@ -55,6 +55,8 @@ for number in range(60):
 print("to stderr", file=sys.stderr, flush=True)
 if mode == "train":
     sys.exit(3)
+if mode == "exit":
+    sys.exit(0)
 if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -505,3 +507,22 @@ async def test_a_running_tasks_output_is_forwarded_every_few_seconds(
     assert answerer.of_type(protocol.JobExited) == []
     manager.cancel(message.task_id, reason="done")
     await asyncio.wait_for(task.runner, 10)
+
+
+async def test_a_repeated_dispatch_of_an_ended_task_gets_its_exit_again_not_a_second_run(
+    manager, link, answerer, short_dir
+):
+    # given: a task that ran and exited
+    message = dispatch(short_dir / "record.json", mode="exit")
+    task = manager.start(message)
+    exited = await asyncio.wait_for(task.runner, 20)
+    assert exited.exit_code == 0
+
+    # when: the control plane, which had not heard of the exit, dispatches it again after a reconnect
+    (short_dir / "record.json").unlink()
+    assert manager.start(message) is None
+
+    # then: no second process ran (nothing recorded again), and the exit is reported again
+    await asyncio.sleep(0.2)
+    assert not (short_dir / "record.json").exists()
+    assert await posted(link, answerer, protocol.JobExited) == [exited, exited]

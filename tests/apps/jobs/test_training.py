@@ -516,3 +516,19 @@ def test_a_running_tasks_output_becomes_its_log_tail(running_job, online_rigs):
         job_services.task_output(worker=rig_b, message=protocol.TaskLog(task_id=task.pk, lines=["forged"]))
     task.refresh_from_db()
     assert task.log_tail.splitlines()[-1] == "step 129"
+
+
+@pytest.mark.django_db
+def test_a_reconnecting_daemon_is_sent_the_dispatches_of_its_live_tasks_again(running_job, online_rigs, sent):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    originals = dispatches(sent)
+
+    # then: each worker gets exactly the frames it was sent, for its live tasks only
+    assert job_services.pending_dispatches(worker=rig_c) == [originals[PARAMETER_SERVER]]
+    (again,) = job_services.pending_dispatches(worker=rig_a)
+    assert again.task_id == task_of(running_job, rig_a).pk and again.spec["executor"]["class"] == "train"
+    job_services.task_exited(
+        worker=rig_a, message=protocol.JobExited(task_id=task_of(running_job, rig_a).pk, exit_code=0)
+    )
+    assert job_services.pending_dispatches(worker=rig_a) == []
