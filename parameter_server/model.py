@@ -245,8 +245,7 @@ def _tied_aliases(model: Any, canonical: set[str]) -> dict[str, str]:
     for name, tensor in model.state_dict().items():
         if tensor.numel() == 0:
             continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        groups.setdefault(key, []).append(name)
+        groups.setdefault(weights_io.view_key(tensor), []).append(name)
     aliases = {}
     for names in groups.values():
         kept = [name for name in names if name in canonical]

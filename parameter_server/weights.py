@@ -121,7 +121,7 @@ def validate(
         _check_finite(name, tensors[name])
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
+def view_key(tensor: torch.Tensor) -> tuple[object, ...]:
     """Identifies the exact view: two names with equal keys are the same tensor (tied weights)."""
     return (
         tensor.device,
@@ -146,7 +146,7 @@ def _deduplicate(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
     first_name_by_key: dict[tuple[object, ...], str] = {}
     for name in sorted(tensors):
         tensor = tensors[name]
-        key = _storage_key(tensor) if tensor.numel() > 0 else None
+        key = view_key(tensor) if tensor.numel() > 0 else None
         if key is not None and key in first_name_by_key:
             aliases[name] = first_name_by_key[key]
             continue

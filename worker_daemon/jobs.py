@@ -76,8 +76,8 @@ SHUTDOWN_REASON = "daemon shutting down"
 _PLACEHOLDER = re.compile(r"\{(SOCKET_PATH|WORK_DIR|JOB_JSON)\}")
 
 
-def die_with_parent() -> None:
-    """Run in a task's process between fork and exec: the kernel sends it SIGTERM if the daemon dies.
+def die_with_parent(signal_number: int = signal.SIGTERM) -> None:
+    """Run in a child between fork and exec: the kernel sends it ``signal_number`` if its parent dies.
 
     A daemon killed outright (``kill -9``, the OOM killer) cannot stop its tasks, and a task in its own
     session is reached by nothing else: a parameter server would go on serving, holding its port, forever.
@@ -88,8 +88,8 @@ def die_with_parent() -> None:
     import ctypes
 
     parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the daemon died before the prctl: nobody would send the signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal_number)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
         os._exit(1)
 
 

@@ -12,7 +12,6 @@ workflow that ends leases or jobs); messages to daemons go out after commit.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import logging
@@ -20,6 +19,7 @@ import math
 import re
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,21 +89,24 @@ class Plan:
     update_rounds: int
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(job_id, spec_json: str) -> Plan:
-    import json
-
-    parsed = job_spec.parse_json(json.loads(spec_json))
-    return Plan(
-        spec=parsed, steps_per_round=parsed.steps_per_round(), update_rounds=parsed.rounds.update_rounds
-    )
+#: Parsed specs by job id. A job's spec never changes after submission (the admin shows it read-only), so the
+#: id is the key: nothing is serialised or validated again on the per-step path.
+_plans: OrderedDict[object, Plan] = OrderedDict()
+PLANS_CACHED = 256
 
 
 def plan(job: Job) -> Plan:
     """The validated spec of ``job`` and what follows from it (parsed once per job and process)."""
-    import json
-
-    return _plan(job.pk, json.dumps(job.spec, sort_keys=True))
+    found = _plans.get(job.pk)
+    if found is None:
+        parsed = job_spec.parse_json(job.spec)
+        found = Plan(
+            spec=parsed, steps_per_round=parsed.steps_per_round(), update_rounds=parsed.rounds.update_rounds
+        )
+        _plans[job.pk] = found
+        while len(_plans) > PLANS_CACHED:
+            _plans.popitem(last=False)
+    return found
 
 
 def is_training_job(job: Job) -> bool:
@@ -358,19 +361,26 @@ def handle_status(worker, message: protocol.StatusReport) -> dict:
         if task.last_status_request == message.request_id:
             return task.last_status_reply  # a repeat after a reconnect: already counted
         job = task.job
+        changes: dict[str, Any] = {}
         if not task.is_live or job.status != Job.Status.RUNNING:
             reply = ERROR
         elif task.role == PARAMETER_SERVER:
             reply = _server_status(task, message.progress)
         else:
-            reply = _trainer_status(task, message.progress)
+            reply, changes = _trainer_status(task, message.progress)
+        # One UPDATE per report: the trainer's progress and the reply kept for a repeat of this request.
         Task.objects.filter(pk=task.pk).update(
-            last_status_request=message.request_id, last_status_reply=reply
+            **changes, last_status_request=message.request_id, last_status_reply=reply
         )
+        if changes:
+            for field, value in changes.items():
+                setattr(task, field, value)
+            observers.task_progress(task)
         return reply
 
 
-def _trainer_status(task: Task, progress: dict | str) -> dict:
+def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, Any]]:
+    """The reply to a trainer's progress value, and the changes to its task row (not yet written)."""
     kind = _kind(progress)
     current = plan(task.job)
     now = timezone.now()
@@ -383,7 +393,7 @@ def _trainer_status(task: Task, progress: dict | str) -> dict:
         batch_size = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else 0
         batch_size = max(0, min(batch_size, 10**9))
         if task.sync_state not in (Task.Sync.TRAINING, Task.Sync.SCHEDULED):
-            return ERROR
+            return ERROR, {}
         steps = task.steps_in_round + 1
         changes.update(
             steps_in_round=steps,
@@ -403,12 +413,12 @@ def _trainer_status(task: Task, progress: dict | str) -> dict:
             reply = {"type": "ScheduleUpdate", "counter": 0}
     elif kind == "update":
         if task.sync_state == Task.Sync.DONE:
-            return ERROR
+            return ERROR, {}
         changes["sync_state"] = Task.Sync.UPDATING
         reply = OK
     elif kind == "update-received":
         if task.sync_state == Task.Sync.DONE:
-            return DONE
+            return DONE, {}
         completed = task.round + 1
         # Decided by this trainer's own round count, not by the parameter server's report: the trainer may
         # merge the last update before the control plane hears of the round (Hypha's end-of-training race).
@@ -424,12 +434,8 @@ def _trainer_status(task: Task, progress: dict | str) -> dict:
         _record_trainer_metrics(task, progress["metrics"])
         reply = OK
     else:
-        return ERROR
-    for field, value in changes.items():
-        setattr(task, field, value)
-    Task.objects.filter(pk=task.pk).update(**changes)
-    observers.task_progress(task)
-    return reply
+        return ERROR, {}
+    return reply, changes
 
 
 def _record_trainer_metrics(task: Task, body: Any) -> None:

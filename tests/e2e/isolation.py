@@ -14,9 +14,10 @@ import os
 import secrets
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
+
+from worker_daemon.jobs import die_with_parent
 
 
 def stop_with_parent() -> None:
@@ -24,16 +25,9 @@ def stop_with_parent() -> None:
 
     Children lead their own sessions, so nothing else would reach them when the parent is killed outright
     (SIGKILL, an OOM kill, a CI job cancelled): without this they outlive it, holding ports and databases.
-    Linux only; elsewhere a no-op.
+    The daemon's own mechanism for its tasks, with SIGKILL.
     """
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
-        os._exit(1)
+    die_with_parent(signal.SIGKILL)
 
 
 def free_port() -> int:

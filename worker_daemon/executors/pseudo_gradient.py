@@ -25,21 +25,10 @@ from collections.abc import Mapping
 
 import torch
 
+from parameter_server.weights import view_key
 from worker_daemon.executors.exceptions import UpdateError
 
 StateDict = dict[str, torch.Tensor]
-
-
-def _view_key(tensor: torch.Tensor) -> tuple[object, ...]:
-    """Equal for two names exactly when they are the same view of the same storage (tied weights)."""
-    return (
-        tensor.device,
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-        tensor.dtype,
-    )
 
 
 def float_state(model: torch.nn.Module) -> StateDict:
@@ -57,7 +46,7 @@ def tied_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     groups: dict[object, list[str]] = {}
     for name in sorted(state):
         tensor = state[name]
-        key: object = (_view_key(tensor), id(tensor)) if tensor.numel() == 0 else _view_key(tensor)
+        key: object = (view_key(tensor), id(tensor)) if tensor.numel() == 0 else view_key(tensor)
         groups.setdefault(key, []).append(name)
     return sorted(groups.values())
 
