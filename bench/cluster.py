@@ -38,6 +38,9 @@ TINY_GPT2 = {
     "eos_token_id": 0,
 }
 
+#: Half as wide (64): a round of a few steps takes about a second on a shared CPU (the end-to-end tests' model).
+SMALL_GPT2 = {**TINY_GPT2, "n_embd": 64, "n_head": 2}
+
 WORKER_TOML = """\
 work_dir = "{work_dir}"
 

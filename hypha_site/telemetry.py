@@ -65,28 +65,26 @@ def configure_logging_and_tracing(logging_settings: dict) -> None:
 
 
 def configure() -> bool:
-    """Start tracing if the ``OTEL_*`` variables ask for it (once per process); True if it is on."""
+    """Start tracing if the ``OTEL_*`` variables ask for it (once per process); True if it is on.
+
+    The provider, its exporters and the service name's rule are the daemons' (:mod:`worker_daemon.telemetry`);
+    this adds the Django and Celery instrumentation, once."""
     global _tracer_provider
-    names = exporters_named(os.environ)
-    if not names:
-        return False
+    try:
+        if not daemon_telemetry.configure(service_name=SERVICE_NAME):
+            return False
+    except daemon_telemetry.TelemetryConfigError as error:
+        raise ImproperlyConfigured(str(error)) from None
     with _lock:
-        if _tracer_provider is not None:
-            return True
-        _tracer_provider = _start(names)
-    logger.info("OpenTelemetry tracing on: exporters %s", ", ".join(names))
+        if _tracer_provider is None:
+            _tracer_provider = _instrument(daemon_telemetry.provider())
     return True
 
 
-def _start(names: list[str]) -> Any:
+def _instrument(provider: Any) -> Any:
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
     from opentelemetry.instrumentation.django import DjangoInstrumentor
 
-    # The provider, its exporters and the service name's rule are the daemons' (one place for them).
-    try:
-        provider = daemon_telemetry.start_provider(names, service_name=SERVICE_NAME)
-    except daemon_telemetry.TelemetryConfigError as error:
-        raise ImproperlyConfigured(str(error)) from None
     excluded = None
     if not (
         os.environ.get("OTEL_PYTHON_DJANGO_EXCLUDED_URLS") or os.environ.get("OTEL_PYTHON_EXCLUDED_URLS")

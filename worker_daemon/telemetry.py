@@ -65,6 +65,11 @@ def enabled() -> bool:
     return _tracer_provider is not None
 
 
+def provider() -> Any:
+    """The tracer provider :func:`configure` started, or ``None`` while tracing is off."""
+    return _tracer_provider
+
+
 def configure(*, service_name: str) -> bool:
     """Start tracing if the ``OTEL_*`` variables ask for it (once per process); True if it is on.
 

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.cluster import WORKER_TOML
 from tests.e2e.isolation import claimed_redis_database, free_port, stop_with_parent, throwaway_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -379,20 +380,6 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 
 # --- worker daemons ------------------------------------------------------------------------------------
-
-WORKER_TOML = """\
-work_dir = "{work_dir}"
-
-[resources]
-cpu = 2
-memory = 4
-storage = 10
-gpu = 0
-
-[offer]
-price = 100
-floor = 50
-"""
 
 
 def start_daemon(group: ProcessGroup, plane: ControlPlane, *, name: str, token: str, root: Path) -> Child:

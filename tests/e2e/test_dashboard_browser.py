@@ -24,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.cluster import SMALL_GPT2  # noqa: E402
+
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO_ROOT / "test-artifacts"
 CHROMIUM_ARGS = [
@@ -36,17 +38,6 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 PASSWORD = "a-browser-test-password"
-#: A GPT-2 small enough that a round of a few steps takes about a second on a shared CPU.
-SMALL_GPT2 = {
-    "model_type": "gpt2",
-    "vocab_size": 256,
-    "n_positions": 128,
-    "n_embd": 64,
-    "n_layer": 2,
-    "n_head": 2,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

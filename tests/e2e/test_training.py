@@ -28,7 +28,7 @@ TRAINERS = 2
 
 
 def test_a_diloco_job_trains_a_tiny_model_and_its_model_is_downloadable(tmp_path: Path) -> None:
-    from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster
+    from bench.cluster import SMALL_GPT2, diloco_spec, prepare_stdlib_text, training_cluster
     from parameter_server import weights
 
     # given: a byte-level dataset and a cluster of three daemons (two trainers and a parameter server)
@@ -39,16 +39,7 @@ def test_a_diloco_job_trains_a_tiny_model_and_its_model_is_downloadable(tmp_path
         rounds=ROUNDS,
         inner_steps=15,
         batch_size=8,
-        model={
-            "model_type": "gpt2",
-            "vocab_size": 256,
-            "n_positions": 128,
-            "n_embd": 64,
-            "n_layer": 2,
-            "n_head": 2,
-            "bos_token_id": 0,
-            "eos_token_id": 0,
-        },
+        model=SMALL_GPT2,
         round_timeout=60.0,
     )
     with training_cluster(

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
@@ -20,44 +18,17 @@ from apps.jobs import services as job_services
 from apps.jobs import spec as job_spec
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Task
 from tests.apps.conftest import advert, offer_on
-from worker_daemon import protocol
+from tests.apps.jobs.test_training import SLICES, status
+from tests.apps.jobs.test_training import SPEC as TRAINING_SPEC
 
-SLICES = [(index, 1000 + index, f"{index:x}" * 64) for index in range(4)]
-
-SPEC = {
-    "model": {
-        "source": {
-            "type": "config",
-            "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2},
-        },
-        "type": "causal-lm",
-        "input_names": ["input_ids", "labels"],
-    },
-    "dataset": {"name": "tiny-text"},
-    "inner_optimizer": {"learning_rate": 0.001},
-    "outer_optimizer": {"learning_rate": 0.7, "momentum": 0.9},
-    "rounds": {"update_rounds": 3, "inner_steps": 3, "round_timeout": 30.0},
-    "batch_size": 4,
-    "num_trainers": 2,
-    "evaluation": {"holdout": 1, "batch_size": 8},
-    "trainer": {
-        "resources": {"cpu": 4, "memory": 16, "storage": 50, "gpu": 16},
-        "price": {"bid": 100, "max": 130},
-    },
-    "parameter_server": {"resources": {"cpu": 2, "memory": 8, "storage": 20, "gpu": 0}},
-}
+#: test_training's job with three rounds (the dashboard tests record up to three).
+SPEC = {**TRAINING_SPEC, "rounds": {**TRAINING_SPEC["rounds"], "update_rounds": 3}}
 
 
 @pytest.fixture
 def tiny_text(db):
     node, _ = dataset_services.create_data_node(name="data-east", url="http://east.example:8100")
     return dataset_services.register_dataset(node, "tiny-text", SLICES)
-
-
-def status(worker, task: Task, progress) -> dict:
-    """What the worker's bridge forwards for ``task``: one progress value; returns the control plane's reply."""
-    message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=task.pk, progress=progress)
-    return job_services.status_reported(worker=worker, message=message).reply
 
 
 def task_of(job: Job, worker) -> Task:
