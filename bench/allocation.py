@@ -37,13 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import logging
 import math
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections import defaultdict
@@ -475,36 +472,27 @@ def main(argv: list[str] | None = None) -> int:
         "HYPHA_READVERTISE_BASE": "0.5",
         "HYPHA_READVERTISE_MAX": "2.0",
     }
-    root = Path(tempfile.mkdtemp(prefix="hypha-bench-"))
-    try:
-        with harness.control_plane(
+    with (
+        harness.run_directory(
+            "hypha-bench-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
+        ) as root,
+        harness.control_plane(
             mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose
-        ) as plane:
-            results = asyncio.run(run(arguments, plane, root / "daemons"))
-            details = plane.details
-    finally:
-        if arguments.keep:
-            print(f"kept {root} (control-plane logs in control-plane/logs/)", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        ) as plane,
+    ):
+        results = asyncio.run(run(arguments, plane, root / "daemons"))
+        details = plane.details
 
-    machine = harness.machine_details()
-    print(f"# Allocation benchmark — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n")
-    for key, value in machine.items():
-        print(f"- {key}: {value}")
-    print(f"- load average (1/5/15 min): {load_at_start} at start, {harness.load_average()} at the end")
-    description = {
-        "embedded": "embedded (one hypha-server process: SQLite, in-process tasks and channel layer)",
-        "services": "services (hypha-server web + worker + beat: PostgreSQL, Redis)",
-    }[mode]
-    print(f"- mode: {description}")
-    for key, value in details.items():
-        print(f"- {key}: {value}")
-    print(
-        "- settings: "
-        + ", ".join(f"{key}={value}" for key, value in settings.items())
-        + f"; {arguments.jobs} measured jobs per size after {arguments.warmup} warm-up, "
-        f"renewal window {arguments.renewal_seconds:g}s"
+    harness.print_markdown_header(
+        "Allocation benchmark",
+        mode=mode,
+        details=details,
+        load_at_start=load_at_start,
+        settings=settings,
+        run=(
+            f"{arguments.jobs} measured jobs per size after {arguments.warmup} warm-up, "
+            f"renewal window {arguments.renewal_seconds:g}s"
+        ),
     )
     print("- daemons: real WorkerDaemon sessions (2 cpu, 4 GB, strategy whole) in this one asyncio process\n")
     print(results_table(results))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import BIN_DIR, Child, ControlPlane, control_plane
+from bench.harness import BIN_DIR, Child, ControlPlane, control_plane, free_port
 
 #: A tiny GPT-2 trained from scratch on bytes: 2 layers × 128 wide (0.45 M parameters), about 0.08 s per step
 #: of 16 × 128 tokens on one of these CPU cores (docs/benchmarks.md, stack notes).
@@ -55,13 +55,32 @@ price = 100
 floor = 50
 """
 
+#: Bid of the parameter-server role in :func:`heterogeneous_spec`: below the trainer daemons' floor, so only
+#: the daemon of :func:`worker_toml` with ``parameter_server_only`` answers it.
+PARAMETER_SERVER_BID = 40.0
+
+
+def worker_toml(*, slowdown: float = 1.0, parameter_server_only: bool = False, benchmark: bool = True) -> str:
+    """A daemon config template (``{work_dir}`` left to fill in): :data:`WORKER_TOML`, deliberately
+    ``slowdown`` times slower, or a daemon that only runs parameter servers (and answers their low bid)."""
+    text = WORKER_TOML.replace(
+        'work_dir = "{work_dir}"\n',
+        f'work_dir = "{{work_dir}}"\nslowdown = {slowdown}\nbenchmark = {str(benchmark).lower()}\n',
+    )
+    if parameter_server_only:
+        text = text.replace("price = 100\nfloor = 50", f"price = {PARAMETER_SERVER_BID:g}\nfloor = 0")
+        text += (
+            '\n[[executors]]\nclass = "aggregate"\nname = "parameter-server"\nruntime = "parameter-server"\n'
+        )
+    return text
+
 
 def diloco_spec(
     *,
     dataset: str,
     trainers: int,
     rounds: int,
-    inner_steps: int,
+    inner_steps: int | None = None,
     batch_size: int = 16,
     learning_rate: float = 3e-3,
     outer_learning_rate: float = 0.7,
@@ -69,8 +88,20 @@ def diloco_spec(
     holdout: int = 2,
     round_timeout: float = 120.0,
     model: dict | None = None,
+    sample_target: int | None = None,
+    dedicated_parameter_server: bool = False,
 ) -> dict:
-    """The JSON spec of a causal-LM DiLoCo job on ``dataset`` (a byte-level text dataset)."""
+    """The JSON spec of a causal-LM DiLoCo job on ``dataset`` (a byte-level text dataset): fixed-H sync with
+    ``inner_steps``, or performance-aware sync when ``sample_target`` (samples per round) is given. With
+    ``dedicated_parameter_server`` the parameter-server role bids :data:`PARAMETER_SERVER_BID`, which only a
+    daemon of ``worker_toml(parameter_server_only=True)`` answers."""
+    if (inner_steps is None) == (sample_target is None):
+        raise ValueError("give exactly one of inner_steps and sample_target")
+    sync = (
+        {"inner_steps": inner_steps}
+        if sample_target is None
+        else {"avg_samples_between_updates": sample_target}
+    )
     return {
         "model": {
             "source": {"type": "config", "config": dict(model or TINY_GPT2)},
@@ -80,12 +111,15 @@ def diloco_spec(
         "dataset": {"name": dataset},
         "inner_optimizer": {"learning_rate": learning_rate},
         "outer_optimizer": {"learning_rate": outer_learning_rate, "momentum": outer_momentum},
-        "rounds": {"update_rounds": rounds, "inner_steps": inner_steps, "round_timeout": round_timeout},
+        "rounds": {"update_rounds": rounds, **sync, "round_timeout": round_timeout},
         "batch_size": batch_size,
         "num_trainers": trainers,
         "evaluation": {"holdout": holdout, "batch_size": 32},
         "trainer": {"resources": {"cpu": 1, "memory": 1, "storage": 0, "gpu": 0}},
-        "parameter_server": {"resources": {"cpu": 1, "memory": 1, "storage": 0, "gpu": 0}},
+        "parameter_server": {
+            "resources": {"cpu": 1, "memory": 1, "storage": 0, "gpu": 0},
+            **({"price": {"bid": PARAMETER_SERVER_BID, "max": 100}} if dedicated_parameter_server else {}),
+        },
     }
 
 
@@ -116,7 +150,13 @@ class Cluster:
     plane: ControlPlane
     api_token: str
     data_node: Child
+    data_node_argv: list[str] = field(default_factory=list)
     daemons: dict[str, Child] = field(default_factory=dict)
+
+    def restart_data_node(self) -> Child:
+        """Start the data node again, with the same dataset, token and address (after a test stopped it)."""
+        self.data_node = self.plane.start("data-node", self.data_node_argv)
+        return self.data_node
 
     def api(self) -> httpx.Client:
         return httpx.Client(
@@ -157,6 +197,23 @@ class Cluster:
                     return
                 time.sleep(0.2)
         raise RuntimeError(f"{count} workers did not come online within {timeout:g}s")
+
+    def wait_for_benchmarks(self, names: list[str], *, timeout: float = 180.0) -> None:
+        """Wait until the named workers reported their start-up benchmark (a daemon makes no offers while it
+        runs, so a job submitted before would wait for it)."""
+        deadline = time.monotonic() + timeout
+        with self.api() as client:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                workers = {worker["name"]: worker for worker in _results(client.get("/api/workers/").json())}
+                if all(
+                    name in workers
+                    and (workers[name].get("benchmark_score") or workers[name].get("benchmark"))
+                    for name in names
+                ):
+                    return
+                time.sleep(0.5)
+        raise RuntimeError(f"the workers {names} did not report a benchmark within {timeout:g}s")
 
     def follow(self, job_id: str, *, timeout: float, on_round: Callable[[dict], None] | None = None) -> dict:
         """Poll the job until it ends; call ``on_round`` for each round as it closes. Returns the final job."""
@@ -208,20 +265,27 @@ def training_cluster(
     mode: str = "embedded",
     settings: dict[str, str] | None = None,
     daemon_env: dict[str, str] | None = None,
+    worker_tomls: list[str] | None = None,
+    benchmark: bool = True,
     quiet: bool = True,
 ) -> Iterator[Cluster]:
-    """Control plane + one data node serving ``dataset_dir`` + ``workers`` daemons, all stopped on exit."""
+    """Control plane + one data node serving ``dataset_dir`` + ``workers`` daemons, all stopped on exit.
+    ``worker_tomls``: each daemon's config template (:func:`worker_toml`); by default :data:`WORKER_TOML` for
+    all, running the worker benchmark at start unless ``benchmark`` is False (tests that need no scores)."""
+    if worker_tomls is not None and len(worker_tomls) != workers:
+        raise ValueError(f"{len(worker_tomls)} worker configs for {workers} workers")
     with control_plane(mode=mode, root=root, settings=settings or {}, quiet=quiet) as plane:
         api_token = plane.manage("create_user_token", "cluster-admin", "--staff")
         node_token = plane.manage("create_data_node_token", "data-node-1", "--url", "http://127.0.0.1:1")
-        data_node = plane.start(
-            "data-node",
-            [
-                str(BIN_DIR / "hypha-data-node"), "--server", plane.base_url, "--token", node_token,
-                "--dataset", str(dataset_dir), "--log-level", "WARNING",
-            ],
-        )  # fmt: skip
-        cluster = Cluster(plane=plane, api_token=api_token, data_node=data_node)
+        # A fixed port, so that a data node restarted by a test serves at the address trainers were given.
+        data_node_argv = [
+            str(BIN_DIR / "hypha-data-node"), "--server", plane.base_url, "--token", node_token,
+            "--dataset", str(dataset_dir), "--port", str(free_port()), "--log-level", "WARNING",
+        ]  # fmt: skip
+        data_node = plane.start("data-node", data_node_argv)
+        cluster = Cluster(
+            plane=plane, api_token=api_token, data_node=data_node, data_node_argv=data_node_argv
+        )
         names = [f"worker-{index + 1}" for index in range(workers)]
         tokens = [plane.manage("create_worker_token", name) for name in names]
         environment = {
@@ -235,11 +299,12 @@ def training_cluster(
         saved_env = plane.env
         plane.env = environment  # plane.start uses plane.env; daemons get a daemon's environment
         try:
-            for name, token in zip(names, tokens, strict=True):
+            templates = worker_tomls or [worker_toml(benchmark=benchmark)] * workers
+            for name, token, template in zip(names, tokens, templates, strict=True):
                 work_dir = root / "workers" / name
                 work_dir.mkdir(parents=True, exist_ok=True)
                 config = root / "workers" / f"{name}.toml"
-                config.write_text(WORKER_TOML.format(work_dir=work_dir))
+                config.write_text(template.format(work_dir=work_dir))
                 cluster.daemons[name] = plane.start(
                     name,
                     [
@@ -251,6 +316,13 @@ def training_cluster(
             plane.env = saved_env
         cluster.wait_for_dataset(dataset_dir.name)
         cluster.wait_for_workers(workers)
+        cluster.wait_for_benchmarks(
+            [
+                name
+                for name, template in zip(names, templates, strict=True)
+                if "benchmark = false" not in template
+            ]
+        )
         yield cluster
 
 

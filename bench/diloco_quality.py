@@ -45,7 +45,6 @@ import datetime
 import json
 import shutil
 import sys
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ if (
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.cluster import TINY_GPT2, diloco_spec, prepare_stdlib_text, training_cluster  # noqa: E402
-from bench.harness import load_average, machine_details, resolve_mode  # noqa: E402
+from bench.harness import load_average, print_start, resolve_mode, run_directory  # noqa: E402
 
 SEQ_LEN = 128
 SAMPLES_PER_SLICE = 64
@@ -419,13 +418,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(arguments.threads)
     mode = resolve_mode(arguments.mode)
-    machine = machine_details()
-    print("Machine: " + ", ".join(f"{key} {value}" for key, value in machine.items()))
-    print(f"Load average at start: {load_average()}")
-    print(f"Command: {' '.join(sys.argv)}")
-    root = Path(tempfile.mkdtemp(prefix="hypha-quality-"))
+    print_start()
     results: list[Result] = []
-    try:
+    with run_directory("hypha-quality-", keep=arguments.keep) as root:
         dataset = prepare_stdlib_text(
             root / "stdlib", max_bytes=arguments.max_bytes, samples_per_slice=SAMPLES_PER_SLICE
         )
@@ -491,11 +486,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         return 0
-    finally:
-        if arguments.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -228,3 +228,55 @@ def machine_details() -> dict[str, str]:
 def load_average() -> str:
     """The 1/5/15-minute load averages: other work on the machine skews a benchmark, this says how much."""
     return " / ".join(f"{load:.2f}" for load in os.getloadavg())
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit``, so a benchmark that is killed still stops its cluster on the way out."""
+    signal.signal(signal.SIGTERM, lambda signal_number, frame: sys.exit(128 + signal_number))
+
+
+def print_start() -> None:
+    """The lines every benchmark begins with: the machine, its load, the command."""
+    print("Machine: " + ", ".join(f"{key} {value}" for key, value in machine_details().items()))
+    print(f"Load average at start: {load_average()}")
+    print(f"Command: {' '.join(sys.argv)}", flush=True)
+
+
+@contextlib.contextmanager
+def run_directory(prefix: str, *, keep: bool, note: str = "") -> Iterator[Path]:
+    """A temporary directory for one run, removed at the end unless ``keep`` (then its path is printed, with
+    ``note``)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield root
+    finally:
+        if keep:
+            print(f"kept {root}{note}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+MODE_DESCRIPTIONS = {
+    "embedded": "embedded (one hypha-server process: SQLite, in-process tasks and channel layer)",
+    "services": "services (hypha-server web + worker + beat: PostgreSQL, Redis)",
+}
+
+
+def print_markdown_header(
+    title: str, *, mode: str, details: dict[str, str], load_at_start: str, settings: dict[str, str], run: str
+) -> None:
+    """The markdown head of a control-plane benchmark's report: title, machine, load, mode, the control
+    plane's details and settings, and ``run`` (what was measured, in a few words)."""
+    import datetime
+
+    print(f"# {title} — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n")
+    for key, value in machine_details().items():
+        print(f"- {key}: {value}")
+    print(f"- load average (1/5/15 min): {load_at_start} at start, {load_average()} at the end")
+    print(f"- mode: {MODE_DESCRIPTIONS[mode]}")
+    for key, value in details.items():
+        print(f"- {key}: {value}")
+    print("- settings: " + ", ".join(f"{key}={value}" for key, value in settings.items()) + f"; {run}")

@@ -15,10 +15,9 @@ parameter server): ``--trainers`` trainers, H = ``--inner-steps``, ``--rounds`` 
   samples_per_second``) and *sync* (everything after the inner loop: writing and sending the pseudo-gradient,
   waiting for the slowest trainer, the parameter server's outer step and eval, the download of the update).
 * **Start-up**: from the job's ``created_at`` (the POST) to allocation (``allocated_at``), to the parameter
-  server's dispatch and start (its task's ``dispatched_at``, ``started_at``), to its ``ready`` report (the
-  moment the trainers are dispatched: their ``dispatched_at``), to the trainers' process start
-  (``started_at``) and first optimizer step (``first_step_at``: the control plane's receipt of the first
-  status).
+  server's dispatch and start (its task's ``dispatched_at``, ``started_at``), the trainers' dispatch (with the
+  parameter server's; they learn its address once it listens), the trainers' process start (``started_at``)
+  and first optimizer step (``first_step_at``: the control plane's receipt of the first status).
 
 Goals: utilisation ≥ 97 %, submit → first step < 10 s. The run prints whether each was met.
 
@@ -36,10 +35,8 @@ import argparse
 import datetime
 import json
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:  # run as `python bench/utilisation.py`: the 
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster  # noqa: E402
-from bench.harness import load_average, machine_details, resolve_mode  # noqa: E402
+from bench.harness import exit_on_sigterm, load_average, print_start, resolve_mode, run_directory  # noqa: E402
 
 UTILISATION_GOAL = 0.97
 STARTUP_GOAL = 10.0
@@ -173,7 +170,7 @@ def startup_rows(
         ("allocated (all leases active)", allocated, allocated),
         ("parameter server dispatched", server_dispatched, server_dispatched),
         ("parameter server process started", server_started, server_started),
-        ("parameter server ready = trainers dispatched", *of_tasks("dispatched_at")),
+        ("trainers dispatched (with the parameter server)", *of_tasks("dispatched_at")),
         ("trainer process started (`accelerate launch`)", *of_tasks("started_at")),
         ("executor's main() running (after launch + interpreter)", *of_logs("main")),
         ("model loaded (imports, fetch, from_pretrained, prepare)", *of_logs("loaded")),
@@ -252,12 +249,10 @@ def print_report(job: dict, arguments: argparse.Namespace, milestones: dict) -> 
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
+    exit_on_sigterm()
     mode = resolve_mode(arguments.mode)
-    print("Machine: " + ", ".join(f"{key} {value}" for key, value in machine_details().items()))
-    print(f"Load average at start: {load_average()}")
-    print(f"Command: {' '.join(sys.argv)}")
-    root = Path(tempfile.mkdtemp(prefix="hypha-utilisation-"))
-    try:
+    print_start()
+    with run_directory("hypha-utilisation-", keep=arguments.keep) as root:
         dataset = prepare_stdlib_text(root / "stdlib")
         print(f"Starting the cluster ({mode}): control plane, data node, {arguments.trainers + 1} daemons")
         with training_cluster(
@@ -292,11 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         print_report(job, arguments, milestones)
         print(f"\nLoad average at end: {load_average()}")
         return 0
-    finally:
-        if arguments.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,11 @@ def number_text(value: Any) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, int | float) else str(value)
 
 
+def score_text(value: Any) -> str:
+    """A benchmark score (samples/s) with one decimal, ``-`` when unknown."""
+    return f"{value:.1f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+
 def _status(value: str | None) -> str:
     value = value or "-"
     style = STATUS_STYLES.get(value)
@@ -129,13 +134,26 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
 
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
-    """Workers: name, status, resources, executors, price floor, live leases, last seen."""
+    """Workers: name, status, resources, executors, price floor, benchmark score (samples/s), live leases,
+    last seen."""
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("NAME", "STATUS", "CPU", "MEM GB", "GPU GB", "EXECUTORS", "FLOOR", "LEASES", "LAST SEEN"):
+    columns = (
+        "NAME",
+        "STATUS",
+        "CPU",
+        "MEM GB",
+        "GPU GB",
+        "EXECUTORS",
+        "FLOOR",
+        "BENCH/S",
+        "LEASES",
+        "LAST SEEN",
+    )
+    for column in columns:
         table.add_column(
             column,
             no_wrap=True,
-            justify="right" if column in ("CPU", "MEM GB", "GPU GB", "FLOOR") else "left",
+            justify="right" if column in ("CPU", "MEM GB", "GPU GB", "FLOOR", "BENCH/S") else "left",
         )
     for worker in workers:
         resources = worker.get("resources") or {}
@@ -154,6 +172,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             number_text(resources.get("gpu")),
             executors or "-",
             number_text(worker.get("price_floor")),
+            score_text(worker.get("benchmark_score")),
             leases or "-",
             time_text(worker.get("last_seen_at")),
         )

@@ -32,8 +32,10 @@ VALIDATION_ERROR_SCHEMA = {
     "description": (
         "Every invalid field with its messages, all at once. Nested objects are reported by their path "
         '(`{"trainer": {"price": {"max": ["..."]}}}`); errors that belong to no single field are under '
-        "`non_field_errors`."
+        "`non_field_errors`. A body that cannot be parsed at all (malformed JSON or TOML) gets "
+        '`{"detail": "..."}` instead.'
     ),
+    "properties": {"detail": {"type": "string", "description": "Why the body could not be parsed."}},
     "additionalProperties": {
         "oneOf": [
             {"type": "array", "items": {"type": "string"}},
@@ -45,8 +47,10 @@ VALIDATION_ERROR_SCHEMA = {
 _DESCRIPTIONS = {
     400: "Invalid input: every field error at once; nothing was changed.",
     401: "No or invalid credentials (send `Authorization: Token <key>` or use a session).",
+    403: "The caller may not do this (staff only, or a transfer token that does not grant it).",
     404: "No such object, or it is not one the caller may see.",
     409: "The object's current state does not allow this action; nothing was changed.",
+    413: "The body is larger than this endpoint accepts; nothing was stored.",
     415: "The body's content type is not one this endpoint reads; nothing was changed.",
 }
 

@@ -11,6 +11,9 @@ With the URLs set, one component per process (what docker compose runs)::
     hypha-server beat            # Celery beat (the market and lease clocks)
     hypha-server                 # all three as child processes, for a single machine
 
+``web`` listens on ``--host``/``--port``, or on the Twisted endpoints given with ``--endpoint`` (repeatable), e.g.
+daphne's own TLS: ``--endpoint ssl:443:privateKey=key.pem:certKey=crt.pem`` (docs/deploy.md).
+
 Exit codes: 0 clean stop, 2 configuration error (the message names the variable), 3 a required service
 (PostgreSQL, Redis) does not answer.
 """
@@ -46,6 +49,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--port", type=int, default=int(os.environ.get("HYPHA_PORT", "8000")), help="web: port"
+    )
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        metavar="DESCRIPTION",
+        help="web: a Twisted endpoint to listen on instead of --host/--port (repeatable), e.g. "
+        "ssl:443:privateKey=key.pem:certKey=crt.pem for TLS, tcp:8000:interface=127.0.0.1, unix:/run/hypha.sock",
+    )
+    parser.add_argument(
+        "--proxy-headers",
+        action="store_true",
+        help="web: take the client's address and scheme from X-Forwarded-For/-Port/-Proto (only behind a "
+        "reverse proxy that sets them; anyone could forge them otherwise)",
     )
     parser.add_argument("--no-migrate", action="store_true", help="web: skip 'migrate' at start")
     parser.add_argument("--concurrency", type=int, default=2, help="worker: Celery worker processes")
@@ -112,10 +128,19 @@ def _web(args, *, embedded: bool) -> int:
     from hypha_site.asgi import application
 
     mode = "embedded (SQLite, in-process tasks)" if embedded else "services (PostgreSQL, Redis)"
-    print(f"hypha-server: control plane on http://{args.host}:{args.port}/ — {mode}", flush=True)
+    if args.endpoint:
+        endpoints = list(args.endpoint)
+        print(f"hypha-server: control plane on {', '.join(endpoints)} — {mode}", flush=True)
+    else:
+        endpoints = build_endpoint_description_strings(host=args.host, port=args.port)
+        print(f"hypha-server: control plane on http://{args.host}:{args.port}/ — {mode}", flush=True)
+    proxy = args.proxy_headers
     Server(
         application=application,
-        endpoints=build_endpoint_description_strings(host=args.host, port=args.port),
+        endpoints=endpoints,
+        proxy_forwarded_address_header="X-Forwarded-For" if proxy else None,
+        proxy_forwarded_port_header="X-Forwarded-Port" if proxy else None,
+        proxy_forwarded_proto_header="X-Forwarded-Proto" if proxy else None,
         websocket_timeout=-1,  # daemons hold their connection for days; liveness is the ping below
         ping_interval=10,
         ping_timeout=30,
@@ -147,8 +172,12 @@ def _celery(arguments: list[str]) -> int:
 def _all(args) -> int:
     """Run web, worker and beat as child processes; stop all when one stops or on SIGTERM/SIGINT."""
     base = [sys.executable, "-m", "hypha_site.server", "--log-level", args.log_level]
+    web = [*base, "web", "--host", args.host, "--port", str(args.port)]
+    web += [f"--endpoint={endpoint}" for endpoint in args.endpoint or ()]
+    web += ["--proxy-headers"] if args.proxy_headers else []
+    web += ["--no-migrate"] if args.no_migrate else []
     children = [
-        subprocess.Popen([*base, "web", "--host", args.host, "--port", str(args.port)]),
+        subprocess.Popen(web),
         subprocess.Popen([*base, "worker", "--concurrency", str(args.concurrency)]),
         subprocess.Popen([*base, "beat"]),
     ]

@@ -177,6 +177,24 @@ SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", ["http://localhost:8000", "http://127.0.0.1:8000"])
 
+
+def proxy_ssl_header(name: str, value: str | None) -> tuple[str, str] | None:
+    """Django's ``SECURE_PROXY_SSL_HEADER`` from a header name (``X-Forwarded-Proto``): a request counts as
+    HTTPS when the proxy set that header to ``https``. Only set it behind a proxy that overwrites the
+    header; otherwise any client could claim HTTPS."""
+    if value is None:
+        return None
+    header = value.strip()
+    if not header or not all(character.isalnum() or character == "-" for character in header):
+        raise ImproperlyConfigured(f"{name}={value!r} is not an HTTP header name (e.g. X-Forwarded-Proto)")
+    return "HTTP_" + header.upper().replace("-", "_"), "https"
+
+
+# Behind a TLS-terminating reverse proxy (docs/deploy.md): trust its X-Forwarded-Proto, secure cookies.
+SECURE_PROXY_SSL_HEADER = proxy_ssl_header("SECURE_PROXY_SSL_HEADER", env_str("SECURE_PROXY_SSL_HEADER"))
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+
 # --- Django -------------------------------------------------------------------------------------------
 
 INSTALLED_APPS = [
@@ -238,6 +256,9 @@ else:
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": HYPHA_DATA_DIR / "hypha.sqlite3",
             "OPTIONS": SQLITE_OPTIONS,
+            # One process, one connection per thread for its lifetime: opening a connection (and its PRAGMAs)
+            # per request was a fifth of the database thread's time per status report (docs/benchmarks.md).
+            "CONN_MAX_AGE": None,
             "TEST": {"NAME": HYPHA_DATA_DIR / "test.sqlite3"},
         }
     }
@@ -354,10 +375,18 @@ HYPHA_READVERTISE_BASE = env_float("HYPHA_READVERTISE_BASE", 1.0, minimum=0.05, 
 HYPHA_READVERTISE_MAX = env_float("HYPHA_READVERTISE_MAX", 30.0, minimum=0.05, maximum=3600.0)
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
-#: Largest websocket frame accepted from a daemon.
 #: The largest file of a final model the parameter server may upload (bytes).
 HYPHA_MAX_MODEL_FILE_BYTES = env_int("HYPHA_MAX_MODEL_FILE_BYTES", 20 << 30, minimum=1 << 20, maximum=1 << 40)
+#: Largest websocket frame accepted from a daemon (UTF-8 bytes); larger ones get a ``too_large`` error frame.
 HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
+#: Per-connection token bucket of the worker gateway: sustained frames per second and the burst above it.
+#: A daemon sends about one frame per task every 2 s (its log lines) plus a renewal per lease every ~3 s and
+#: the few status reports it cannot answer itself: 200/s is ~100× a busy daemon. The burst is the daemon's
+#: outbox (worker_daemon.link.MAX_QUEUED), flushed at once after a reconnect (docs/protocol.md "Limits").
+HYPHA_WS_RATE = env_float("HYPHA_WS_RATE", 200.0, minimum=0.1, maximum=1e6)
+HYPHA_WS_BURST = env_int("HYPHA_WS_BURST", 10_000, minimum=1, maximum=10_000_000)
+#: Refused (rate-limited) frames within 10 s after which the gateway closes the connection (4008).
+HYPHA_WS_FLOOD_REFUSALS = env_int("HYPHA_WS_FLOOD_REFUSALS", 1000, minimum=1, maximum=10_000_000)
 
 if HYPHA_OFFER_TTL <= HYPHA_OFFER_WINDOW:
     raise ImproperlyConfigured(

@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.http import JsonResponse
 from django.urls import include, path
+from django.views.defaults import page_not_found
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from hypha_site.metrics import metrics_view
@@ -16,6 +17,16 @@ def healthz(request):
         cursor.execute("SELECT 1")
     return JsonResponse({"status": "ok"})
 
+
+def not_found(request, exception):
+    """A 404 under /api/ is JSON like every other API error (``{"detail": ...}``), also when no route matched
+    (a malformed id such as ``/api/jobs/0.5/``); elsewhere Django's page."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return page_not_found(request, exception)
+
+
+handler404 = not_found
 
 urlpatterns = [
     path("", include("apps.dashboard.urls")),

@@ -70,6 +70,7 @@ class StreamingMean:
       ``>= 0``, else ``ValueError``. Weights are relative: ``mean([a, b], [1, 3]) == a/4 + 3b/4``.
     * ``result()`` returns ``Σ wᵢ·xᵢ / Σ wᵢ`` as new tensors in each input's dtype; it may be called at any
       time and does not reset the accumulator. With nothing added, or all weights zero, ``NoUpdatesError``.
+      ``take()`` returns the same once, computed in the accumulator (the parameter server's round close).
     * Inputs are never mutated or retained.
 
     Accumulator dtype: float32 for float16, bfloat16 and float32 inputs, float64 for float64 inputs. float32
@@ -131,14 +132,27 @@ class StreamingMean:
 
     def result(self) -> StateDict:
         """The weighted mean so far, in the inputs' dtypes (new tensors)."""
-        if self._accumulators is None:
-            raise NoUpdatesError("no update was added")
-        if self._total_weight == 0:
-            raise NoUpdatesError(f"the {self.count} update(s) added all have weight 0")
+        self._check_result()
+        assert self._accumulators is not None
         return {
             name: (accumulator / self._total_weight).to(self._dtypes[name])
             for name, accumulator in self._accumulators.items()
         }
+
+    def take(self) -> StateDict:
+        """The weighted mean, divided in the accumulator itself (no model-sized copy for float32 inputs): the
+        accumulator is handed over, and this StreamingMean holds nothing afterwards (``NoUpdatesError``)."""
+        self._check_result()
+        assert self._accumulators is not None
+        accumulators, self._accumulators = self._accumulators, None
+        total, self._total_weight = self._total_weight, 0.0
+        return {name: tensor.div_(total).to(self._dtypes[name]) for name, tensor in accumulators.items()}
+
+    def _check_result(self) -> None:
+        if self._accumulators is None:
+            raise NoUpdatesError("no update was added")
+        if self._total_weight == 0:
+            raise NoUpdatesError(f"the {self.count} update(s) added all have weight 0")
 
 
 def mean(updates: Iterable[Mapping[str, torch.Tensor]], weights: Iterable[float] | None = None) -> StateDict:
@@ -208,11 +222,13 @@ def nesterov_step(
     for name in sorted(gradient):
         g = gradient[name]
         g_wide = g.to(_compute_dtype(g.dtype))
+        # In place on tensors made here (a model-sized allocation costs more than the arithmetic on it).
         if momentum is None:
             m_wide = g_wide.clone()
         else:
-            m_wide = momentum[name].to(device=g.device, dtype=g_wide.dtype) * momentum_factor + g_wide
-        update[name] = ((m_wide * momentum_factor + g_wide) * learning_rate).to(g.dtype)
+            m_wide = momentum[name].to(device=g.device, dtype=g_wide.dtype) * momentum_factor
+            m_wide.add_(g_wide)
+        update[name] = torch.add(g_wide, m_wide, alpha=momentum_factor).mul_(learning_rate).to(g.dtype)
         # m_wide is always a new tensor (a clone or the result of arithmetic), never g or the old momentum.
         new_momentum[name] = m_wide.to(g.dtype)
     return update, new_momentum

@@ -9,12 +9,16 @@ Round rules (docs/training.md, step 7):
 
 * Rounds are numbered from 1; round ``rounds_completed + 1`` is open until ``update_rounds`` rounds are done
   (or :meth:`RoundCoordinator.finish` is called, e.g. on the control plane's ``Done``).
-* Each expected peer (``updates.peers``) may add one update per round. A second one, one for a round that is
-  not the open one, or one that arrives while the round is closing raises ``RoundConflict`` (409) and
-  changes nothing: an update is never counted twice.
-* The round closes when every expected peer sent, or ``round_timeout`` seconds after the *first accepted*
-  update. A round nobody sent to stays open indefinitely: trainers may need long for their inner steps, and a
-  trainer that died is the control plane's business (it fails or reschedules the job).
+* Each expected peer (``updates.peers``, and any peer the control plane named since) may add one update per
+  round. A second one, one for a round that is not the open one, or one that arrives while the round is
+  closing raises ``RoundConflict`` (409) and changes nothing: an update is never counted twice.
+* The round closes when every peer it waits for sent, or ``round_timeout`` seconds after the *first accepted*
+  update. The first accepted update is announced to the ``on_first_update`` hook (the service asks the
+  control plane whom to wait for, and asks again while the round waits); :meth:`RoundCoordinator.expect`
+  then sets the peers the round waits for (a trainer that died is dropped, a replacement added; later rounds
+  start with the same) and may shorten its timeout to when they are projected to send. ``left_out`` names
+  the peers the round waited for when it opened, or was told of, that it closed without. A round nobody
+  sent to stays open indefinitely: trainers may need long for their inner steps.
 * ``g`` is the mean of the accepted updates, weighted by their ``X-Samples`` when ``weighted`` (a missing
   count weighs 1; unweighted means every update weighs 1). Nesterov: ``(u, m) = nesterov_step(g, m)``,
   ``θ_r = θ_{r-1} + u``. If no update with a positive weight was accepted, no step is taken: ``u = 0``, the
@@ -58,6 +62,8 @@ class RoundResult:
     duration: float
     bytes_in: int
     stepped: bool
+    #: Seconds after the round's first accepted update at which each participant's update was accepted.
+    arrivals: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
     eval_loss: float | None = None
 
@@ -68,15 +74,28 @@ class _OpenRound:
     opened_at: float
     mean: StreamingMean = field(default_factory=StreamingMean)
     participants: list[str] = field(default_factory=list)
+    accepted_at: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     samples: int = 0
     bytes_in: int = 0
     closing: bool = False
     timer: asyncio.TimerHandle | None = None
+    #: The peers this round waits for (the coordinator's ``expected`` until :meth:`RoundCoordinator.expect`).
+    expected: tuple[str, ...] = ()
+    #: Those it waited for when it opened: one that died meanwhile is reported as left out.
+    opened_expecting: tuple[str, ...] = ()
+    first_update_at: float | None = None
 
 
 PersistHook = Callable[[RoundResult, StateDict, StateDict | None], Awaitable[None]]
 """Called with (result, new global weights, new momentum) before the result is published."""
+FirstUpdateHook = Callable[[int, str], None]
+"""Called with (round number, peer) when a round accepts its first update (must not block)."""
+
+
+def _relative(times: Mapping[str, float]) -> dict[str, float]:
+    first = min(times.values(), default=0.0)
+    return {peer: round(at - first, 3) for peer, at in times.items()}
 
 
 class RoundCoordinator:
@@ -100,9 +119,11 @@ class RoundCoordinator:
         learning_rate: float,
         momentum_factor: float,
         persist: PersistHook | None = None,
+        on_first_update: FirstUpdateHook | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.expected = tuple(expected)
+        self._told: tuple[str, ...] = ()
         self.weights: StateDict = dict(weights)
         self.momentum: StateDict | None = None if momentum is None else dict(momentum)
         self.rounds_completed = rounds_completed
@@ -112,6 +133,7 @@ class RoundCoordinator:
         self.learning_rate = learning_rate
         self.momentum_factor = momentum_factor
         self._persist = persist
+        self._on_first_update = on_first_update
         self._clock = clock
         self._floating = sorted(
             name for name, tensor in self.weights.items() if tensor.dtype.is_floating_point
@@ -122,7 +144,7 @@ class RoundCoordinator:
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._finished = rounds_completed >= update_rounds
-        self._round: _OpenRound | None = None if self._finished else _OpenRound(rounds_completed + 1, clock())
+        self._round: _OpenRound | None = None if self._finished else self._new_round(rounds_completed + 1)
         self.published: asyncio.Queue[RoundResult] = asyncio.Queue()
         """Every published round, in order, for the service's eval and report."""
         self.failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -146,6 +168,11 @@ class RoundCoordinator:
 
     def result(self, round_number: int) -> RoundResult | None:
         return self._results.get(round_number)
+
+    def _new_round(self, number: int) -> _OpenRound:
+        # The control plane's latest word on who trains, else everyone the job started with.
+        expected = self._told or self.expected
+        return _OpenRound(number, self._clock(), expected=expected, opened_expecting=expected)
 
     def _check_round(self, round_number: int) -> None:
         if round_number < 1 or round_number > self.update_rounds:
@@ -195,6 +222,7 @@ class RoundCoordinator:
             # A thread: adding a large model's tensors would stall every other request.
             await asyncio.to_thread(current.mean.add, floating, weight)
             current.participants.append(peer)
+            current.accepted_at[peer] = self._clock()
             current.refused.pop(peer, None)
             current.samples += samples or 0
             logger.info(
@@ -202,19 +230,55 @@ class RoundCoordinator:
                 round_number,
                 peer,
                 len(current.participants),
-                len(self.expected),
+                len(current.expected),
                 weight,
             )
-            if set(self.expected) <= set(current.participants):
+            if set(current.expected) <= set(current.participants):
                 self._start_closing(current, "every expected trainer sent its update")
             elif len(current.participants) == 1:
+                current.first_update_at = self._clock()
                 current.timer = asyncio.get_running_loop().call_later(
-                    self.round_timeout, self._on_timeout, current
+                    self.round_timeout,
+                    self._on_timeout,
+                    current,
+                    f"round_timeout {self.round_timeout:g} s after the first update",
                 )
+                if self._on_first_update is not None:
+                    self._on_first_update(current.number, peer)
 
-    def _on_timeout(self, current: _OpenRound) -> None:
+    def expect(self, round_number: int, peers: list[str] | tuple[str, ...], timeout: float | None) -> None:
+        """The control plane's word on the open round: wait only for ``peers`` (the job's trainers still
+        training: one that died is dropped, a replacement added — it may send from now on), and close at most
+        ``timeout`` seconds from now (never later than ``round_timeout`` after the first update). Ignored unless
+        round ``round_number`` is open."""
+        current = self._round
+        if current is None or current.number != round_number or current.closing:
+            return
+        told = tuple(dict.fromkeys(peers))
+        if told != current.expected:
+            logger.info("round %d: the control plane expects %s", round_number, list(told))
+        current.expected = self._told = told
+        # A replacement trainer may send from now on (and in later rounds).
+        self.expected = tuple(dict.fromkeys([*self.expected, *told]))
+        if set(current.expected) <= set(current.participants) and current.participants:
+            self._start_closing(current, "every trainer still training sent its update")
+            return
+        if timeout is None or current.first_update_at is None:
+            return
+        left = self.round_timeout - (self._clock() - current.first_update_at)
+        if timeout < left:
+            if current.timer is not None:
+                current.timer.cancel()
+            current.timer = asyncio.get_running_loop().call_later(
+                max(0.0, timeout),
+                self._on_timeout,
+                current,
+                f"the expected trainers were due {timeout:.1f} s after the first update's report",
+            )
+
+    def _on_timeout(self, current: _OpenRound, why: str) -> None:
         if self._round is current and not current.closing:
-            self._start_closing(current, f"round_timeout {self.round_timeout:g} s after the first update")
+            self._start_closing(current, why)
 
     def _start_closing(self, current: _OpenRound, why: str) -> None:
         current.closing = True
@@ -230,7 +294,7 @@ class RoundCoordinator:
         if current.mean.count == 0 or current.mean.total_weight == 0:
             zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
             return zeros, self.weights, self.momentum, False
-        gradient = current.mean.result()
+        gradient = current.mean.take()  # the round is over: no copy
         update, momentum = nesterov_step(
             gradient=gradient,
             momentum=self.momentum,
@@ -275,12 +339,17 @@ class RoundCoordinator:
                     round_number=current.number,
                     update=update,
                     participants=tuple(current.participants),
-                    left_out=tuple(peer for peer in self.expected if peer not in current.participants),
+                    left_out=tuple(
+                        peer
+                        for peer in dict.fromkeys([*current.opened_expecting, *current.expected])
+                        if peer not in current.participants
+                    ),
                     refused=dict(current.refused),
                     samples=current.samples,
                     duration=round(self._clock() - current.opened_at, 3),
                     bytes_in=current.bytes_in,
                     stepped=stepped,
+                    arrivals=_relative(current.accepted_at),
                 )
                 if not stepped:
                     logger.warning("round %d closed without a usable update: u = 0", current.number)
@@ -305,7 +374,7 @@ class RoundCoordinator:
             self._finished = True
             self._round = None
         else:
-            self._round = _OpenRound(result.round_number + 1, self._clock())
+            self._round = self._new_round(result.round_number + 1)
         self.published.put_nowait(result)
         logger.info(
             "round %d published: participants %s, left out %s, refused %s",

@@ -10,7 +10,8 @@
 
 Authorisation: every call carries ``Authorization: Bearer <transfer token>`` verified with the job key.
 Missing, malformed, wrongly signed, expired or other-job tokens get 401. Updates need ``role`` ``trainer``
-and a ``peer`` among the expected trainers (else 403); model files and results need ``role`` ``trainer``
+and a ``peer`` among the expected trainers — or one the control plane names when asked (``admit``: a trainer
+that replaced a lost one) — else 403; model files and results need ``role`` ``trainer``
 (any trainer of the job: one that joins late starts from the current weights); ``state`` and ``healthz``
 accept any token of the job (the daemon and the control plane hold ``parameter_server`` ones). A path naming
 another job is 404.
@@ -28,7 +29,7 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ class ParameterServerApp:
         incoming_dir: Path,
         canonicalize: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda update: update,
         max_update_bytes: int | None = None,
+        admit: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.transfer_key = transfer_key
@@ -99,6 +101,8 @@ class ParameterServerApp:
         self.ignored_names = frozenset(signature) - frozenset(self.signature)
         self.incoming_dir = incoming_dir
         self.canonicalize = canonicalize
+        #: Asked about a trainer of the job that is not expected (a replacement): True if it now is.
+        self.admit = admit
         if max_update_bytes is None:
             max_update_bytes = 2 * files.weights_path.stat().st_size + (1 << 20)
         self.max_update_bytes = max_update_bytes
@@ -134,7 +138,7 @@ class ParameterServerApp:
                 return error_response(error.status, error.reason.lower().replace(" ", "_"), error.reason)
             raise
 
-    def _authorize(self, request: web.Request, *, trainer: bool, expected: bool = False) -> dict[str, Any]:
+    def _authorize(self, request: web.Request, *, trainer: bool) -> dict[str, Any]:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -147,10 +151,6 @@ class ParameterServerApp:
             raise _HTTPFailure(401, "unauthorized", str(error), **{"WWW-Authenticate": "Bearer"}) from None
         if trainer and claims.get("role") != TRAINER_ROLE:
             raise _HTTPFailure(403, "forbidden", f"role {claims.get('role')!r} may not do this; trainers may")
-        if expected and claims.get("peer") not in self.coordinator.expected:
-            raise _HTTPFailure(
-                403, "forbidden", f"peer {claims.get('peer')!r} is not a trainer of this round"
-            )
         job = request.match_info.get("job")
         if job is not None and job != self.job_id:
             raise _HTTPFailure(404, "unknown_job", f"this parameter server serves job {self.job_id}")
@@ -251,7 +251,8 @@ class ParameterServerApp:
         update = self.canonicalize(weights_io.load(path))
         for name in self.ignored_names & update.keys():
             del update[name]
-        weights_io.validate(update, reference=self.signature)
+        # load() refused NaN and Inf already; what is left to check is the names, shapes and dtypes.
+        weights_io.validate(update, reference=self.signature, check_finite=False)
         return update
 
     async def _update(self, request: web.Request) -> web.Response:
@@ -285,8 +286,10 @@ class ParameterServerApp:
             return response
 
     async def _accept_update(self, request: web.Request, current: Any) -> web.Response:
-        claims = self._authorize(request, trainer=True, expected=True)
+        claims = self._authorize(request, trainer=True)
         peer = str(claims["peer"])
+        if peer not in self.coordinator.expected and not (self.admit is not None and await self.admit(peer)):
+            raise _HTTPFailure(403, "forbidden", f"peer {peer!r} is not a trainer of this round")
         telemetry.annotate(current, **{"hypha.peer": peer})
         round_number = self._round_number(request)
         telemetry.annotate(current, **{"hypha.round": round_number})

@@ -6,7 +6,11 @@
    round, restore its weights, momentum and round number instead (a restart), else save round 0.
 2. Bind the HTTP API, then report ``{"ready": {"url", "round"}}`` through the bridge.
 3. For each round the coordinator publishes: compute the eval loss (if the job has ``eval``) in a thread,
-   then report ``{"round": {...}}``. The round is finished when the reply is ``{"type": "Done"}`` or
+   then report ``{"round": {...}}``. When a round accepts its first update, report ``{"waiting": {"round"}}``
+   in the background, and again every ``EXPECT_REFRESH`` seconds while the round waits; an ``Expect`` reply
+   says whom the round waits for (a dead trainer dropped, a replacement added) and for how long
+   (:meth:`RoundCoordinator.expect`). An update from a trainer the round does not expect (a replacement) is
+   accepted if the control plane, asked at once, names it. The round is finished when the reply is ``{"type": "Done"}`` or
    ``update_rounds`` rounds are done.
 4. Upload ``config.json`` and ``model.safetensors`` to the control plane, keep serving until every
    participant of the last round fetched its result (or ``final_wait`` seconds pass), return 0.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,13 @@ logger = logging.getLogger("parameter_server")
 
 # safetensors metadata transformers' from_pretrained looks for.
 FILE_METADATA = {"format": "pt"}
+#: After the control plane says the expected trainers are due in ``d`` seconds, the round waits at most
+#: ``EXPECT_FACTOR · d + EXPECT_GRACE`` seconds more (and never past ``round_timeout``): their uploads and
+#: the estimate's error need the slack.
+EXPECT_FACTOR = 2.0
+EXPECT_GRACE = 30.0
+#: Seconds between two questions about a round that waits for updates (a trainer may die meanwhile).
+EXPECT_REFRESH = 10.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,7 @@ class ParameterServer:
             else None
         )
         self._weights_after: dict[int, StateDict] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._runner: Any = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -147,6 +160,7 @@ class ParameterServer:
             learning_rate=self.job.learning_rate,
             momentum_factor=self.job.momentum,
             persist=self._persist,
+            on_first_update=self._first_update,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -158,6 +172,7 @@ class ParameterServer:
             signature=weights_io.signature(weights),
             incoming_dir=self.work_dir / "incoming",
             canonicalize=initial.canonicalize,
+            admit=self._admit,
         )
         self._runner, port = await start_http(
             self.app.make_app(), host=self.settings.host, port=self.settings.port
@@ -230,6 +245,47 @@ class ParameterServer:
             stop_waiter.cancel()
         return 0
 
+    def _first_update(self, round_number: int, peer: str) -> None:
+        task = asyncio.create_task(self._ask_expected(round_number), name=f"expect round {round_number}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _ask_expected(self, round_number: int) -> None:
+        """While round ``round_number`` waits for updates, ask the control plane every
+        :data:`EXPECT_REFRESH` seconds whom it should still wait for (a trainer may die meanwhile)."""
+        while await self._expect(round_number):
+            await asyncio.sleep(EXPECT_REFRESH)
+
+    async def _expect(self, round_number: int) -> bool:
+        """Ask the control plane whom round ``round_number`` should wait for, and for how long: it answers
+        ``{"type": "Expect", "peers": [...], "due_in": seconds | null}`` (any other answer, e.g. a scheduler
+        that does not know the question, leaves the round as it is). False once the round is no longer open."""
+        coordinator = self.coordinator
+        if coordinator is None or coordinator.open_round != round_number:
+            return False
+        reply = await self.reporter.send({"waiting": {"round": round_number}})
+        if (
+            not isinstance(reply, dict)
+            or reply.get("type") != "Expect"
+            or not isinstance(reply.get("peers"), list)
+        ):
+            return coordinator.open_round == round_number
+        due = reply.get("due_in")
+        timeout = None
+        if isinstance(due, int | float) and not isinstance(due, bool) and math.isfinite(due) and due >= 0:
+            timeout = EXPECT_FACTOR * float(due) + EXPECT_GRACE
+        coordinator.expect(round_number, [str(peer) for peer in reply["peers"]], timeout)
+        return coordinator.open_round == round_number
+
+    async def _admit(self, peer: str) -> bool:
+        """A trainer token of this job for a peer the round does not expect (a replacement that joined): ask
+        the control plane, and let it send if the control plane names it."""
+        coordinator = self.coordinator
+        if coordinator is None or coordinator.open_round is None:
+            return False
+        await self._expect(coordinator.open_round)
+        return peer in coordinator.expected
+
     async def _report(self, result: RoundResult) -> dict[str, Any] | None:
         assert self.app is not None
         weights = self._weights_after.pop(result.round_number, None)
@@ -238,6 +294,7 @@ class ParameterServer:
         body = {
             "round": result.round_number,
             "participants": list(result.participants),
+            "arrivals": dict(result.arrivals),
             "left_out": list(result.left_out),
             "refused": dict(result.refused),
             "samples": result.samples,
@@ -292,6 +349,8 @@ class ParameterServer:
         logger.info("job %s done after %d rounds", self.job.job_id, self.coordinator.rounds_completed)
 
     async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._runner is not None:
             await stop_http(self._runner)
             self._runner = None

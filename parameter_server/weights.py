@@ -100,14 +100,18 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
 
 
 def validate(
-    tensors: Mapping[str, torch.Tensor], *, reference: Mapping[str, torch.Tensor | Signature] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    reference: Mapping[str, torch.Tensor | Signature] | None = None,
+    check_finite: bool = True,
 ) -> None:
     """Raise ``TensorRefused`` unless ``tensors`` is a clean state dict like ``reference``.
 
     Refused, in this order (the first problem found is reported, names in sorted order): a value that is not a
     tensor; with a reference, a missing name, then an unknown name, then a wrong shape or dtype; a NaN or
-    Inf in a floating-point tensor. ``reference`` maps each name to a tensor or to its ``(shape, dtype)``;
-    without one only the values are checked. Nothing is mutated.
+    Inf in a floating-point tensor (unless ``check_finite`` is False: the tensors came from :func:`load`,
+    which checked them). ``reference`` maps each name to a tensor or to its ``(shape, dtype)``; without one
+    only the values are checked. Nothing is mutated.
     """
     for name in sorted(tensors):
         if not isinstance(tensors[name], torch.Tensor):
@@ -117,8 +121,9 @@ def validate(
         for name in sorted(tensors):
             tensor = tensors[name]
             _check_signature(name, tuple(tensor.shape), tensor.dtype, _as_signature(reference[name]))
-    for name in sorted(tensors):
-        _check_finite(name, tensors[name])
+    if check_finite:
+        for name in sorted(tensors):
+            _check_finite(name, tensors[name])
 
 
 def view_key(tensor: torch.Tensor) -> tuple[object, ...]:

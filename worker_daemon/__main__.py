@@ -29,6 +29,7 @@ exit codes:
   {ExitCode.USAGE:d}  usage or configuration error (the message names the bad flag, key or value)
   {ExitCode.TOKEN_REFUSED:d}  the control plane refused the token (missing, invalid or revoked)
   {ExitCode.UNSUPPORTED_VERSION:d}  the control plane does not support this daemon's protocol version
+  {ExitCode.BENCHMARK_FAILED:d}  (benchmark subcommand) the benchmark failed or timed out
   Network failures are not fatal: the daemon reconnects with exponential backoff.
 
 environment:
@@ -41,7 +42,14 @@ environment:
 
 config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
 [offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured.
-Ours: kill_grace, [parameter_server] host/port/public_url."""
+Ours: kill_grace, benchmark, slowdown, [parameter_server] host/port/public_url.
+
+benchmark:
+  At start (unless --no-benchmark or benchmark = false) and when the control plane asks, the daemon runs a
+  short training benchmark (a fixed small model, AdamW, a few seconds, in a child process) and reports its
+  score, training samples per second, with its resources; it makes no offers while it runs.
+  `{PROG} benchmark [--config FILE] [--slowdown F] [--json]` runs it once, prints the score
+  and exits."""
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -108,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="base URL trainers use to reach the parameter server (overrides parameter_server.public_url)",
     )
     parser.add_argument(
+        "--benchmark",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the worker benchmark at start (overrides benchmark; default: on)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        metavar="FACTOR",
+        help="experiments and tests only: make this worker deliberately FACTOR (>= 1) times slower; "
+        "executors get HYPHA_SLOWDOWN and sleep (FACTOR-1) x each step's time, and so does the benchmark "
+        "(overrides slowdown; default 1.0)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -116,6 +138,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     return parser
+
+
+def build_benchmark_parser() -> argparse.ArgumentParser:
+    """The parser of ``hypha-worker-daemon benchmark``."""
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} benchmark",
+        description="Run the worker benchmark once on this machine (as the daemon would: the config's "
+        "device, threads and slowdown), print its score in training samples per second, and exit.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="worker config TOML (default: none, all defaults)")
+    parser.add_argument(
+        "--slowdown", type=float, metavar="FACTOR", help="as the daemon's --slowdown (overrides slowdown)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return parser
+
+
+def benchmark_main(argv: Sequence[str]) -> int:
+    """``hypha-worker-daemon benchmark``: run the benchmark once and print the score."""
+    args = build_benchmark_parser().parse_args(argv)
+    configure_logging(os.environ.get("HYPHA_LOG_LEVEL", "WARNING").upper())
+    import asyncio
+
+    from worker_daemon import benchmark
+    from worker_daemon.config import load_config
+    from worker_daemon.exceptions import BenchmarkError
+
+    try:
+        config = load_config(args.config, slowdown=args.slowdown)
+    except ConfigError as error:
+        print(f"{PROG} benchmark: error: {error}", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        result = asyncio.run(benchmark.measure(config))
+    except BenchmarkError as error:
+        print(f"{PROG} benchmark: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return ExitCode.OK
+    print(result.model_dump_json() if args.json else f"benchmark: {benchmark.describe(result)}")
+    return ExitCode.OK
 
 
 def resolve_token(*, token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
@@ -166,6 +229,9 @@ def configure_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the daemon; return the process exit code (see the ``--help`` epilog)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["benchmark"]:
+        return benchmark_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     environ = os.environ
@@ -197,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps_host=args.ps_host,
             ps_port=args.ps_port,
             ps_public_url=args.ps_public_url,
+            benchmark=args.benchmark,
+            slowdown=args.slowdown,
         )
         # Tracing, if the OTEL_* variables ask for it (opentelemetry is imported only then).
         telemetry.configure(service_name=SERVICE_NAME)
@@ -214,7 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker_daemon.connection import run_daemon
 
         return asyncio.run(
-            run_daemon(config=config, server_url=url, token=token, install_signal_handlers=True)
+            run_daemon(
+                config=config,
+                server_url=url,
+                token=token,
+                install_signal_handlers=True,
+                benchmark_at_start=config.benchmark,
+            )
         )
     except KeyboardInterrupt:
         # A Ctrl-C before the signal handlers were installed: nothing was held yet.

@@ -23,6 +23,10 @@ Accepted keys (Hypha's worker keys, reference §7.3; the original's example file
 Our own keys (not Hypha's)::
 
     kill_grace = 5.0                 # seconds between SIGTERM and SIGKILL when a task is cancelled
+    benchmark = true                 # run the worker benchmark at start (worker_daemon.benchmark)
+    slowdown = 1.0                   # >= 1: an experiment/test knob that makes this worker deliberately
+                                     # slower (executors get HYPHA_SLOWDOWN and sleep (slowdown - 1) × each
+                                     # step's time after it; the benchmark does the same)
     [parameter_server]               # where the built-in parameter server listens
     host = "127.0.0.1"
     port = 0                         # 0: any free port
@@ -33,7 +37,7 @@ accepted and ignored with one info line; other unknown keys get a warning naming
 
 Layering, as in the original: the TOML file, then ``HYPHA_*`` env vars for top-level keys
 (``HYPHA_WORK_DIR``), then CLI flags (``--work-dir``, ``--price``, ``--floor``, ``--ps-host``, ``--ps-port``,
-``--ps-public-url``). Any invalid value raises
+``--ps-public-url``, ``--benchmark``/``--no-benchmark``, ``--slowdown``). Any invalid value raises
 :class:`~worker_daemon.exceptions.ConfigError` with a message naming the key.
 """
 
@@ -216,6 +220,19 @@ class WorkerConfig(_ConfigModel):
         **_NUMBER,
         description="Seconds between SIGTERM and SIGKILL when a task is cancelled.",
     )
+    benchmark: bool = Field(
+        default=True,
+        strict=True,
+        description="Run the worker benchmark when the daemon starts (it also runs on demand).",
+    )
+    slowdown: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=protocol.MAX_SLOWDOWN,
+        allow_inf_nan=False,
+        strict=True,
+        description="Experiments and tests only: make this worker deliberately slower by this factor.",
+    )
 
     @field_validator("work_dir", mode="before")
     @classmethod
@@ -286,10 +303,12 @@ class WorkerConfig(_ConfigModel):
         """One log line describing the effective configuration."""
         capacity = self.capacity
         executors = ", ".join(f"{e.executor_class}/{e.name}" for e in self.executors)
+        slowed = f" slowdown={self.slowdown:g}" if self.slowdown != 1.0 else ""
         return (
             f"work_dir={self.work_dir} resources=cpu:{capacity.cpu:g} memory:{capacity.memory:g}GB "
             f"storage:{capacity.storage:g}GB gpu:{capacity.gpu:g}GB price={self.offer.price:g} "
             f"floor={self.offer.floor:g} strategy={self.strategy} executors=[{executors}]"
+            f"{slowed}"
         )
 
 
@@ -328,6 +347,8 @@ def load_config(
     ps_host: str | None = None,
     ps_port: int | None = None,
     ps_public_url: str | None = None,
+    benchmark: bool | None = None,
+    slowdown: float | None = None,
 ) -> WorkerConfig:
     """Read the TOML file at ``path`` (none: defaults only), apply ``HYPHA_*`` env vars from ``environ``
     (default ``os.environ``) and then the CLI overrides that are not ``None``; validate and return.
@@ -356,8 +377,9 @@ def load_config(
         variable = f"HYPHA_{key.upper()}"
         if environ.get(variable):
             data[key] = environ[variable]
-    if work_dir is not None:
-        data["work_dir"] = work_dir
+    for key, value in (("work_dir", work_dir), ("benchmark", benchmark), ("slowdown", slowdown)):
+        if value is not None:
+            data[key] = value
     if price is not None or floor is not None:
         offer = data.get("offer")
         # Only merge into a table; anything else is left for validation to report as offer's error.

@@ -12,6 +12,12 @@ Two layers, so that the decisions are testable without a network:
   normally). Task messages (``dispatch_job``, ``cancel_job`` and the replies to a bridge's requests) go to its
   :class:`~worker_daemon.jobs.JobManager`, which sends through a :class:`~worker_daemon.link.ControlLink`
   that the daemon connects after each ``welcome``; a task whose lease leaves the book is cancelled.
+* The worker benchmark (:mod:`worker_daemon.benchmark`) runs in a child process at start (when asked to, as
+  the CLI does unless ``benchmark = false``) and on ``run_benchmark``. Connecting does not wait for it:
+  ``hello`` carries the last result if there is one, and a ``benchmark_result`` frame reports each run that
+  ends later. While it runs the daemon makes no offers (a task would skew the score, and the benchmark
+  would slow the task); a ``run_benchmark`` that arrives while a task runs or a lease is held is answered
+  with an error instead.
 
 :func:`run_daemon` runs one daemon to completion and returns the process exit code
 (:class:`~worker_daemon.exceptions.ExitCode`).
@@ -37,9 +43,10 @@ from dataclasses import dataclass
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from worker_daemon import arbiter, protocol
+from worker_daemon import arbiter, benchmark, protocol
 from worker_daemon.config import WorkerConfig, websocket_url
 from worker_daemon.exceptions import (
+    BenchmarkError,
     ExitCode,
     FatalConnectionError,
     TokenRefusedError,
@@ -124,6 +131,10 @@ class WorkerSession:
         self.shutting_down = False
         #: Leases released at shutdown whose ``lease_ended`` has not arrived yet.
         self.awaiting_end: set[uuid.UUID] = set()
+        #: The last benchmark that finished (sent in ``hello`` and with every offer), and whether one runs now
+        #: (no offers meanwhile).
+        self.benchmark: protocol.BenchmarkResult | None = None
+        self.benchmarking = False
 
     @property
     def open_advertisements(self) -> list[protocol.Advertisement]:
@@ -139,6 +150,7 @@ class WorkerSession:
             price_floor=self.config.offer.floor,
             strategy=self.config.strategy,
             leases=self.book.lease_ids(),
+            benchmark=self.benchmark,
         )
 
     def handle(self, message: protocol.ServerMessage) -> Outcome:
@@ -194,8 +206,9 @@ class WorkerSession:
                 | protocol.CancelJob()
                 | protocol.StatusReply()
                 | protocol.SliceAssigned()
+                | protocol.RunBenchmark()
             ):
-                # Tasks are the job manager's business (worker_daemon.jobs); the daemon routes these to it.
+                # Tasks are the job manager's business; benchmarks the daemon's (worker_daemon.jobs); the daemon routes these to it.
                 return Outcome()
             case protocol.Error():
                 logger.warning(
@@ -214,7 +227,7 @@ class WorkerSession:
         each offer reserves its resources for ``offer_ttl`` + 1 s, and one that does not fit is skipped (and
         tried again when resources are freed).
         """
-        if self.shutting_down:
+        if self.shutting_down or self.benchmarking:
             return []
         held_advertisements = {lease.advertisement_id for lease in self.book.leases}
         candidates = []
@@ -273,6 +286,7 @@ class WorkerSession:
                     attempt=advertisement.attempt,
                     price=planned.price,
                     resources=planned.resources,
+                    benchmark_score=self.benchmark.score if self.benchmark is not None else None,
                 )
             )
             logger.info(
@@ -462,6 +476,9 @@ class WorkerDaemon:
         clock: Callable[[], float] = time.monotonic,
         uniform: Callable[[float, float], float] = random.uniform,
         jobs: JobManager | None = None,
+        benchmark_at_start: bool = False,
+        benchmark_timeout: float = benchmark.TIMEOUT,
+        benchmark_budget: float | None = None,
     ) -> None:
         self.url = websocket_url(server_url)
         self.session = WorkerSession(config=config, daemon_version=daemon_version(), clock=clock)
@@ -489,6 +506,13 @@ class WorkerDaemon:
         self._evaluation_task: asyncio.Task[None] | None = None
         self._evaluation_wanted = False
         self._attempt = 0
+        self._benchmark_at_start = benchmark_at_start
+        self._benchmark_timeout = benchmark_timeout
+        self._benchmark_budget = benchmark_budget
+        self._benchmark_task: asyncio.Task[None] | None = None
+        # The run_benchmark requests the running benchmark answers (None: the one at start).
+        self._benchmark_requests: list[uuid.UUID | None] = []
+        self._hellos_sent = 0
 
     @property
     def connected(self) -> bool:
@@ -512,6 +536,8 @@ class WorkerDaemon:
                 lambda name=signal_number.name: self.request_shutdown(reason=f"received {name}"),
             )
         pruner = asyncio.create_task(self._prune_forever())
+        if self._benchmark_at_start:
+            self.start_benchmark()
         try:
             while not self._shutdown.is_set():
                 try:
@@ -538,9 +564,11 @@ class WorkerDaemon:
         finally:
             # Tasks still running here were not stopped by a drain (no connection): stop them now.
             await self.jobs.stop_all(reason=SHUTDOWN_REASON)
-            pruner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pruner
+            for background in (pruner, self._benchmark_task):
+                if background is not None:
+                    background.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await background
             for signal_number in signals:
                 loop.remove_signal_handler(signal_number)
 
@@ -602,6 +630,7 @@ class WorkerDaemon:
         watchdog = asyncio.create_task(self._expect_welcome(websocket))
         try:
             with contextlib.suppress(ConnectionClosed, TimeoutError):
+                self._hellos_sent += 1
                 await self._send(websocket, self.session.hello())
             await asyncio.wait({receiver, shutdown}, return_when=asyncio.FIRST_COMPLETED)
             if self._shutdown.is_set() and not receiver.done():
@@ -666,6 +695,8 @@ class WorkerDaemon:
                     self.jobs.link.connected(lambda reply, ws=websocket: self._send(ws, reply))
                 for reply in outcome.replies:
                     await self._send(websocket, reply)
+                if isinstance(message, protocol.RunBenchmark):
+                    self.start_benchmark(request_id=message.request_id)
                 self.jobs.handle(message)
                 self.jobs.cancel_orphans()
                 if outcome.reevaluate:
@@ -705,6 +736,57 @@ class WorkerDaemon:
         except Exception:
             # A background task's error would otherwise vanish; the daemon keeps serving.
             logger.exception("internal error while evaluating advertisements")
+
+    def start_benchmark(self, *, request_id: uuid.UUID | None = None) -> bool:
+        """Run the worker benchmark in the background; its ``benchmark_result`` answers ``request_id``.
+
+        Returns False when it did not start: one runs already (its result answers this request too), or the
+        daemon is busy with a task or lease (answered at once with an error, since the score would mean
+        nothing).
+        """
+        if self._benchmark_task is not None and not self._benchmark_task.done():
+            self._benchmark_requests.append(request_id)
+            return False
+        busy = len(self.jobs.tasks) + len(self.session.book.leases)
+        if busy:
+            message = f"busy: {busy} task(s) or lease(s) held; run the benchmark when the worker is idle"
+            logger.info("benchmark requested but not run: %s", message)
+            self.jobs.link.post(protocol.BenchmarkReport(request_id=request_id, error=message))
+            return False
+        self._benchmark_requests = [request_id]
+        self._benchmark_task = asyncio.create_task(self._benchmark(hellos_before=self._hellos_sent))
+        return True
+
+    async def _benchmark(self, *, hellos_before: int) -> None:
+        self.session.benchmarking = True
+        logger.info("running the worker benchmark (no offers until it ends)")
+        try:
+            result = await benchmark.measure(
+                self.session.config, timeout=self._benchmark_timeout, time_budget=self._benchmark_budget
+            )
+        except BenchmarkError as error:
+            logger.warning("worker benchmark failed: %s", error)
+            reports = [
+                protocol.BenchmarkReport(request_id=request_id, error=str(error))
+                for request_id in self._benchmark_requests
+            ]
+        else:
+            logger.info("worker benchmark: %s", benchmark.describe(result))
+            self.session.benchmark = result
+            reports = [
+                protocol.BenchmarkReport(request_id=request_id, benchmark=result)
+                for request_id in self._benchmark_requests
+            ]
+        finally:
+            self.session.benchmarking = False
+            self._changed.set()
+            self._schedule_evaluation()
+        for report in reports:
+            # A result at start that no hello missed yet travels in the next hello instead.
+            if report.request_id is None and self._hellos_sent == hellos_before and report.error == "":
+                continue
+            self.jobs.link.post(report)
+        self._benchmark_requests = []
 
     async def _prune_forever(self) -> None:
         while True:
@@ -757,12 +839,14 @@ async def run_daemon(
     open_timeout: float = 10.0,
     ping_interval: float = 10.0,
     shutdown_timeout: float = 3.0,
+    benchmark_at_start: bool = False,
 ) -> int:
     """Run one worker daemon until it is shut down or refused; return its exit code.
 
     ``server_url`` is the control plane's address (``http(s)://…``) or its worker websocket
     (``ws(s)://…/ws/worker/``). With ``install_signal_handlers`` SIGTERM and SIGINT trigger the clean
-    shutdown; otherwise use :class:`WorkerDaemon` directly and call ``request_shutdown``.
+    shutdown; otherwise use :class:`WorkerDaemon` directly and call ``request_shutdown``. With
+    ``benchmark_at_start`` (the CLI passes the config's ``benchmark``) the worker benchmark runs at start.
     """
     try:
         daemon = WorkerDaemon(
@@ -776,6 +860,7 @@ async def run_daemon(
             open_timeout=open_timeout,
             ping_interval=ping_interval,
             shutdown_timeout=shutdown_timeout,
+            benchmark_at_start=benchmark_at_start,
         )
     except WorkerDaemonError as error:
         logger.error("%s", error)

@@ -4,6 +4,8 @@ Hierarchy::
 
     WorkerDaemonError                  base of everything the daemon raises on purpose
     ├── ConfigError                    bad command line, config file, env var or value     → exit 2
+    ├── BenchmarkError                 the worker benchmark failed or timed out; the daemon serves on
+                                       without a score (``hypha-worker-daemon benchmark``  → exit 5)
     └── FatalConnectionError           the control plane said reconnecting cannot help
         ├── TokenRefusedError          token missing, invalid or revoked (close 4000/4001/4003,
         │                              or HTTP 401/403 on the handshake)                   → exit 3
@@ -33,6 +35,8 @@ class ExitCode(enum.IntEnum):
     """The control plane refused the worker token (missing, invalid or revoked)."""
     UNSUPPORTED_VERSION = 4
     """The control plane does not support this daemon's protocol version."""
+    BENCHMARK_FAILED = 5
+    """``hypha-worker-daemon benchmark`` could not measure (the message says why)."""
 
 
 class WorkerDaemonError(Exception):
@@ -45,6 +49,12 @@ class ConfigError(WorkerDaemonError):
     """A configuration or usage error. The message names the flag, key or value at fault."""
 
     exit_code = ExitCode.USAGE
+
+
+class BenchmarkError(WorkerDaemonError):
+    """The worker benchmark's process failed, timed out or printed no valid result."""
+
+    exit_code = ExitCode.BENCHMARK_FAILED
 
 
 class FatalConnectionError(WorkerDaemonError):

@@ -6,7 +6,8 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
 1. makes ``<work_dir>/hypha-<random uuid>`` (0700) and serves the bridge on ``<dir>/bridge.sock`` (0600) with a
    :class:`~worker_daemon.bridge.remote.RemoteBackend`;
 2. starts the process in its own session (so signals reach ``accelerate launch``'s children too), in the
-   daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON`` exported:
+   daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR``, ``JOB_JSON`` and ``HYPHA_SLOWDOWN`` (the
+   config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported:
 
    * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
      (compact JSON of the spec) replaced in every argument;
@@ -225,8 +226,15 @@ class JobManager:
             return None
         existing = self.tasks.get(dispatch.task_id)
         if existing is not None:
-            # A repeated dispatch (e.g. after a reconnect): the task runs already; say so again.
-            logger.info("task %s is already running; dispatch ignored", dispatch.task_id)
+            # A repeated dispatch (after a reconnect, or to say where its peers are now): the task runs already;
+            # say so again, and take the peers' addresses, which the control plane may have learnt since.
+            if dispatch.peers != existing.dispatch.peers:
+                logger.info("task %s: peers now %s", dispatch.task_id, dispatch.peers)
+                existing.dispatch = existing.dispatch.model_copy(update={"peers": dispatch.peers})
+                if existing.backend is not None:
+                    existing.backend.update_peers(dispatch.peers)
+            else:
+                logger.info("task %s is already running; dispatch ignored", dispatch.task_id)
             if existing.started:
                 self.link.post(protocol.JobStarted(task_id=dispatch.task_id))
             return None
@@ -440,6 +448,8 @@ class JobManager:
         }
         environment = {key: value for key, value in os.environ.items() if key not in PRIVATE_ENVIRONMENT}
         environment.update(values)
+        # The experiment knob (config ``slowdown``): the training executor sleeps (factor − 1) × each step.
+        environment["HYPHA_SLOWDOWN"] = repr(self.config.slowdown)
         executor = task.executor
         if executor.runtime == "process":
             assert executor.cmd is not None

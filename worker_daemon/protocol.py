@@ -30,6 +30,8 @@ Conversation (``→`` daemon to control plane, ``←`` control plane to daemon):
     → fetch_slice                a trainer's bridge wants the next data slice of the job
     ← slice_assigned             which slice, its size and digest, and the data nodes that serve it
     → slice_ack                  the executor has the slice: it becomes USED
+    ← run_benchmark              measure this worker's speed now (an operator asked)
+    → benchmark_result           a benchmark finished (or failed): its score and details
     ← error                      the last frame was malformed, unknown, or refused; nothing changed
 
 Renewal is a round trip on purpose: a lease is only extended when its daemon answers, so a daemon that
@@ -49,10 +51,16 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
+
+#: The largest benchmark score (training samples per second) taken: far above any real device on the
+#: standard workload, so that a larger number can only be a bug or a lie.
+MAX_BENCHMARK_SCORE = 1e7
+#: The largest ``--slowdown`` factor (an experiment knob; beyond it a step would outlast any round).
+MAX_SLOWDOWN = 100.0
 
 #: Weights of the capacity score, from the original's resource evaluator (reference §3.3, §3.4):
 #: a GB of VRAM is worth 25 cores, a GB of memory 0.1 cores, a GB of storage 0.01 cores.
@@ -67,6 +75,8 @@ class CloseCode(enum.IntEnum):
     UNSUPPORTED_VERSION = 4002
     TOKEN_REVOKED = 4003
     HELLO_EXPECTED = 4004
+    #: The connection kept sending over the gateway's rate limit after being told (``rate_limited``).
+    FLOODING = 4008
     SUPERSEDED = 4009
     SERVER_SHUTDOWN = 4010
 
@@ -88,6 +98,7 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_LEASE = "unknown_lease"
     REFUSED = "refused"
     TOO_LARGE = "too_large"
+    RATE_LIMITED = "rate_limited"
     INTERNAL = "internal"
 
 
@@ -144,6 +155,28 @@ class LeaseInfo(_Message):
     expires_in: float = Field(description="Seconds until the lease expires unless renewed.")
 
 
+class BenchmarkResult(_Message):
+    """A worker benchmark's outcome (:mod:`worker_daemon.benchmark`): AdamW training steps of a fixed small
+    model on a fixed batch, on the daemon's real device. ``score`` is training samples per second on that
+    workload (higher is faster), measured with the daemon's ``slowdown`` applied."""
+
+    score: float = Field(gt=0, le=MAX_BENCHMARK_SCORE, description="Training samples per second.")
+    device: str = Field(min_length=1, max_length=64, description="cpu, cuda, cuda:0, …")
+    device_name: str = Field(default="", max_length=200)
+    model: str = Field(min_length=1, max_length=128, description="The standard workload's model.")
+    parameters: int = Field(ge=0)
+    batch_size: int = Field(ge=1)
+    sequence_length: int = Field(default=0, ge=0)
+    threads: int = Field(default=0, ge=0, description="torch threads (CPU), 0 when not set")
+    warmup_steps: int = Field(default=0, ge=0)
+    steps: int = Field(ge=1, description="Timed steps.")
+    step_seconds: float = Field(gt=0, description="Median seconds of a timed step (slowdown included).")
+    duration_seconds: float = Field(default=0.0, ge=0, description="Wall time of the whole benchmark.")
+    slowdown: float = Field(default=1.0, ge=1, le=MAX_SLOWDOWN)
+    torch_version: str = Field(default="", max_length=64)
+    measured_at: datetime
+
+
 # --- daemon → control plane ----------------------------------------------------------------------------
 
 
@@ -156,6 +189,9 @@ class Hello(_Message):
     price_floor: float = Field(default=0.0, ge=0)
     strategy: Literal["whole", "flexible"] = "whole"
     leases: list[uuid.UUID] = Field(default_factory=list, max_length=1024)
+    benchmark: BenchmarkResult | None = Field(
+        default=None, description="The daemon's last benchmark, if one finished before this hello."
+    )
 
 
 class Offer(_Message):
@@ -164,6 +200,25 @@ class Offer(_Message):
     attempt: int = Field(ge=0)
     price: float = Field(ge=0)
     resources: Resources
+    benchmark_score: float | None = Field(
+        default=None, gt=0, le=MAX_BENCHMARK_SCORE, description="The worker's benchmark score, if known."
+    )
+
+
+class BenchmarkReport(_Message):
+    """A benchmark ended: at start after ``hello`` went out, or after ``run_benchmark``. Either ``benchmark``
+    (it ran) or ``error`` (why it did not: failed, timed out, busy with a task)."""
+
+    type: Literal["benchmark_result"] = "benchmark_result"
+    request_id: uuid.UUID | None = Field(default=None, description="The run_benchmark it answers, if any.")
+    benchmark: BenchmarkResult | None = None
+    error: str = Field(default="", max_length=2000)
+
+    @model_validator(mode="after")
+    def _result_or_error(self) -> BenchmarkReport:
+        if (self.benchmark is None) == (not self.error):
+            raise ValueError("exactly one of 'benchmark' and 'error' must be given")
+        return self
 
 
 class LeaseRenewed(_Message):
@@ -212,8 +267,8 @@ class TaskLog(_Message):
 
 class StatusReport(_Message):
     """A progress value exactly as the task's bridge received it (Hypha's ``Progress``: ``{"status": …}``,
-    ``{"metrics": …}``, ``"update"``, ``"update-received"``; a parameter server also sends ``{"ready": …}``
-    and ``{"round": …}``). The control plane answers with :class:`StatusReply` of the same ``request_id``."""
+    ``{"metrics": …}``, ``"update"``, ``"update-received"``; a parameter server also sends ``{"ready": …}``,
+    ``{"round": …}`` and ``{"waiting": …}``). The control plane answers with :class:`StatusReply` of the same ``request_id``."""
 
     type: Literal["status"] = "status"
     request_id: uuid.UUID
@@ -245,7 +300,8 @@ DaemonMessage = Annotated[
     | TaskLog
     | StatusReport
     | FetchSlice
-    | SliceAck,
+    | SliceAck
+    | BenchmarkReport,
     Field(discriminator="type"),
 ]
 
@@ -356,6 +412,13 @@ class StatusReply(_Message):
     type: Literal["status_reply"] = "status_reply"
     request_id: uuid.UUID
     reply: dict[str, Any] = Field(description='Passed to the executor as is, e.g. {"type": "Continue"}.')
+    continue_for: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description='How many of the task\'s next step reports ({"status": …}) the daemon may answer '
+        '{"type": "Continue"} itself; the report after them carries covered_steps and covered_samples.',
+    )
 
 
 class SliceAssigned(_Message):
@@ -371,6 +434,13 @@ class SliceAssigned(_Message):
     urls: list[str] = Field(default_factory=list)
     retry_in: float | None = Field(default=None, ge=0)
     error: str | None = None
+
+
+class RunBenchmark(_Message):
+    """Measure the worker's speed now; answered by ``benchmark_result`` with the same ``request_id``."""
+
+    type: Literal["run_benchmark"] = "run_benchmark"
+    request_id: uuid.UUID = Field(default_factory=uuid.uuid4)
 
 
 class Error(_Message):
@@ -395,6 +465,7 @@ ServerMessage = Annotated[
     | CancelJob
     | StatusReply
     | SliceAssigned
+    | RunBenchmark
     | Error,
     Field(discriminator="type"),
 ]
@@ -415,6 +486,7 @@ DAEMON_MESSAGE_TYPES = frozenset(
         "status",
         "fetch_slice",
         "slice_ack",
+        "benchmark_result",
     }
 )
 SERVER_MESSAGE_TYPES = frozenset(
@@ -431,6 +503,7 @@ SERVER_MESSAGE_TYPES = frozenset(
         "cancel_job",
         "status_reply",
         "slice_assigned",
+        "run_benchmark",
         "error",
     }
 )

@@ -228,14 +228,21 @@ def worker_page(worker: Worker, user) -> dict:
         .select_related("job")
         .order_by("-dispatched_at")[:LEASE_HISTORY]
     )
-    throughput = [
-        {
-            "task": task,
-            "visible": task.job_id in visible,
-            "samples_per_second": samples_per_second(task, now=now) if task.role == TRAINER else None,
-        }
-        for task in tasks
-    ]
+    throughput = []
+    for task in tasks:
+        measured = samples_per_second(task, now=now) if task.role == TRAINER else None
+        throughput.append(
+            {
+                "task": task,
+                "visible": task.job_id in visible,
+                "samples_per_second": measured,
+                # Measured ÷ benchmark: how much of the benchmark's speed the job got (its model, batch and
+                # sync waits differ from the benchmark's, so this compares workers, not absolute speed).
+                "benchmark_ratio": measured / worker.benchmark_score
+                if measured is not None and worker.benchmark_score
+                else None,
+            }
+        )
     trained = [task for task in tasks if task.role == TRAINER]
     return {
         "leases": [{"lease": lease, "visible": lease.job_id in visible} for lease in leases],

@@ -213,22 +213,25 @@ def _available(job, epoch: int) -> JobSlice | None:
 def claim_next(job, lease: Lease) -> JobSlice | None:
     """Assign the lowest-index AVAILABLE slice of the job's current epoch to ``lease`` and return it.
 
-    When every slice of the epoch is USED, starts the next epoch and claims from it. Returns ``None`` when no
-    slice is AVAILABLE but some are still ASSIGNED (to this or other leases): the caller waits and asks again.
-    Each call claims one more slice (a trainer may prefetch); asking again does not return the slice it holds.
-    Raises :class:`LeaseNotEligible` unless ``lease`` is an ACTIVE lease of ``job``, :class:`JobNotPrepared`
-    if the job has no slices.
+    When no slice of the epoch is AVAILABLE, the next epoch starts and the slice is claimed from it — unless
+    ``lease`` itself still holds slices of the epoch it has not acknowledged (it has data to go on with): then
+    ``None``, and the caller asks again later. Slices other leases hold (a trainer's prefetch, kept while it
+    waits for a round to close) never hold up the rest: waiting for them could wait for the very round this
+    trainer's data would finish. Each call claims one more slice (a trainer may prefetch); asking again does
+    not return the slice it holds. Raises :class:`LeaseNotEligible` unless ``lease`` is an ACTIVE lease of
+    ``job``, :class:`JobNotPrepared` if the job has no slices.
     """
     with transaction.atomic():
         lease = _lock_eligible_lease(job, lease)
         epoch = current_epoch(job)
         candidate = _available(job, epoch)
         if candidate is None:
-            # Rows other claimers hold locked are still AVAILABLE or ASSIGNED here, so they count as not USED:
-            # a new epoch starts only when the whole epoch is acknowledged.
-            if JobSlice.objects.filter(job=job, epoch=epoch).exclude(status=JobSlice.Status.USED).exists():
+            held = JobSlice.objects.filter(
+                job=job, epoch=epoch, assigned_lease=lease, status=JobSlice.Status.ASSIGNED
+            )
+            if held.exists():
                 return None
-            # Two claimers may both see the epoch finished: the unique (job, slice, epoch) makes the second
+            # Two claimers may both start the next epoch: the unique (job, slice, epoch) makes the second
             # insert wait for the first and then skip, and both claim from the same new rows.
             slice_ids = JobSlice.objects.filter(job=job, epoch=epoch).values_list("slice_id", flat=True)
             JobSlice.objects.bulk_create(
@@ -243,24 +246,29 @@ def claim_next(job, lease: Lease) -> JobSlice | None:
 
 
 def acknowledge(job, lease: Lease, index: int) -> JobSlice:
-    """Mark slice ``index`` of the job's current epoch USED by ``lease``, which it must be assigned to.
+    """Mark slice ``index`` USED by ``lease``, which it must be assigned to (in the current epoch, or in an
+    earlier one the lease claimed it in before the next began).
 
     Idempotent: acknowledging again a slice this lease already used returns it unchanged (a lost reply is
-    retried). Raises :class:`SliceNotFound` for an index outside the epoch, and
+    retried). Raises :class:`SliceNotFound` for an index outside the dataset, and
     :class:`~apps.datasets.exceptions.SliceTransitionRefused` if the slice is not ASSIGNED to ``lease``.
     """
     with transaction.atomic():
-        epoch = current_epoch(job)
+        rows = JobSlice.objects.select_for_update(of=("self",)).filter(job=job, slice__index=index)
         job_slice = (
-            JobSlice.objects.select_for_update(of=("self",))
-            .filter(job=job, epoch=epoch, slice__index=index)
+            rows.filter(assigned_lease=lease, status=JobSlice.Status.ASSIGNED)
             .select_related("slice")
+            .order_by("epoch")
             .first()
         )
         if job_slice is None:
-            raise SliceNotFound(f"job {job.pk} has no slice {index} in epoch {epoch}")
-        if job_slice.status == JobSlice.Status.USED and job_slice.assigned_lease_id == lease.pk:
-            return job_slice
+            epoch = current_epoch(job)
+            job_slice = rows.filter(epoch=epoch).select_related("slice").first()
+            if job_slice is None:
+                raise SliceNotFound(f"job {job.pk} has no slice {index} in epoch {epoch}")
+            used = rows.filter(assigned_lease=lease, status=JobSlice.Status.USED).order_by("-epoch").first()
+            if used is not None:
+                return used
         job_slice.ack(lease)
     return job_slice
 

@@ -168,7 +168,9 @@ class Task(models.Model):
              └────────────┴──────▶ CANCELLED
 
     A trainer also carries its place in the sync protocol (``sync_state``, ``round``, ``steps_in_round``):
-    TRAINING ─(H steps)▶ SCHEDULED ─("update")▶ UPDATING ─("update-received")▶ TRAINING … ▶ DONE.
+    TRAINING ─(ScheduleUpdate)▶ SCHEDULED ─("update")▶ UPDATING ─("update-received")▶ TRAINING … ▶ DONE,
+    and what performance-aware sync knows of it (``batch_size``, ``last_status_at``, ``step_interval``,
+    ``update_due``; see :mod:`apps.jobs.sync`).
     """
 
     class Status(models.TextChoices):
@@ -205,6 +207,19 @@ class Task(models.Model):
     steps_total = models.PositiveBigIntegerField(default=0)
     samples_total = models.PositiveBigIntegerField(default=0)
     last_loss = models.FloatField(null=True, blank=True)
+    batch_size = models.PositiveIntegerField(default=0, help_text="Samples per step, as dispatched.")
+    #: Unix time (control plane's clock) of the trainer's last step report, or of its round's start (its
+    #: start, or its last ``update-received``).
+    last_status_at = models.FloatField(null=True, blank=True)
+    step_interval = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Moving estimate of the seconds between the trainer's step reports (null until it reported).",
+    )
+    #: ``steps_in_round`` after which the trainer sends this round's update, once it was told.
+    update_due = models.PositiveIntegerField(null=True, blank=True)
+    #: How many step reports after the last one its daemon may answer ``Continue`` itself (``continue_for``).
+    continue_granted = models.PositiveIntegerField(default=0)
     # A daemon that lost its connection repeats its pending status and slice requests with the same id after
     # reconnecting; the reply to the last one of each is kept so a repeat is answered without being counted
     # (or claiming a second slice) twice.
@@ -249,6 +264,9 @@ class Round(models.Model):
     closed = models.BooleanField(default=False, help_text="The parameter server has applied this round.")
     participants = models.JSONField(default=list, help_text="Worker ids whose updates were averaged.")
     left_out = models.JSONField(default=list, help_text="Expected workers whose update was missing or late.")
+    arrivals = models.JSONField(
+        default=dict, help_text="Worker id → seconds after the round's first update that its update arrived."
+    )
     refused = models.JSONField(default=dict, help_text="Worker id → why its update was refused.")
     samples = models.PositiveBigIntegerField(default=0)
     duration = models.FloatField(null=True, blank=True, help_text="Seconds from first update to close.")

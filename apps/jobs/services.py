@@ -98,9 +98,15 @@ def allocate(job_id) -> None:
         job = Job.objects.select_for_update().filter(pk=job_id).first()
         if job is None or job.status not in ALLOCATING_STATES:
             return
+        # A training job past its last round replaces nobody: it is about to complete.
+        replacing = not (
+            job.status == Job.Status.RUNNING
+            and training.is_training_job(job)
+            and not training.wants_replacements(job)
+        )
         for role in ROLES:
             requirement = job.requirement(role)
-            missing = requirement.count - _active_count(job, role)
+            missing = requirement.count - _active_count(job, role) if replacing else 0
             ad = job.advertisements.filter(role=role, status=Advertisement.Status.OPEN).first()
             if ad is not None:
                 if missing <= 0:
@@ -142,6 +148,14 @@ def refresh_status(job: Job) -> None:
         loss = _loss_note(job, {role for role, (have, want) in counts.items() if have < want})
         if loss:
             reason += f" — {loss}"
+    if job.status == Job.Status.RUNNING and training.is_training_job(job):
+        # A training job stays RUNNING while a lost trainer is replaced: the others train on. Once the
+        # replacement's lease is active it is dispatched.
+        if target == Job.Status.RUNNING:
+            joined = training.dispatch_replacements(job)
+            if joined:
+                job.transition(Job.Status.RUNNING, reason=f"RUNNING: {joined} replacement trainer(s) joined")
+        return
     if job.status == Job.Status.RUNNING and target == Job.Status.RUNNING:
         return  # a running job's reason tells its training progress; a lease refresh must not replace it
     try:
@@ -351,13 +365,13 @@ def task_output(*, worker: Worker, message: protocol.TaskLog) -> None:
 def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protocol.StatusReply:
     """The reply to a progress value from a task's bridge (``{"type": "Error"}`` when it is refused)."""
     with transaction.atomic():
-        task = training.own_task(worker, message.task_id)
-        if task.role == PARAMETER_SERVER:
+        role, job_id = training.task_role(worker, message.task_id)
+        if role == PARAMETER_SERVER:
             # Its reports dispatch trainers and move the job: lock order job → task. A trainer's per-step
             # report locks only its own task row, so trainers never queue behind one another on the job.
-            _lock_job(task.job_id)
-        reply = training.handle_status(worker, message)
-    return protocol.StatusReply(request_id=message.request_id, reply=reply)
+            _lock_job(job_id)
+        reply, continue_for = training.handle_status(worker, message)
+    return protocol.StatusReply(request_id=message.request_id, reply=reply, continue_for=continue_for)
 
 
 def slice_requested(*, worker: Worker, message: protocol.FetchSlice) -> protocol.SliceAssigned:
@@ -560,15 +574,21 @@ def _end_lease(
     if job.status not in ALLOCATING_STATES:
         return
     if job.status == Job.Status.RUNNING and training.is_training_job(job):
-        # Replacing a worker of a running job (re-dispatch, rejoining at a round boundary) is the fault
-        # tolerance that follows; until then the job fails, saying which lease it lost.
         label = ROLE_LABELS.get(lease.role, (lease.role,))[0]
-        _end_job(
-            job,
-            Job.Status.FAILED,
-            reason=f"FAILED: the {label} lease on {lease.worker.name} {lease.status} while training: "
-            f"{lease.status_reason}",
+        lost = (
+            f"the {label} lease on {lease.worker.name} {lease.status} while training: {lease.status_reason}"
         )
+        if lease.role == TRAINER:
+            # The job goes on without it; a replacement is advertised and joins with the current weights.
+            problem = training.trainer_lost(job, lease, reason=lost)
+            if problem is None:
+                if training.wants_replacements(job):
+                    job.transition(Job.Status.RUNNING, reason=f"RUNNING: {lost}; a replacement is advertised")
+                    enqueue_on_commit(tasks.allocate_job, str(job.pk))
+                return
+            lost = f"{lost}; {problem}"
+        # Restarting a lost parameter server from its checkpoint is the fault tolerance still to come.
+        _end_job(job, Job.Status.FAILED, reason=f"FAILED: {lost}")
         return
     refresh_status(job)
     enqueue_on_commit(tasks.allocate_job, str(job.pk))

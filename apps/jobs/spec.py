@@ -253,8 +253,9 @@ class OuterOptimizerSpec(_Spec):
 
 
 class RoundsSpec(_Spec):
-    """How many outer rounds, and how much local work between them: a fixed number of inner steps (H), or
-    Hypha's performance-aware sync after about ``avg_samples_between_updates`` samples over all trainers."""
+    """How many outer rounds, and how much local work between them: a fixed number of inner steps (H) per
+    trainer, or performance-aware sync after about ``avg_samples_between_updates`` samples over all trainers
+    (fast trainers run more steps than slow ones so that all finish together; ``apps.jobs.sync``)."""
 
     update_rounds: Integer = Field(ge=1, le=1_000_000)
     inner_steps: Integer | None = Field(default=None, ge=1, le=MAX_STEPS)
@@ -348,14 +349,6 @@ class DiLoCoSpec(_Spec):
     parameter_server: RoleSpec = Field(default_factory=RoleSpec)
     evaluation: EvaluationSpec | None = None
     seed: Integer = Field(default=0, ge=0, le=2**31 - 1, description="Seeds a model built from a config.")
-
-    def steps_per_round(self) -> int:
-        """H: the optimizer steps each trainer runs per round (fixed-H sync). With a sample target, the
-        target is split evenly: ``ceil(avg_samples_between_updates / (num_trainers · batch_size))``."""
-        if self.rounds.inner_steps is not None:
-            return self.rounds.inner_steps
-        per_step = self.num_trainers * self.batch_size
-        return max(1, -(-self.rounds.avg_samples_between_updates // per_step))
 
 
 # --- parsing ----------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The order of events is in ``docs/training.md``. In short: once every lease of a job with a DiLoCo spec is
 ACTIVE, the parameter server is dispatched first; when it reports ``ready`` with its URL the trainers are
-dispatched; trainers report every step and are told when to sync (fixed H steps per round); the parameter
-server reports every round; the job completes when the last round is applied, the final model is stored and
+dispatched; trainers report every step and are told when to sync (after a fixed H steps per round, or, with
+a sample target, when :mod:`apps.jobs.sync` projects that all of them finish together); the parameter
+server reports every round and asks whom to wait for when a round's first update arrives; the job completes when the last round is applied, the final model is stored and
 the parameter server exited cleanly.
 
 These functions run inside the caller's transaction (``apps.jobs.services`` wraps them and owns every
@@ -26,12 +27,13 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F, Sum
 from django.utils import timezone
 
 from apps.datasets import services as dataset_services
 from apps.datasets.exceptions import DatasetError
 from apps.datasets.models import Dataset, Slice
-from apps.jobs import observers
+from apps.jobs import observers, sync
 from apps.jobs import spec as job_spec
 from apps.jobs.exceptions import TaskRefused, TransferRefused
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task, Upload
@@ -51,6 +53,14 @@ TRANSFER_TOKEN_LIFETIME = 24 * 3600
 #: Seconds a trainer waits before asking again when every slice of the epoch is assigned to someone.
 SLICE_RETRY_SECONDS = 1.0
 MODEL_FILENAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
+
+#: At most this many of a trainer's step reports are answered by its daemon without asking ...
+MAX_CONTINUE_GRANT = 10_000
+#: ... and, with a sample target, at most about this many seconds of its steps (so the control plane's
+#: view of a round, and the job page, is never older than that).
+MAX_CONTINUE_SECONDS = 2.0
+#: The clock of performance-aware sync (Unix seconds; a module attribute so tests can drive it).
+sync_clock = time.time
 
 OK = {"type": "Ok"}
 CONTINUE = {"type": "Continue"}
@@ -85,7 +95,10 @@ def transfer_token(lease: Lease) -> str:
 @dataclass(frozen=True)
 class Plan:
     spec: job_spec.DiLoCoSpec
-    steps_per_round: int
+    #: H, for fixed-H sync (``rounds.inner_steps``); ``None`` with a sample target.
+    steps_per_round: int | None
+    #: Samples per round over all trainers, for performance-aware sync (``avg_samples_between_updates``).
+    sample_target: int | None
     update_rounds: int
 
 
@@ -101,7 +114,10 @@ def plan(job: Job) -> Plan:
     if found is None:
         parsed = job_spec.parse_json(job.spec)
         found = Plan(
-            spec=parsed, steps_per_round=parsed.steps_per_round(), update_rounds=parsed.rounds.update_rounds
+            spec=parsed,
+            steps_per_round=parsed.rounds.inner_steps,
+            sample_target=parsed.rounds.avg_samples_between_updates,
+            update_rounds=parsed.rounds.update_rounds,
         )
         _plans[job.pk] = found
         while len(_plans) > PLANS_CACHED:
@@ -209,9 +225,11 @@ def start(job: Job) -> str | None:
             transfer_key=transfer_key(job.pk),
         ),
     )
+    count = _dispatch_trainers(job, task)
     job.transition(
         Job.Status.RUNNING,
-        reason=f"RUNNING: parameter server dispatched to {server_lease.worker.name}; waiting for it to listen",
+        reason=f"RUNNING: parameter server dispatched to {server_lease.worker.name} and {count} trainers; "
+        "waiting for it to listen",
     )
     return None
 
@@ -234,13 +252,20 @@ def pending_dispatches(worker) -> list[protocol.DispatchJob]:
 
 
 def _dispatch_trainers(job: Job, server: Task) -> int:
+    """Dispatch a trainer task for every ACTIVE trainer lease without one. They start (import, build their
+    data loader) while the parameter server starts; their bridges wait for its address (``peers``), which
+    :func:`_point_trainers` sends once it listens."""
     parsed = plan(job).spec
     server_peer = str(server.lease.worker_id)
     dispatched = 0
+    # A replacement starts from the rounds done so far: the weights it fetches are the current ones.
+    completed = job.rounds.filter(closed=True).count()
     for lease in job.leases.filter(role=TRAINER, status=Lease.Status.ACTIVE).select_related("worker"):
         if Task.objects.filter(lease=lease).exists():
             continue
-        task = Task.objects.create(job=job, lease=lease, role=TRAINER)
+        task = Task.objects.create(
+            job=job, lease=lease, role=TRAINER, batch_size=parsed.batch_size, round=completed
+        )
         envelope = job_spec.to_train_job_json(
             parsed,
             job_id=str(job.pk),
@@ -257,12 +282,57 @@ def _dispatch_trainers(job: Job, server: Task) -> int:
                 job_id=job.pk,
                 role=TRAINER,
                 spec=envelope,
-                peers={server_peer: server.url},
+                peers={server_peer: server.url} if server.url else {},
                 transfer_token=transfer_token(lease),
             ),
         )
         dispatched += 1
     return dispatched
+
+
+#: A job fails rather than replace more trainers than this many times its trainer count (a trainer that dies
+#: again and again is not a passing fault).
+MAX_REPLACEMENTS_PER_TRAINER = 2
+
+
+def trainer_lost(job: Job, lease: Lease, *, reason: str) -> str | None:
+    """A trainer lease of the RUNNING training ``job`` ended: its task is over (CANCELLED). Returns ``None``
+    when the job goes on (with a replacement if :func:`wants_replacements`), or why it cannot."""
+    task = Task.objects.filter(lease=lease).first()
+    if task is not None:
+        task.finish(Task.Status.CANCELLED, reason=reason[:2000])
+    lost = Task.objects.filter(job=job, role=TRAINER, status=Task.Status.CANCELLED).count()
+    limit = MAX_REPLACEMENTS_PER_TRAINER * job.num_trainers
+    if lost > limit:
+        return f"{lost} trainers lost, more than the {limit} this job replaces"
+    return None
+
+
+def wants_replacements(job: Job) -> bool:
+    """Whether a lost trainer of the RUNNING ``job`` is worth replacing: not once its last round is done."""
+    return not job.rounds.filter(number=plan(job).update_rounds, closed=True).exists()
+
+
+def dispatch_replacements(job: Job) -> int:
+    """Dispatch a trainer task for each ACTIVE trainer lease of the RUNNING ``job`` that has none (a
+    replacement): it fetches the current global weights from the parameter server and joins the open round.
+    Nothing happens before the parameter server listens (its ``ready`` dispatches them)."""
+    server = job.tasks.filter(role=PARAMETER_SERVER, status__in=Task.LIVE).exclude(url="").first()
+    if server is None:
+        return 0
+    return _dispatch_trainers(job, server)
+
+
+def _point_trainers(job: Job, server: Task) -> int:
+    """Send every live trainer's dispatch again with the parameter server's address (its daemon takes the new
+    ``peers`` of a running task); the stored dispatch carries it too, for a daemon that reconnects."""
+    peers = {str(server.lease.worker_id): server.url}
+    told = 0
+    for task in job.tasks.filter(role=TRAINER, status__in=Task.LIVE).select_related("lease"):
+        message = protocol.DispatchJob.model_validate({**task.dispatch_message, "peers": peers})
+        _dispatch(task, message)
+        told += 1
+    return told
 
 
 # --- what daemons report about their tasks ----------------------------------------------------------------------
@@ -279,10 +349,20 @@ def own_task(worker, task_id, *, lock: bool = False) -> Task:
     return task
 
 
+def task_role(worker, task_id) -> tuple[str, object]:
+    """(role, job id) of the task ``task_id`` if it runs on ``worker``'s lease (one light query, no lock);
+    :class:`TaskRefused` otherwise."""
+    found = Task.objects.filter(pk=task_id, lease__worker_id=worker.pk).values_list("role", "job_id").first()
+    if found is None:
+        raise TaskRefused(f"task {task_id} is not a task of this worker")
+    return found
+
+
 def task_started(worker, task_id) -> None:
     task = own_task(worker, task_id)
+    # The start is the trainer's first "round start": its first step report is timed from it.
     Task.objects.filter(pk=task.pk, status=Task.Status.DISPATCHED, started_at__isnull=True).update(
-        started_at=timezone.now()
+        started_at=timezone.now(), last_status_at=sync_clock()
     )
 
 
@@ -354,12 +434,13 @@ def _kind(progress: dict | str) -> str:
     return ""
 
 
-def handle_status(worker, message: protocol.StatusReport) -> dict:
-    """The reply to one progress value a task's bridge forwarded (``{"type": "Error"}`` when refused)."""
+def handle_status(worker, message: protocol.StatusReport) -> tuple[dict, int]:
+    """The reply to one progress value a task's bridge forwarded (``{"type": "Error"}`` when refused), and how
+    many of the trainer's next step reports its daemon may answer ``Continue`` itself (``continue_for``)."""
     with transaction.atomic():
         task = own_task(worker, message.task_id, lock=True)
         if task.last_status_request == message.request_id:
-            return task.last_status_reply  # a repeat after a reconnect: already counted
+            return task.last_status_reply, 0  # a repeat after a reconnect: already counted
         job = task.job
         changes: dict[str, Any] = {}
         if not task.is_live or job.status != Job.Status.RUNNING:
@@ -376,7 +457,21 @@ def handle_status(worker, message: protocol.StatusReport) -> dict:
             for field, value in changes.items():
                 setattr(task, field, value)
             observers.task_progress(task)
-        return reply
+        return reply, changes.get("continue_granted", 0)
+
+
+def _covered(body: dict, task: Task, batch_size: int) -> tuple[int, int]:
+    """(steps, samples) a step report stands for: itself, plus the steps its daemon answered locally since
+    the last report (``covered_steps``/``covered_samples``, at most what was granted; samples at most a
+    full batch per step)."""
+    steps = body.get("covered_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return 1, batch_size
+    steps = min(steps, task.continue_granted + 1)
+    samples = body.get("covered_samples")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        samples = batch_size * steps
+    return steps, min(samples, steps * max(batch_size, task.batch_size, 1))
 
 
 def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, Any]]:
@@ -394,12 +489,21 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
         batch_size = max(0, min(batch_size, 10**9))
         if task.sync_state not in (Task.Sync.TRAINING, Task.Sync.SCHEDULED):
             return ERROR, {}
-        steps = task.steps_in_round + 1
+        covered, samples = _covered(body, task, batch_size)
+        steps = task.steps_in_round + covered
+        clock = sync_clock()
+        interval = task.step_interval
+        if task.last_status_at is not None:
+            interval = sync.next_interval(
+                interval, (clock - task.last_status_at) / covered, first_of_round=task.steps_in_round == 0
+            )
         changes.update(
             steps_in_round=steps,
-            samples_in_round=task.samples_in_round + batch_size,
-            steps_total=task.steps_total + 1,
-            samples_total=task.samples_total + batch_size,
+            samples_in_round=task.samples_in_round + samples,
+            steps_total=task.steps_total + covered,
+            samples_total=task.samples_total + samples,
+            last_status_at=clock,
+            step_interval=interval,
         )
         loss = _finite(body.get("loss"))
         if loss is not None:
@@ -407,10 +511,25 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
         if task.first_step_at is None:
             changes["first_step_at"] = now
         reply = CONTINUE
-        if task.sync_state == Task.Sync.TRAINING and steps >= current.steps_per_round:
-            # ScheduleUpdate{0}: "stop after this batch" (the executor's counter reaches 0 at once).
-            changes["sync_state"] = Task.Sync.SCHEDULED
-            reply = {"type": "ScheduleUpdate", "counter": 0}
+        grant = 0
+        if task.sync_state == Task.Sync.SCHEDULED:
+            # Its remaining steps need no answer but the last: that report carries them all.
+            grant = max(0, (task.update_due or 0) - steps - 1)
+        elif current.sample_target is None:
+            # Fixed H: ScheduleUpdate{0} ("stop after this batch") at the H-th step; until then the daemon
+            # answers every step but the H-th itself.
+            if steps >= current.steps_per_round:
+                changes.update(sync_state=Task.Sync.SCHEDULED, update_due=steps)
+                reply = {"type": "ScheduleUpdate", "counter": 0}
+            else:
+                grant = current.steps_per_round - steps - 1
+        else:
+            more, grant = _adaptive_step(task, current.sample_target, samples, interval, clock)
+            if more is not None:
+                changes.update(sync_state=Task.Sync.SCHEDULED, update_due=steps + more)
+                reply = {"type": "ScheduleUpdate", "counter": more}
+                grant = max(0, more - 1)
+        changes["continue_granted"] = min(grant, MAX_CONTINUE_GRANT)
     elif kind == "update":
         if task.sync_state == Task.Sync.DONE:
             return ERROR, {}
@@ -427,6 +546,9 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
             round=completed,
             steps_in_round=0,
             samples_in_round=0,
+            update_due=None,
+            continue_granted=0,
+            last_status_at=sync_clock(),  # the next round starts now for this trainer
             sync_state=Task.Sync.DONE if done else Task.Sync.TRAINING,
         )
         reply = DONE if done else CONTINUE
@@ -436,6 +558,112 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
     else:
         return ERROR, {}
     return reply, changes
+
+
+def _trainers_in_round(job_id, round_number: int):
+    """The job's live trainers still training in round ``round_number + 1`` (not yet sent their update)."""
+    return Task.objects.filter(
+        job_id=job_id,
+        role=TRAINER,
+        status__in=Task.LIVE,
+        round=round_number,
+        sync_state__in=(Task.Sync.TRAINING, Task.Sync.SCHEDULED),
+    )
+
+
+def _projected(rows: list[dict], *, now: float) -> list[sync.Trainer]:
+    """Trainers for :func:`sync.project` from task rows (``pk``, ``batch_size``, ``last_status_at``,
+    ``step_interval``, ``steps_in_round``, ``score``); unknown intervals seeded from the others' and the
+    benchmark scores."""
+    keys = [str(row["pk"]) for row in rows]
+    intervals = sync.seed_intervals(
+        {key: row["step_interval"] for key, row in zip(keys, rows, strict=True)},
+        scores={key: row["score"] for key, row in zip(keys, rows, strict=True)},
+        batch_sizes={key: max(1, row["batch_size"]) for key, row in zip(keys, rows, strict=True)},
+    )
+    return [
+        sync.Trainer(
+            key=key,
+            batch_size=max(1, row["batch_size"]),
+            # A trainer yet to report a step this round may still be starting or merging: its first step is
+            # not expected before a whole step from now.
+            last_report=now
+            if row["last_status_at"] is None or row["steps_in_round"] == 0
+            else row["last_status_at"],
+            interval=intervals[key],
+        )
+        for key, row in zip(keys, rows, strict=True)
+    ]
+
+
+_ROW_FIELDS = (
+    "pk",
+    "batch_size",
+    "last_status_at",
+    "step_interval",
+    "update_due",
+    "steps_in_round",
+    "samples_in_round",
+    "continue_granted",
+)
+
+
+def _rows(tasks) -> list[dict]:
+    """What the projection needs of ``tasks``, with their workers' benchmark scores as ``score``."""
+    return list(tasks.values(*_ROW_FIELDS, score=F("lease__worker__benchmark_score")))
+
+
+def _adaptive_step(
+    task: Task, target: int, samples: int, interval: float | None, now: float
+) -> tuple[int | None, int]:
+    """Performance-aware sync at a report of ``task`` (still TRAINING): how many more steps it runs this round
+    (``None``: not decided yet), and how many of its next reports its daemon may answer itself.
+
+    The round's samples are those its trainers reported (this report included, and those of trainers that
+    already sent their update); when they reach ``target`` every trainer stops after its current step (``0``). When the rest is within a few steps
+    of every trainer, the coming steps are projected (:func:`sync.project`) and this trainer is told its
+    share once the projection covers the rest within the caps. Further away, the trainer may run on without
+    asking for as many steps as the whole fleet cannot bring the round near its end in (counting the steps
+    other trainers were already allowed to run unreported), and at most :data:`MAX_CONTINUE_SECONDS`.
+    """
+    # The round's samples include those of trainers that have sent their update already (UPDATING): they
+    # count until their update-received, which comes only once the round closed.
+    sent = Task.objects.filter(
+        job_id=task.job_id,
+        role=TRAINER,
+        status__in=Task.LIVE,
+        round=task.round,
+        sync_state=Task.Sync.UPDATING,
+    ).aggregate(samples=Sum("samples_in_round"))["samples"]
+    rows = _rows(_trainers_in_round(task.job_id, task.round).exclude(pk=task.pk))
+    done = (sent or 0) + sum(row["samples_in_round"] for row in rows) + task.samples_in_round + samples
+    to_go = max(0, target - done)
+    if to_go == 0:
+        return 0, 0
+    own_batch = max(1, task.batch_size)
+    rows.append(
+        {
+            "pk": task.pk,
+            "batch_size": own_batch,
+            "last_status_at": now,
+            "step_interval": interval,
+            "update_due": None,
+            "steps_in_round": task.steps_in_round + 1,
+            "samples_in_round": 0,
+            "continue_granted": 0,
+            "score": task.lease.worker.benchmark_score,
+        }
+    )
+    trainers = _projected(rows, now=now)
+    # A projection that succeeds has every trainer at most STEPS_CAP - 1 steps ahead.
+    margin = (sync.STEPS_CAP - 1) * sum(trainer.batch_size for trainer in trainers)
+    if to_go <= margin:
+        projection = sync.project(trainers, to_go=to_go, now=now)
+        return (projection.steps[str(task.pk)] if projection.reaches_target else None), 0
+    unreported = sum(max(1, row["batch_size"]) * row["continue_granted"] for row in rows)
+    return None, sync.steps_before(
+        trainers, key=str(task.pk), slack=to_go - margin - unreported, limit=MAX_CONTINUE_SECONDS
+    )
 
 
 def _record_trainer_metrics(task: Task, body: Any) -> None:
@@ -473,17 +701,59 @@ def _server_status(task: Task, progress: dict | str) -> dict:
             return ERROR
         Task.objects.filter(pk=task.pk).update(url=url, status=Task.Status.RUNNING)
         task.url = url
-        count = _dispatch_trainers(job, task)
+        _dispatch_trainers(job, task)
+        count = _point_trainers(job, task)
         job.transition(
             Job.Status.RUNNING,
-            reason=f"RUNNING: parameter server listening at {url}; {count} trainers dispatched",
+            reason=f"RUNNING: parameter server listening at {url}; {count} trainers told",
         )
         return OK
     if kind == "round":
         return _record_round(task, progress["round"])
+    if kind == "waiting":
+        return _expectation(task, progress["waiting"])
     if kind in ("metrics", "updated"):
         return OK
     return ERROR
+
+
+def _expectation(task: Task, body: Any) -> dict:
+    """The parameter server's round ``body["round"]`` has its first update: whom should it wait for, and
+    when are they due? ``{"type": "Expect", "peers": [worker ids], "due_in": seconds | None}`` — the job's
+    live trainers that have not finished the job, and when the last of them is projected to finish its
+    steps (``None`` when unknown; the parameter server then keeps its ``round_timeout``)."""
+    job = task.job
+    current = plan(job)
+    number = body.get("round") if isinstance(body, dict) else None
+    if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= current.update_rounds:
+        return ERROR
+    live = list(
+        Task.objects.filter(job=job, role=TRAINER, status__in=Task.LIVE)
+        .exclude(sync_state=Task.Sync.DONE)
+        .values("lease__worker_id", "round")
+    )
+    peers = sorted({str(row["lease__worker_id"]) for row in live})
+    now = sync_clock()
+    rows = _rows(_trainers_in_round(job.pk, number - 1))
+    due = None
+    # Only trainers measured in this round are projected; one still starting, merging or a round behind
+    # (left out of the last one) may need long: the parameter server keeps its round_timeout then.
+    settled = all(row["round"] >= number - 1 for row in live) and all(
+        row["steps_in_round"] > 0 and row["step_interval"] is not None for row in rows
+    )
+    if settled:
+        remaining = {
+            str(row["pk"]): (
+                row["update_due"] - row["steps_in_round"]
+                if row["update_due"] is not None
+                else (current.steps_per_round - row["steps_in_round"] if current.steps_per_round else None)
+            )
+            for row in rows
+        }
+        due = sync.due_in(
+            _projected(rows, now=now), remaining_steps=remaining, now=now, default=sync.STEPS_CAP - 1
+        )
+    return {"type": "Expect", "peers": peers, "due_in": None if due is None else round(due, 3)}
 
 
 def _record_round(task: Task, body: Any) -> dict:
@@ -501,6 +771,16 @@ def _record_round(task: Task, body: Any) -> dict:
     round_.closed_at = timezone.now()
     round_.participants = ids(body.get("participants"))
     round_.left_out = ids(body.get("left_out"))
+    arrivals = body.get("arrivals")
+    round_.arrivals = (
+        {
+            str(peer)[:64]: seconds
+            for peer, seconds in ((peer, _finite(value)) for peer, value in list(arrivals.items())[:1024])
+            if seconds is not None and seconds >= 0
+        }
+        if isinstance(arrivals, dict)
+        else {}
+    )
     refused = body.get("refused")
     round_.refused = (
         {str(key)[:64]: str(value)[:500] for key, value in list(refused.items())[:1024]}

@@ -12,7 +12,18 @@ from hypha_site.admin_base import ReadOnlyModelAdmin, ReadOnlyTabularInline
 
 class OfferInline(ReadOnlyTabularInline):
     model = Offer
-    fields = ["worker", "attempt", "price", "score", "status", "reason", "lease", "created_at", "decided_at"]
+    fields = [
+        "worker",
+        "attempt",
+        "price",
+        "score",
+        "benchmark_score",
+        "status",
+        "reason",
+        "lease",
+        "created_at",
+        "decided_at",
+    ]
     readonly_fields = fields
     ordering = ["created_at"]
     show_change_link = True
@@ -42,7 +53,17 @@ class AdvertisementAdmin(ReadOnlyModelAdmin):
 
 @admin.register(Offer)
 class OfferAdmin(ReadOnlyModelAdmin):
-    list_display = ["id", "advertisement", "worker", "price", "score", "status", "reason", "created_at"]
+    list_display = [
+        "id",
+        "advertisement",
+        "worker",
+        "price",
+        "score",
+        "benchmark_score",
+        "status",
+        "reason",
+        "created_at",
+    ]
     list_filter = ["status"]
     search_fields = ["=id", "=advertisement__id", "worker__name"]
     list_select_related = ["advertisement", "worker"]

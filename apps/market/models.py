@@ -72,6 +72,9 @@ class Offer(ResourceColumns):
     attempt = models.PositiveIntegerField()
     price = models.FloatField()
     score = models.FloatField(help_text="price per weighted capacity; lower wins")
+    benchmark_score = models.FloatField(
+        null=True, blank=True, help_text="the worker's benchmark score (samples/s) the offer carried"
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
     reason = models.CharField(max_length=300, blank=True)
     lease = models.OneToOneField(

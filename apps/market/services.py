@@ -133,6 +133,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             "price": message.price,
             **message.resources.model_dump(),
             "score": offer_score(price=message.price, resources=message.resources),
+            "benchmark_score": message.benchmark_score,
         }
         if message.price > ad.max_price:
             now = timezone.now()

@@ -12,17 +12,28 @@ from django.http import HttpRequest
 
 from apps.jobs import services as job_services
 from apps.workers import services
+from apps.workers.exceptions import WorkerOffline
 from apps.workers.models import Worker
 
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["name", "owner", "status", "last_seen_at", "cpu", "memory", "gpu", "revoked"]
+    list_display = [
+        "name",
+        "owner",
+        "status",
+        "last_seen_at",
+        "cpu",
+        "memory",
+        "gpu",
+        "benchmark_score",
+        "revoked",
+    ]
     list_filter = ["status", ("token_revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["name"]
     list_select_related = ["owner"]
     raw_id_fields = ["owner"]
-    actions = ["revoke_tokens", "rotate_tokens"]
+    actions = ["revoke_tokens", "rotate_tokens", "run_benchmarks"]
     readonly_fields = [
         "id",
         "status",
@@ -38,6 +49,8 @@ class WorkerAdmin(admin.ModelAdmin):
         "price_floor",
         "strategy",
         "connection_info",
+        "benchmark_score",
+        "benchmark",
         "created_at",
     ]
     fieldsets = [
@@ -48,6 +61,7 @@ class WorkerAdmin(admin.ModelAdmin):
             "Reported by its daemon",
             {"fields": ["cpu", "memory", "storage", "gpu", "executors", "price_floor", "strategy"]},
         ),
+        ("Benchmark (samples/s, higher is faster)", {"fields": ["benchmark_score", "benchmark"]}),
         (None, {"fields": ["created_at"]}),
     ]
     add_fieldsets = [
@@ -85,3 +99,22 @@ class WorkerAdmin(admin.ModelAdmin):
         for worker in queryset:
             token = job_services.rotate_token(worker)
             messages.success(request, f"New token of worker {worker.name} (shown only this once): {token}")
+
+    @admin.action(
+        description="Run benchmark (online workers; the score arrives in seconds)", permissions=["change"]
+    )
+    def run_benchmarks(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
+        asked, offline = [], []
+        for worker in queryset:
+            try:
+                services.request_benchmark(worker)
+            except WorkerOffline:
+                offline.append(worker.name)
+            else:
+                asked.append(worker.name)
+        if asked:
+            messages.success(
+                request, f"Asked {len(asked)} worker(s) to run their benchmark: {', '.join(asked)}."
+            )
+        if offline:
+            messages.warning(request, f"Not asked, offline: {', '.join(offline)}.")

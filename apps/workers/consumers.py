@@ -5,6 +5,12 @@ the connection accepted so that an :class:`~worker_daemon.protocol.Error` frame 
 (daphne drops close reasons); the close code says it too (:class:`~worker_daemon.protocol.CloseCode`).
 
 The consumer validates frames and calls :mod:`apps.jobs.services`; it holds no market logic.
+
+Limits, per connection, checked before a frame is parsed: a token bucket (``HYPHA_WS_RATE`` frames/s,
+``HYPHA_WS_BURST``; see :mod:`apps.workers.ratelimit`) answers a frame over it with a ``rate_limited`` error
+frame and drops it, and closes a connection that goes on regardless (more than ``HYPHA_WS_FLOOD_REFUSALS``
+refused frames in 10 s) with 4008; a frame over ``HYPHA_WS_MAX_MESSAGE_BYTES`` gets ``too_large``. Both are
+logged (refusals at most once per 5 s per connection); other connections are not affected.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from apps.jobs.exceptions import TaskRefused
 from apps.market.exceptions import OfferRefused
 from apps.workers import services as worker_services
 from apps.workers.exceptions import AuthenticationFailed
+from apps.workers.ratelimit import FLOOD_WINDOW, FrameRateLimit
 from hypha_site import metrics, telemetry
 from worker_daemon import protocol
 
@@ -37,6 +44,8 @@ GROUP_REFRESH_INTERVAL = 3600.0
 class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     worker = None
     greeted = False
+    #: Set once the gateway closed the connection itself: frames still in flight are ignored.
+    closing = False
 
     async def connect(self) -> None:
         await self.accept()
@@ -46,7 +55,14 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             logger.warning("worker connection refused from %s: %s", self._peer(), error.message)
             await self._close_with(error.code, protocol.ErrorCode.REFUSED, error.message)
             return
-        self.last_touch = self.last_group_join = time.monotonic()
+        now = time.monotonic()
+        self.last_touch = self.last_group_join = now
+        self.rate_limit = FrameRateLimit(
+            rate=settings.HYPHA_WS_RATE,
+            burst=settings.HYPHA_WS_BURST,
+            flood_refusals=settings.HYPHA_WS_FLOOD_REFUSALS,
+            now=now,
+        )
 
     async def disconnect(self, code) -> None:
         if self.worker is None or not self.greeted:
@@ -60,17 +76,23 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         )
 
     async def receive(self, text_data=None, bytes_data=None) -> None:
-        if self.worker is None:
+        if self.worker is None or self.closing:
+            return
+        if not self.rate_limit.admit(time.monotonic()):
+            await self._rate_limited()
             return
         if text_data is None:
             await self._error(protocol.ErrorCode.MALFORMED, "binary frames are not part of the protocol")
             return
-        if len(text_data) > settings.HYPHA_WS_MAX_MESSAGE_BYTES:
-            logger.warning("worker %s sent a %d-byte frame; refused", self.worker.name, len(text_data))
-            await self._error(
-                protocol.ErrorCode.TOO_LARGE,
-                f"frame of {len(text_data)} bytes exceeds {settings.HYPHA_WS_MAX_MESSAGE_BYTES}",
+        limit = settings.HYPHA_WS_MAX_MESSAGE_BYTES
+        size = len(text_data)
+        if size * 4 > limit:  # a character is 1–4 UTF-8 bytes: only a long frame needs encoding to be sure
+            size = len(text_data.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            logger.warning(
+                "worker %s sent a %d-byte frame; refused (limit %d)", self.worker.name, size, limit
             )
+            await self._error(protocol.ErrorCode.TOO_LARGE, f"frame of {size} bytes exceeds {limit}")
             return
         try:
             message = protocol.parse_daemon_message(text_data)
@@ -129,6 +151,10 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                     await self._unknown_lease(message)
             case protocol.StatusReport():
                 await self._status(message)
+            case protocol.BenchmarkReport():
+                await database_sync_to_async(worker_services.benchmark_reported)(
+                    worker=self.worker, message=message
+                )
             case protocol.FetchSlice():
                 reply = await database_sync_to_async(job_services.slice_requested)(
                     worker=self.worker, message=message
@@ -215,6 +241,37 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             await database_sync_to_async(self.worker.touch)()
         if now - self.last_group_join >= GROUP_REFRESH_INTERVAL:
             await self._join_groups()
+
+    async def _rate_limited(self) -> None:
+        limit = self.rate_limit
+        if limit.flooding:
+            logger.warning(
+                "worker %s from %s: more than %d frames over the rate limit in %g s; closing the connection",
+                self.worker.name,
+                self._peer(),
+                limit.flood_refusals,
+                FLOOD_WINDOW,
+            )
+            self.closing = True
+            await self._close_with(
+                protocol.CloseCode.FLOODING,
+                protocol.ErrorCode.RATE_LIMITED,
+                f"more than {limit.flood_refusals} frames over the rate limit in {FLOOD_WINDOW:g} s",
+            )
+            return
+        refused = limit.refusals_to_log(time.monotonic())
+        if refused:
+            logger.warning(
+                "worker %s: %d frame(s) over the rate limit (%g/s, burst %d) refused",
+                self.worker.name,
+                refused,
+                limit.rate,
+                limit.burst,
+            )
+        await self._error(
+            protocol.ErrorCode.RATE_LIMITED,
+            f"over the rate limit of {limit.rate:g} frames/s (burst {limit.burst:g}); frame dropped",
+        )
 
     async def _unknown_lease(self, message) -> None:
         await self._error(

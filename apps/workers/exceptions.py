@@ -1,7 +1,8 @@
 """Errors of the workers app.
 
 WorkerError
-└── AuthenticationFailed     no token, an unknown token or a revoked one (``code`` is the close code)
+├── AuthenticationFailed     no token, an unknown token or a revoked one (``code`` is the close code)
+└── WorkerOffline            the worker's daemon is not connected, so it cannot be asked anything
 """
 
 from __future__ import annotations
@@ -16,3 +17,7 @@ class AuthenticationFailed(WorkerError):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class WorkerOffline(WorkerError):
+    """The worker's daemon is not connected."""

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
-from worker_daemon.protocol import ExecutorDescriptor, Resources
+from worker_daemon.protocol import BenchmarkResult, ExecutorDescriptor, Resources
 
 TOKEN_PREFIX = "hw_"
 
@@ -70,6 +70,18 @@ class Worker(ResourceColumns):
     connected_at = models.DateTimeField(null=True, blank=True)
     channel_name = models.CharField(max_length=200, blank=True, editable=False)
     connection_info = models.JSONField(default=dict, blank=True)
+    benchmark_score = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Training samples per second on the standard benchmark workload (higher is faster); "
+        "null until its daemon reports a benchmark.",
+    )
+    benchmark = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Details of the last benchmark (device, model, batch size, steps, median step seconds, "
+        "slowdown, measured_at, …); 'error'/'error_at' when the latest run failed.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -158,6 +170,17 @@ class Worker(ResourceColumns):
                 status=self.Status.OFFLINE, channel_name="", last_seen_at=timezone.now()
             )
         return updated == 1
+
+    def record_benchmark(self, result: BenchmarkResult) -> None:
+        """Keep a finished benchmark: its score, and its details (a previous failure is forgotten)."""
+        self.benchmark_score = result.score
+        self.benchmark = result.model_dump(mode="json")
+        self.save(update_fields=["benchmark_score", "benchmark"])
+
+    def record_benchmark_failure(self, error: str) -> None:
+        """Note that the latest benchmark failed; the last score stays (it is still the best estimate)."""
+        self.benchmark = {**self.benchmark, "error": error, "error_at": timezone.now().isoformat()}
+        self.save(update_fields=["benchmark"])
 
     def touch(self) -> None:
         Worker.objects.filter(pk=self.pk).update(last_seen_at=timezone.now())

@@ -10,7 +10,7 @@ import logging
 
 from django.db import transaction
 
-from apps.workers.exceptions import AuthenticationFailed
+from apps.workers.exceptions import AuthenticationFailed, WorkerOffline
 from apps.workers.models import Worker, hash_token
 from hypha_site.runtime import group_send, send_on_commit
 from worker_daemon import protocol
@@ -58,6 +58,8 @@ def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hell
             strategy=hello.strategy,
             info=info,
         )
+        if hello.benchmark is not None:
+            worker.record_benchmark(hello.benchmark)
         if previous_channel and previous_channel != channel_name:
             # An older connection of the same daemon may linger (half-open TCP): tell it to go.
             close_connections(
@@ -67,6 +69,30 @@ def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hell
                 keep_channel=channel_name,
             )
     return worker
+
+
+def benchmark_reported(*, worker: Worker, message: protocol.BenchmarkReport) -> Worker:
+    """A daemon's benchmark ended: keep its score and details, or note why it failed."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker.pk)
+        if message.benchmark is not None:
+            worker.record_benchmark(message.benchmark)
+            logger.info("worker %s benchmark: %.1f samples/s", worker.name, message.benchmark.score)
+        else:
+            worker.record_benchmark_failure(message.error)
+            logger.warning("worker %s benchmark failed: %s", worker.name, message.error)
+    return worker
+
+
+def request_benchmark(worker: Worker) -> protocol.RunBenchmark:
+    """Ask the worker's daemon to run its benchmark now (after commit); its ``benchmark_result`` frame
+    brings the score. Raises :class:`WorkerOffline` when the daemon is not connected."""
+    if worker.status != Worker.Status.ONLINE:
+        raise WorkerOffline(f"worker {worker.name} is offline: its daemon cannot run a benchmark now")
+    message = protocol.RunBenchmark()
+    send_to_worker(worker.pk, message)
+    logger.info("worker %s asked to run its benchmark (request %s)", worker.name, message.request_id)
+    return message
 
 
 def record_disconnection(*, worker: Worker, channel_name: str) -> bool:

@@ -163,6 +163,7 @@ def hello(
     executors: tuple[protocol.ExecutorDescriptor, ...] = (TRAIN, AGGREGATE),
     leases: tuple = (),
     version: int = protocol.PROTOCOL_VERSION,
+    benchmark: protocol.BenchmarkResult | None = None,
 ) -> protocol.Hello:
     return protocol.Hello(
         protocol_version=version,
@@ -172,6 +173,7 @@ def hello(
         price_floor=50.0,
         strategy="whole",
         leases=list(leases),
+        benchmark=benchmark,
     )
 
 
@@ -200,11 +202,17 @@ def advert(job: Job, role: str) -> Advertisement:
 
 
 def offer_on(
-    ad: Advertisement, *, price: float, resources: protocol.Resources = CAPACITY, attempt: int | None = None
+    ad: Advertisement,
+    *,
+    price: float,
+    resources: protocol.Resources = CAPACITY,
+    attempt: int | None = None,
+    benchmark_score: float | None = None,
 ) -> protocol.Offer:
     return protocol.Offer(
         advertisement_id=ad.pk,
         attempt=ad.attempt if attempt is None else attempt,
         price=price,
         resources=resources,
+        benchmark_score=benchmark_score,
     )

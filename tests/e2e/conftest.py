@@ -61,6 +61,15 @@ STARTUP_DEADLINE = 90.0
 LOG_TAIL_CHARS = 20_000
 
 
+def small_training_job(tmp_path: Path, **spec: Any) -> tuple[Path, dict]:
+    """A byte-level dataset of the standard library's sources and a DiLoCo spec on it for the small GPT-2 at
+    batch 8 (``spec`` goes to ``bench.cluster.diloco_spec``): the training tests' job."""
+    from bench.cluster import SMALL_GPT2, diloco_spec, prepare_stdlib_text
+
+    dataset = prepare_stdlib_text(tmp_path / "stdlib", max_bytes=250_000, samples_per_slice=32)
+    return dataset, diloco_spec(dataset="stdlib", batch_size=8, model=SMALL_GPT2, **spec)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "e2e: end-to-end test with real control-plane and worker-daemon processes (slow)"
@@ -382,8 +391,18 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 # --- worker daemons ------------------------------------------------------------------------------------
 
 
-def start_daemon(group: ProcessGroup, plane: ControlPlane, *, name: str, token: str, root: Path) -> Child:
-    """Start ``hypha-worker-daemon`` as worker ``name`` with a 2-cpu/4-GB config under ``root``."""
+def start_daemon(
+    group: ProcessGroup,
+    plane: ControlPlane,
+    *,
+    name: str,
+    token: str,
+    root: Path,
+    benchmark: bool = False,
+    options: tuple[str, ...] = (),
+) -> Child:
+    """Start ``hypha-worker-daemon`` as worker ``name`` with a 2-cpu/4-GB config under ``root``; without its
+    start benchmark (seconds of CPU per daemon) unless ``benchmark``."""
     work_dir = root / name
     work_dir.mkdir(parents=True, exist_ok=True)
     config = root / f"{name}.toml"
@@ -400,6 +419,8 @@ def start_daemon(group: ProcessGroup, plane: ControlPlane, *, name: str, token: 
         "--token", token,
         "--config", str(config),
         "--log-level", "INFO",
+        *([] if benchmark else ["--no-benchmark"]),
+        *options,
     ]  # fmt: skip
     return group.start(f"daemon-{name}", argv, env=env)
 
@@ -411,10 +432,19 @@ def start_daemon(group: ProcessGroup, plane: ControlPlane, *, name: str, token: 
 def daemon_factory(
     processes: ProcessGroup, control_plane: ControlPlane, tmp_path: Path
 ) -> Callable[..., Child]:
-    """``daemon_factory(name=..., token=...)`` starts a daemon of this test (stopped at teardown)."""
+    """``daemon_factory(name=..., token=..., benchmark=False, options=())`` starts a daemon of this test
+    (stopped at teardown)."""
 
-    def start(*, name: str, token: str) -> Child:
-        return start_daemon(processes, control_plane, name=name, token=token, root=tmp_path / "daemons")
+    def start(*, name: str, token: str, benchmark: bool = False, options: tuple[str, ...] = ()) -> Child:
+        return start_daemon(
+            processes,
+            control_plane,
+            name=name,
+            token=token,
+            root=tmp_path / "daemons",
+            benchmark=benchmark,
+            options=options,
+        )
 
     return start
 

@@ -89,6 +89,7 @@ def test_login_submit_watch_and_download_a_tiny_training_job(tmp_path: Path) -> 
         workers=TRAINERS + 1,
         mode="services" if services_mode() else "embedded",
         settings={"HYPHA_LEASE_TTL": "10"},
+        benchmark=False,
     ) as cluster:
         server = cluster.plane.base_url
 

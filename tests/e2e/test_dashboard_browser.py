@@ -63,6 +63,7 @@ def test_a_user_submits_watches_and_cancels_a_job_in_the_browser(tmp_path: Path)
             workers=3,
             mode="services" if services_mode() else "embedded",
             settings={"HYPHA_LEASE_TTL": "10", "DJANGO_SUPERUSER_PASSWORD": PASSWORD},
+            benchmark=False,
         ) as cluster,
         sync_api.sync_playwright() as playwright,
     ):

@@ -197,7 +197,13 @@ def test_a_job_is_leased_renewed_and_survives_its_workers_leaving(
     }
     job = get_job(api, job_id)
     assert (job["status"], job["status_reason"]) == ("cancelled", "CANCELLED: cancelled by its owner")
-    assert worker_statuses(api, names) == {killed: "offline", kept: "online", stopped: "offline"}
+    # the stopped daemon has exited, but the gateway may still be handling its closed connection
+    wait_until(
+        lambda: worker_statuses(api, names) == {killed: "offline", kept: "online", stopped: "offline"},
+        timeout=5.0,
+        interval=POLL,
+        message=f"{killed} and {stopped} offline, {kept} online",
+    )
     assert daemons[kept].poll() is None
 
 

@@ -462,6 +462,8 @@ WORKER = {
     "executors": [{"class": "train", "name": "diloco-transformer"}],
     "price_floor": 50.0,
     "strategy": "",
+    "benchmark_score": 123.45,
+    "benchmark": {"device": "cpu", "model": "tiny-gpt-2x128", "batch_size": 8},
     "status": "online",
     "last_seen_at": None,
     "connected_at": None,
@@ -491,6 +493,7 @@ def test_workers_shows_a_table(api, hypha, capsys):
         "GB",
         "EXECUTORS",
         "FLOOR",
+        "BENCH/S",
         "LEASES",
         "LAST",
         "SEEN",
@@ -503,10 +506,22 @@ def test_workers_shows_a_table(api, hypha, capsys):
         "24",
         "train/diloco-transformer",
         "50",
+        "123.5",
         "trainer",
         "(active)",
         "-",
     ]
+
+
+def test_workers_shows_a_dash_for_a_worker_not_benchmarked_yet(api, hypha, capsys):
+    unmeasured = {**WORKER, "benchmark_score": None, "benchmark": {}}
+    api.routes[("GET", "/api/workers/")] = json_response(
+        200, {"count": 1, "next": None, "previous": None, "results": [unmeasured]}
+    )
+
+    assert hypha("workers") == ExitCode.OK
+
+    assert capsys.readouterr().out.splitlines()[1].split()[6:8] == ["50", "-"]
 
 
 def test_workers_json_prints_the_apis_worker_objects(api, hypha, capsys):

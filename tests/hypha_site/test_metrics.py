@@ -35,7 +35,7 @@ job_owner = app_fixtures.job_owner
 rig_a, rig_b, rig_c = app_fixtures.rig_a, app_fixtures.rig_b, app_fixtures.rig_c
 online_rigs = app_fixtures.online_rigs
 sent = job_fixtures.sent
-data_node = test_training.data_node
+data_node = job_fixtures.data_node
 running_job = test_training.running_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from worker_daemon.link import MAX_QUEUED
+
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s" * 50
 #: Everything the settings read; each case starts from none of them (the embedded default).
@@ -24,6 +26,9 @@ SETTINGS_VARIABLES = (
     "ALLOWED_HOSTS",
     "CSRF_TRUSTED_ORIGINS",
     "LOG_LEVEL",
+    "SECURE_PROXY_SSL_HEADER",
+    "SESSION_COOKIE_SECURE",
+    "CSRF_COOKIE_SECURE",
 )
 
 
@@ -69,6 +74,20 @@ BAD_VALUES = {
     "frame limit not an integer": (
         {"HYPHA_WS_MAX_MESSAGE_BYTES": "1.5"},
         "HYPHA_WS_MAX_MESSAGE_BYTES='1.5' is not an integer",
+    ),
+    "rate limit zero": ({"HYPHA_WS_RATE": "0"}, "HYPHA_WS_RATE='0' must be between 0.1 and 1000000.0"),
+    "burst zero": ({"HYPHA_WS_BURST": "0"}, "HYPHA_WS_BURST='0' must be between 1 and 10000000"),
+    "flood refusals not an integer": (
+        {"HYPHA_WS_FLOOD_REFUSALS": "many"},
+        "HYPHA_WS_FLOOD_REFUSALS='many' is not an integer",
+    ),
+    "proxy header not a header name": (
+        {"SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto: https"},
+        "SECURE_PROXY_SSL_HEADER='X-Forwarded-Proto: https' is not an HTTP header name",
+    ),
+    "secure cookies not a boolean": (
+        {"SESSION_COOKIE_SECURE": "sure"},
+        "SESSION_COOKIE_SECURE='sure' is not a boolean",
     ),
 }
 
@@ -128,3 +147,62 @@ def test_the_redis_channel_layer_outwaits_its_blocking_receive(tmp_path):
     assert result.returncode == 0, result.stderr
     socket_timeout, receive_timeout = (float(value) for value in result.stdout.split())
     assert socket_timeout > receive_timeout
+
+
+PRINT_SECURITY_SETTINGS = (
+    "import django; django.setup()\n"
+    "from django.conf import settings as s\n"
+    "print(repr((s.SECURE_PROXY_SSL_HEADER, s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE,"
+    " s.ALLOWED_HOSTS, s.CSRF_TRUSTED_ORIGINS, s.HYPHA_WS_RATE, s.HYPHA_WS_BURST, s.HYPHA_WS_FLOOD_REFUSALS)))\n"
+)
+
+
+def test_the_defaults_trust_no_proxy_and_allow_plain_http_cookies(tmp_path):
+    # when
+    result = run(["-c", PRINT_SECURITY_SETTINGS], tmp_path)
+
+    # then
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == repr(
+        (
+            None,
+            False,
+            False,
+            ["localhost", "127.0.0.1", "[::1]", "testserver"],
+            ["http://localhost:8000", "http://127.0.0.1:8000"],
+            200.0,
+            MAX_QUEUED,  # a reconnecting daemon's whole outbox fits in the burst
+            1000,
+        )
+    )
+
+
+def test_settings_behind_a_tls_proxy(tmp_path):
+    # when: what docs/deploy.md sets behind nginx
+    result = run(
+        ["-c", PRINT_SECURITY_SETTINGS],
+        tmp_path,
+        SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
+        SESSION_COOKIE_SECURE="true",
+        CSRF_COOKIE_SECURE="1",
+        ALLOWED_HOSTS="hypha.example.org",
+        CSRF_TRUSTED_ORIGINS="https://hypha.example.org",
+        HYPHA_WS_RATE="50.5",
+        HYPHA_WS_BURST="200",
+        HYPHA_WS_FLOOD_REFUSALS="10",
+    )
+
+    # then
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == repr(
+        (
+            ("HTTP_X_FORWARDED_PROTO", "https"),
+            True,
+            True,
+            ["hypha.example.org"],
+            ["https://hypha.example.org"],
+            50.5,
+            200,
+            10,
+        )
+    )

@@ -88,16 +88,20 @@ def aggregate_job(
 
 
 class StatusBackend:
-    """Records status values; answers from ``replies`` (a list, first in first out) or ``{"type": "Ok"}``."""
+    """Records status values; answers from ``replies`` (a list, first in first out) or ``{"type": "Ok"}``, and
+    a round's ``{"waiting": …}`` question from ``expect`` (``{"type": "Ok"}``, i.e. no answer, when None)."""
 
     def __init__(self) -> None:
         self.values: list[Any] = []
         self.replies: list[dict[str, Any]] = []
+        self.expect: dict[str, Any] | None = None
         self.arrived = asyncio.Event()
 
     async def status(self, *, job_id: str | None, progress: Any) -> dict[str, Any]:
         self.values.append(progress)
         self.arrived.set()
+        if isinstance(progress, dict) and "waiting" in progress:
+            return self.expect or {"type": "Ok"}
         return self.replies.pop(0) if self.replies else {"type": "Ok"}
 
     async def wait_for(self, key: str, count: int = 1, timeout: float = 20.0) -> list[Any]:
@@ -135,30 +139,7 @@ def status_backend() -> StatusBackend:
 
 
 @pytest.fixture
-def accept_ps_progress(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let the bridge forward ``{"ready": …}`` and ``{"round": …}`` if its progress check does not know them
-    yet (docs/training.md says a parameter server sends them; worker_daemon's bridge is updated separately)."""
-    from worker_daemon.bridge import server as bridge_server
-
-    original = bridge_server.parse_progress
-    try:
-        original({"ready": {"url": "http://x", "round": 0}})
-        return
-    except ValueError:
-        pass
-
-    def parse_progress(value: Any) -> Any:
-        if isinstance(value, dict) and len(value) == 1 and ("ready" in value or "round" in value):
-            return value
-        return original(value)
-
-    monkeypatch.setattr(bridge_server, "parse_progress", parse_progress)
-
-
-@pytest.fixture
-async def bridge(
-    short_tmp: Path, status_backend: StatusBackend, accept_ps_progress: None
-) -> AsyncIterator[BridgeServer]:
+async def bridge(short_tmp: Path, status_backend: StatusBackend) -> AsyncIterator[BridgeServer]:
     server = await serve_bridge(
         socket_path=short_tmp / "bridge.sock", work_dir=short_tmp, backend=status_backend, job_id=JOB_ID
     )

@@ -262,3 +262,17 @@ def test_nesterov_step_refuses_a_momentum_that_does_not_match_and_bad_hyperparam
         nesterov_step(gradient=gradient, momentum=None, learning_rate=float("inf"), momentum_factor=0.7)
     with pytest.raises(ValueError, match="momentum_factor"):
         nesterov_step(gradient=gradient, momentum=None, learning_rate=0.1, momentum_factor=1.0)
+
+
+def test_take_gives_the_mean_once_computed_in_the_accumulator():
+    mean = StreamingMean()
+    mean.add({"w": torch.tensor([1.0, 2.0]), "h": torch.tensor([2.0], dtype=torch.float16)}, 1.0)
+    mean.add({"w": torch.tensor([3.0, 6.0]), "h": torch.tensor([4.0], dtype=torch.float16)}, 3.0)
+    expected = mean.result()
+
+    taken = mean.take()
+
+    assert torch.equal(taken["w"], expected["w"]) and taken["h"].dtype == torch.float16
+    assert torch.equal(taken["h"], expected["h"])
+    with pytest.raises(NoUpdatesError):
+        mean.take()

@@ -221,3 +221,50 @@ async def test_a_failing_persist_publishes_nothing():
     assert rounds.published.empty()
     assert rounds.rounds_completed == 0
     assert torch.equal(rounds.weights["w"], torch.tensor([1.0, 2.0]))
+
+
+async def test_the_first_update_asks_whom_to_expect_and_a_dead_trainer_is_not_waited_for():
+    # given: three expected trainers; the hook records the question
+    asked = []
+    rounds = coordinator(
+        expected=[ALICE, BOB, CAROL], on_first_update=lambda number, peer: asked.append((number, peer))
+    )
+
+    # when: alice sends; the control plane says carol is no longer training
+    await rounds.submit(ALICE, 1, delta([0.2, 0.2], [0.0]), samples=1)
+    assert asked == [(1, ALICE)]
+    rounds.expect(1, [ALICE, BOB], timeout=None)
+    assert rounds.open_round == 1  # bob is still due
+    await rounds.submit(BOB, 1, delta([0.4, 0.4], [0.0]), samples=1)
+    result = await next_published(rounds)
+
+    # then: closed as soon as the two still training sent, carol reported as left out
+    assert result.participants == (ALICE, BOB)
+    assert result.left_out == (CAROL,)
+    assert set(result.arrivals) == {ALICE, BOB} and result.arrivals[ALICE] == 0.0
+    assert asked == [(1, ALICE)]
+
+
+async def test_expect_shortens_the_timeout_but_never_lengthens_it():
+    # given
+    rounds = coordinator(round_timeout=30.0)
+    await rounds.submit(ALICE, 1, delta([0.2, 0.2], [0.0]), samples=1)
+
+    # when: bob is due within 0.2 s, and does not come
+    rounds.expect(1, [ALICE, BOB], timeout=60.0)  # longer than round_timeout: ignored
+    rounds.expect(1, [ALICE, BOB], timeout=0.2)
+    result = await next_published(rounds)
+
+    # then
+    assert result.participants == (ALICE,) and result.left_out == (BOB,)
+
+
+async def test_expect_for_another_round_or_only_the_senders_closes_or_changes_nothing():
+    rounds = coordinator()
+    rounds.expect(1, [ALICE], timeout=0.0)  # no update yet: nothing to close
+    rounds.expect(2, [ALICE], timeout=0.0)  # not the open round
+    assert rounds.open_round == 1
+    await rounds.submit(ALICE, 1, delta([0.2, 0.2], [0.0]), samples=1)
+    rounds.expect(1, [ALICE], timeout=None)  # bob is gone: alice's update closes the round
+    result = await next_published(rounds)
+    assert result.participants == (ALICE,) and result.left_out == (BOB,)

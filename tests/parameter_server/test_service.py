@@ -187,6 +187,7 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
     assert report_1 == {
         "round": 1,
         "participants": [ALICE, BOB],
+        "arrivals": {ALICE: 0.0, BOB: report_1["arrivals"][BOB]},
         "left_out": [],
         "refused": {},
         "samples": 8,
@@ -241,6 +242,57 @@ async def test_a_silent_trainer_is_left_out_after_the_timeout(tmp_path, bridge, 
     assert report["eval_loss"] is None
     assert len(receiver.authorizations) == 4  # config.json: 503, 503, 200; model.safetensors: 200
     assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+
+
+async def test_the_control_plane_says_whom_to_expect_when_the_first_update_arrives(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: bob's trainer is gone; the control plane says so when asked
+    status_backend.expect = {"type": "Expect", "peers": [ALICE], "due_in": 0.0}
+    job = parse_job(aggregate_job(peers=[ALICE, BOB], update_rounds=1, round_timeout=600.0))
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice = Trainer(session, ready["url"], ALICE)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+
+        # when: only alice sends
+        assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        (waiting,) = await status_backend.wait_for("waiting")
+        (report,) = await status_backend.wait_for("round", timeout=10)  # not after round_timeout (600 s)
+        assert (await alice.get("rounds/1/result?wait=20"))[0] == 200
+        assert await asyncio.wait_for(service, 30) == 0
+
+    # then
+    assert waiting == {"round": 1}
+    assert (report["participants"], report["left_out"]) == ([ALICE], [BOB])
+
+
+async def test_a_replacement_trainer_the_control_plane_names_may_send(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: bob died and "carol" replaced him; the job JSON still names alice and bob
+    status_backend.expect = {"type": "Expect", "peers": [ALICE, "carol"], "due_in": None}
+    job = parse_job(aggregate_job(peers=[ALICE, BOB], update_rounds=1, round_timeout=600.0))
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice, carol = Trainer(session, ready["url"], ALICE), Trainer(session, ready["url"], "carol")
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+
+        # when: carol sends first (the parameter server asks about her), then alice
+        assert await carol.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
+        (report,) = await status_backend.wait_for("round", timeout=10)
+        assert (await carol.get("rounds/1/result?wait=20"))[0] == 200
+        assert (await alice.get("rounds/1/result?wait=20"))[0] == 200
+        assert await asyncio.wait_for(service, 30) == 0
+
+    # then: closed as soon as both sent; bob, expected when the round opened, is reported as left out
+    assert sorted(report["participants"]) == sorted([ALICE, "carol"])
+    assert report["left_out"] == [BOB]
 
 
 async def test_an_upload_that_never_succeeds_fails_the_run(tmp_path, bridge, status_backend, receiver):

@@ -318,6 +318,8 @@ class FakePeer:
 
     def __init__(self) -> None:
         self.slices: dict[tuple[str, int], bytes] = {}
+        #: Slice requests answered 503 before slices are served (a data node that is restarting).
+        self.slice_unavailable = 0
         self.model: dict[str, bytes] = {}
         self.rounds_completed = 0
         self.results: dict[int, bytes] = {}
@@ -358,6 +360,9 @@ class FakePeer:
     async def _slice(self, request: web.Request) -> web.Response:
         await self._record(request)
         key = (request.match_info["dataset"], int(request.match_info["index"]))
+        if self.slice_unavailable > 0:
+            self.slice_unavailable -= 1
+            return web.Response(status=503, text="restarting")
         if key not in self.slices:
             return web.Response(status=404)
         return web.Response(body=self.slices[key])
@@ -402,7 +407,8 @@ async def peer() -> AsyncIterator[FakePeer]:
 
 class Answerer:
     """The control plane's side of a :class:`ControlLink`, in process: records every frame sent and answers
-    ``status`` with ``status_reply`` (``{"type": "Continue"}`` unless ``status_replies`` has entries) and
+    ``status`` with ``status_reply`` (``{"type": "Continue"}`` unless ``status_replies`` has entries; an entry
+    may carry the frame's ``continue_for`` under that key) and
     ``fetch_slice`` with the next of ``slice_answers`` (keyword arguments of ``SliceAssigned``); with
     ``silent`` it answers nothing."""
 
@@ -422,9 +428,11 @@ class Answerer:
             return
         loop = asyncio.get_running_loop()
         if isinstance(message, protocol.StatusReport):
-            reply = self.status_replies.pop(0) if self.status_replies else {"type": "Continue"}
+            reply = dict(self.status_replies.pop(0) if self.status_replies else {"type": "Continue"})
+            grant = reply.pop("continue_for", 0)
             loop.call_soon(
-                self.link.resolve, protocol.StatusReply(request_id=message.request_id, reply=reply)
+                self.link.resolve,
+                protocol.StatusReply(request_id=message.request_id, reply=reply, continue_for=grant),
             )
         elif isinstance(message, protocol.FetchSlice):
             answer = self.slice_answers.pop(0) if self.slice_answers else {"retry_in": 0.05}

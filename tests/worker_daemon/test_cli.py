@@ -198,7 +198,10 @@ async def processes() -> AsyncIterator[list[asyncio.subprocess.Process]]:
             await process.wait()
 
 
-async def start_daemon(processes, server_url: str, tmp_path: Path) -> asyncio.subprocess.Process:
+async def start_daemon(
+    processes, server_url: str, tmp_path: Path, *options: str, benchmark: bool = False
+) -> asyncio.subprocess.Process:
+    """The real CLI daemon; without its start benchmark unless asked (it costs seconds of CPU)."""
     token_file = tmp_path / "token"
     token_file.write_text("secret-token\n")
     process = await asyncio.create_subprocess_exec(
@@ -211,6 +214,8 @@ async def start_daemon(processes, server_url: str, tmp_path: Path) -> asyncio.su
         str(tmp_path),
         "--log-level",
         "info",
+        *([] if benchmark else ["--no-benchmark"]),
+        *options,
         env=clean_env(HYPHA_TOKEN_FILE=str(token_file)),
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
@@ -272,3 +277,58 @@ async def test_refused_token_exits_3(control_plane, processes, tmp_path):
         stderr.decode()
     )
     assert "Traceback" not in stderr.decode()
+
+
+# --- the benchmark and the slowdown knob ------------------------------------------------------------------
+
+
+async def test_the_daemon_benchmarks_at_start_and_offers_with_its_score(
+    control_plane, processes, tmp_path, make
+):
+    # given: the real CLI daemon with its start benchmark on (the default), one core, slowed 1.5×
+    process = await start_daemon(processes, control_plane.url, tmp_path, "--slowdown", "1.5", benchmark=True)
+    connection = await control_plane.next_connection(timeout=30)
+
+    # when: it connects at once, without waiting for the benchmark
+    hello = await connection.expect(protocol.Hello, timeout=10)
+    assert hello.benchmark is None
+    await connection.send(make.welcome(advertisements=[make.advertisement(resources={"cpu": 0.1})]))
+
+    # then: no offer until the benchmark ends; its result follows the hello, and the offer carries the score
+    report = await connection.expect(protocol.BenchmarkReport, timeout=90)
+    assert report.request_id is None and report.benchmark is not None
+    assert (report.benchmark.model, report.benchmark.slowdown) == ("tiny-gpt-2x128", 1.5)
+    offer = await connection.expect(protocol.Offer)
+    assert offer.benchmark_score == report.benchmark.score
+    process.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.wait_for(process.communicate(), 10)
+    assert "running the worker benchmark (no offers until it ends)" in stderr.decode()
+    assert f"worker benchmark: {report.benchmark.score:.1f} samples/s" in stderr.decode()
+
+
+def test_the_benchmark_subcommand_prints_the_score(tmp_path):
+    config = tmp_path / "worker.toml"
+    config.write_text("slowdown = 1.0\n[resources]\ncpu = 1\n")
+
+    result = run_cli("benchmark", "--config", str(config), "--json", env=clean_env(OMP_NUM_THREADS="1"))
+
+    assert result.returncode == 0, result.stderr
+    measured = protocol.BenchmarkResult.model_validate_json(result.stdout)
+    assert (measured.device, measured.threads, measured.slowdown) == ("cpu", 1, 1.0)
+    assert measured.score > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--slowdown", "0.5"), "slowdown: Input should be greater than or equal to 1 (got 0.5)"),
+        (("--slowdown", "nan"), "slowdown: Input should be a finite number (got nan)"),
+    ],
+)
+def test_a_bad_slowdown_is_a_usage_error(args, message):
+    daemon = run_cli("--server", "http://127.0.0.1:1", "--token", "t", *args)
+    measure = run_cli("benchmark", *args)
+
+    for result in (daemon, measure):
+        assert result.returncode == 2
+        assert message in result.stderr

@@ -317,6 +317,11 @@ def test_strategy_as_table_or_bare_string(tmp_path, toml, strategy):
             "executors[1] repeats class='a' name='b' of executors[0]; each class+name may be configured once",
         ),
         ("resources = 5\n", "resources: Input should be a valid dictionary or instance of ResourcesConfig"),
+        ("slowdown = 0.5\n", "slowdown: Input should be greater than or equal to 1 (got 0.5)"),
+        ("slowdown = 101\n", "slowdown: Input should be less than or equal to 100 (got 101)"),
+        ("slowdown = nan\n", "slowdown: Input should be a finite number (got nan)"),
+        ('slowdown = "2"\n', "slowdown: Input should be a valid number (got '2')"),
+        ("benchmark = 1\n", "benchmark: Input should be a valid boolean (got 1)"),
     ],
 )
 def test_invalid_values_name_the_key(tmp_path, toml, message):
@@ -482,3 +487,22 @@ def test_at_most_64_executors_because_hello_carries_no_more(tmp_path):
         ConfigError, match=r"executors: List should have at most 64 items after validation, not 65"
     ):
         load_config(write(tmp_path, entries), environ={})
+
+
+def test_benchmark_and_slowdown_default_and_their_cli_overrides(tmp_path):
+    # given defaults: benchmark at start, full speed
+    config = load_config(None, environ={})
+    assert (config.benchmark, config.slowdown) == (True, 1.0)
+    assert "slowdown" not in config.summary()
+
+    # when a file sets them, and flags override them
+    path = write(tmp_path, "benchmark = false\nslowdown = 2\n")
+    from_file = load_config(path, environ={})
+    overridden = load_config(path, environ={}, benchmark=True, slowdown=3.5)
+
+    # then
+    assert (from_file.benchmark, from_file.slowdown) == (False, 2.0)
+    assert (overridden.benchmark, overridden.slowdown) == (True, 3.5)
+    assert from_file.summary().endswith(" slowdown=2")
+    with pytest.raises(ConfigError, match=r"^config: slowdown: Input should be greater than or equal to 1"):
+        load_config(None, environ={}, slowdown=0.9)

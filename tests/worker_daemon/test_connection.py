@@ -69,6 +69,7 @@ async def test_daemon_says_hello_with_its_token(control_plane, daemons, worker_c
         "price_floor": 100.0,
         "strategy": "whole",
         "leases": [],
+        "benchmark": None,  # no benchmark at start for a WorkerDaemon unless asked (the CLI asks)
     }
     assert connection.headers["Authorization"] == "Bearer secret-token"
     assert connection.headers["User-Agent"] == f"hypha-worker-daemon/{daemon_version()}"
@@ -94,6 +95,7 @@ async def test_offers_on_a_fitting_advert_only(control_plane, daemons, worker_co
         "attempt": 0,
         "price": 150.0,
         "resources": CAPACITY_FRAME,
+        "benchmark_score": None,
     }
     await connection.expect_silence()
     assert [r.advertisement_id for r in daemon.session.book.reservations] == [fitting.advertisement_id]

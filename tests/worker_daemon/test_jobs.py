@@ -526,3 +526,48 @@ async def test_a_repeated_dispatch_of_an_ended_task_gets_its_exit_again_not_a_se
     await asyncio.sleep(0.2)
     assert not (short_dir / "record.json").exists()
     assert await posted(link, answerer, protocol.JobExited) == [exited, exited]
+
+
+async def test_a_repeated_dispatch_of_a_running_task_brings_its_peers_addresses(
+    manager, link, answerer, short_dir
+):
+    # given: a trainer dispatched before its parameter server listened
+    message = dispatch(short_dir / "record.json", mode="sleep")
+    task = manager.start(message)
+    await wait_for_line(task, "ready")
+    assert task.backend is not None and task.backend.peers == {}
+
+    # when: the control plane dispatches it again with the address
+    again = message.model_copy(update={"peers": {"ps-peer": "http://10.0.0.3:7070/"}})
+    assert manager.start(again) is None
+
+    # then: the same process, now knowing where its peer is
+    assert manager.tasks[message.task_id] is task
+    assert task.backend.peers == {"ps-peer": "http://10.0.0.3:7070"}
+    assert task.dispatch.peers == {"ps-peer": "http://10.0.0.3:7070/"}
+    manager.cancel(message.task_id, reason="done")
+    await asyncio.wait_for(task.runner, 10)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 2.5])
+def test_every_executor_gets_the_slowdown_factor(config, book, short_dir, monkeypatch, slowdown):
+    # given: a daemon slowed on purpose, whose own environment says something else
+    monkeypatch.setenv("HYPHA_SLOWDOWN", "9")
+    slowed = config.model_copy(update={"slowdown": slowdown})
+    manager = JobManager(config=slowed, book=book, server_url="wss://cp.example/prefix/ws/worker/")
+    for executor_class, name in (("train", "test-executor"), ("aggregate", "parameter-server")):
+        message = protocol.DispatchJob(
+            task_id=uuid.uuid4(), lease_id=LEASE, job_id=JOB, role="trainer", spec={"job_id": str(JOB)}
+        )
+        task = Task(
+            dispatch=message,
+            executor=slowed.find_executor(executor_class, name),
+            work_dir=short_dir / "hypha-x",
+            socket_path=short_dir / "s",
+        )
+
+        # when
+        _, environment = manager._command(task)
+
+        # then: the config's factor, never the inherited one
+        assert environment["HYPHA_SLOWDOWN"] == repr(slowdown)

@@ -63,6 +63,7 @@ def test_hello_claims_only_active_leases(session, make):
         "price_floor": 100.0,
         "strategy": "whole",
         "leases": [str(uuid.UUID(int=7))],
+        "benchmark": None,
     }
 
 

@@ -156,7 +156,15 @@ class RoundProgress(BaseModel):
     round: dict[str, Any]
 
 
-Progress = StatusProgress | MetricsProgress | ReadyProgress | RoundProgress | UnitProgress
+class WaitingProgress(BaseModel):
+    """Our parameter server's extension: ``{"waiting": {"round": r}}`` when a round has its first update (the
+    control plane answers whom to expect: ``{"type": "Expect", "peers": [...], "due_in": s}``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    waiting: dict[str, Any]
+
+
+Progress = StatusProgress | MetricsProgress | ReadyProgress | RoundProgress | WaitingProgress | UnitProgress
 
 
 def parse_progress(value: Any) -> Progress:
@@ -172,4 +180,6 @@ def parse_progress(value: Any) -> Progress:
         return ReadyProgress.model_validate(value)
     if isinstance(value, dict) and "round" in value:
         return RoundProgress.model_validate(value)
+    if isinstance(value, dict) and "waiting" in value:
+        return WaitingProgress.model_validate(value)
     return UnitProgress.model_validate(value)

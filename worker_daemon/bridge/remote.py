@@ -122,6 +122,8 @@ class RemoteBackend:
         retries: int = 3,
         retry_base: float = 0.5,
         retry_cap: float = 10.0,
+        peer_wait: float = 900.0,
+        data_wait: float = 900.0,
     ) -> None:
         self.task_id = task_id
         self.job_id = job_id
@@ -137,8 +139,16 @@ class RemoteBackend:
         self.retries = retries
         self.retry_base = retry_base
         self.retry_cap = retry_cap
+        self.peer_wait = peer_wait
+        self.data_wait = data_wait
+        self._peers_changed = asyncio.Event()
         #: Samples reported in ``status`` values since the last ``send`` (its ``X-Samples``).
         self.samples = 0
+        #: Step reports the control plane allowed this daemon to answer ``Continue`` itself (its last
+        #: ``continue_for``), and the steps and samples answered so since the last forwarded report.
+        self.local_continues = 0
+        self._covered_steps = 0
+        self._covered_samples = 0
         #: Rounds the parameter server had completed when the model was fetched (its ``X-Round``).
         self.rounds_completed = 0
         self.next_send_round = 1
@@ -153,10 +163,36 @@ class RemoteBackend:
     # --- BridgeBackend -------------------------------------------------------------------------------------
 
     async def status(self, *, job_id: str | None, progress: ProgressValue) -> dict[str, Any]:
-        if isinstance(progress, dict) and isinstance(progress.get("status"), dict):
-            batch_size = progress["status"].get("batch_size")
-            if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0:
-                self.samples += batch_size
+        """Forward ``progress`` to the control plane and return its reply — except a step report
+        (``{"status": …}``) the control plane allowed to answer here (``continue_for``): that one is answered
+        ``{"type": "Continue"}`` at once, and counted into the next forwarded report (``covered_steps``,
+        ``covered_samples``), which the control plane sees as all of those steps."""
+        step = isinstance(progress, dict) and isinstance(progress.get("status"), dict)
+        batch_size = 0
+        if step:
+            value = progress["status"].get("batch_size")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                batch_size = value
+            self.samples += batch_size
+            if self.local_continues > 0:
+                self.local_continues -= 1
+                self._covered_steps += 1
+                self._covered_samples += batch_size
+                return {"type": "Continue"}
+            if self._covered_steps:
+                progress = {
+                    "status": {
+                        **progress["status"],
+                        "covered_steps": self._covered_steps + 1,
+                        "covered_samples": self._covered_samples + batch_size,
+                    }
+                }
+        elif self._covered_steps:
+            # Only a step report may end a granted run of steps; the control plane grants none past the last.
+            logger.warning(
+                "task %s: %d steps answered locally were never reported", self.task_id, self._covered_steps
+            )
+        self.local_continues = self._covered_steps = self._covered_samples = 0
         message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=self.task_id, progress=progress)
         try:
             reply = await self.link.request(message, timeout=self.request_timeout)
@@ -165,6 +201,8 @@ class RemoteBackend:
                 f"the control plane did not answer the status within {self.request_timeout:g} s"
             ) from None
         assert isinstance(reply, protocol.StatusReply)
+        if step and reply.reply.get("type") in ("Continue", "ScheduleUpdate"):
+            self.local_continues = reply.continue_for
         return dict(reply.reply)
 
     async def fetch(self, *, reference: FetchReference, artifacts_dir: Path) -> list[tuple[str, int]]:
@@ -189,14 +227,13 @@ class RemoteBackend:
             logger.warning("task %s: update for round %d names no peer; not sent", self.task_id, round_number)
             return
         for peer in peers:
-            url = f"{self._peer_url(peer)}/jobs/{self.job_id}/rounds/{round_number}/update"
+            url = f"{await self._peer_url(peer)}/jobs/{self.job_id}/rounds/{round_number}/update"
             await self._put_update(url, path=path, samples=samples, round_number=round_number)
 
     async def receive(
         self, *, reference: PeersReference, directory: Path
     ) -> AsyncIterator[tuple[str, int, str]]:
         peer = self._result_peer(reference)
-        base = self._peer_url(peer)
         target = resolve_in(directory, peer)
         await self._round_known.wait()
         round_number = self.rounds_completed + 1
@@ -204,6 +241,7 @@ class RemoteBackend:
         while True:
             # A model fetched meanwhile may say the job is further along than this stream.
             round_number = max(round_number, self.rounds_completed + 1)
+            base = await self._peer_url(peer)  # the current address: the parameter server may have moved
             url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/result"
             try:
                 result = await self._download(
@@ -308,26 +346,47 @@ class RemoteBackend:
         cache = self.work_dir / PREFETCH_DIR
         cache.mkdir(mode=0o700, exist_ok=True)
         target = cache / str(assigned.index)
-        failures = []
-        for url in assigned.urls:
-            try:
-                download = await self._download(
-                    url,
-                    target,
-                    expected_size=assigned.size,
-                    sha256=assigned.sha256,
-                    operation="slice download",
-                    trace_attributes={"hypha.dataset": dataset, "hypha.slice": assigned.index},
+        deadline = asyncio.get_running_loop().time() + self.data_wait
+        pause = self.retry_base
+        while True:
+            failures = []
+            unreachable = True  # every node was down or failing (worth waiting for), none answered wrongly
+            for url in assigned.urls:  # every data node serving the dataset, in turn
+                try:
+                    download = await self._download(
+                        url,
+                        target,
+                        expected_size=assigned.size,
+                        sha256=assigned.sha256,
+                        operation="slice download",
+                        trace_attributes={"hypha.dataset": dataset, "hypha.slice": assigned.index},
+                    )
+                except (HttpStatusError, IntegrityError, aiohttp.ClientError, TimeoutError) as error:
+                    unreachable &= not isinstance(error, IntegrityError) and not (
+                        isinstance(error, HttpStatusError) and error.status < 500
+                    )
+                    failures.append(f"{url}: {str(error) or type(error).__name__}")
+                    logger.warning(
+                        "task %s: slice %d from %s failed: %s",
+                        self.task_id,
+                        assigned.index,
+                        url,
+                        failures[-1],
+                    )
+                    continue
+                return CachedSlice(dataset=dataset, index=assigned.index, size=download.size, path=target)
+            detail = "; ".join(failures) if failures else "no URL to download it from"
+            left = deadline - asyncio.get_running_loop().time()
+            if not assigned.urls or not unreachable or left <= 0:
+                raise ConnectorError(
+                    f"slice {assigned.index} of {dataset!r} could not be downloaded: {detail}"
                 )
-            except (HttpStatusError, IntegrityError, aiohttp.ClientError, TimeoutError) as error:
-                failures.append(f"{url}: {str(error) or type(error).__name__}")
-                logger.warning(
-                    "task %s: slice %d from %s failed: %s", self.task_id, assigned.index, url, failures[-1]
-                )
-                continue
-            return CachedSlice(dataset=dataset, index=assigned.index, size=download.size, path=target)
-        detail = "; ".join(failures) if failures else "no URL to download it from"
-        raise ConnectorError(f"slice {assigned.index} of {dataset!r} could not be downloaded: {detail}")
+            # No data node answers: wait for one (it may be restarting), and say so on the job's page.
+            pause = min(pause * 2, self.retry_cap, left)
+            line = f"waiting for data: slice {assigned.index} of {dataset} ({detail}); trying again in {pause:.0f} s"
+            logger.warning("task %s: %s", self.task_id, line)
+            self.link.post(protocol.TaskLog(task_id=self.task_id, lines=[line[:1000]]))
+            await asyncio.sleep(pause)
 
     async def _claim(self, dataset: str) -> protocol.SliceAssigned:
         while True:
@@ -352,7 +411,7 @@ class RemoteBackend:
     async def _fetch_model(
         self, reference: ParameterServerReference, artifacts_dir: Path
     ) -> list[tuple[str, int]]:
-        base = self._peer_url(reference.peer)
+        base = await self._peer_url(reference.peer)
         written = []
         for filename in reference.filenames:
             target = resolve_in(artifacts_dir, filename)
@@ -471,11 +530,25 @@ class RemoteBackend:
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.transfer_token}"} if self.transfer_token else {}
 
-    def _peer_url(self, peer: str) -> str:
-        try:
-            return self.peers[peer]
-        except KeyError:
-            raise ConnectorError(f"no address for peer {peer!r} in this task's dispatch") from None
+    def update_peers(self, peers: Mapping[str, str]) -> None:
+        """New addresses of peers (a repeated ``dispatch_job``: the parameter server listens now, or moved)."""
+        self.peers.update({peer: url.rstrip("/") for peer, url in peers.items()})
+        self._peers_changed.set()
+
+    async def _peer_url(self, peer: str) -> str:
+        """The peer's base URL, waiting up to ``peer_wait`` seconds for the control plane to say it (trainers
+        are dispatched while their parameter server is still starting)."""
+        deadline = asyncio.get_running_loop().time() + self.peer_wait
+        while peer not in self.peers:
+            self._peers_changed.clear()
+            if peer in self.peers:
+                break
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise NetworkError(f"the address of peer {peer!r} was not given within {self.peer_wait:g} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._peers_changed.wait(), left)
+        return self.peers[peer]
 
     def _result_peer(self, reference: PeersReference) -> str:
         candidates = reference.peers or list(self.peers)
@@ -582,7 +655,8 @@ class RemoteBackend:
                     return Download(status=204, size=0, headers=response.headers)
                 if response.status != 200:
                     raise HttpStatusError(url, response.status, await _detail(response))
-                digest = hashlib.sha256()
+                # Hashed only when a digest was announced (slices): a model file's hash would cost ~1 s/GB.
+                digest = hashlib.sha256() if sha256 else None
                 size = 0
                 descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
                 with os.fdopen(descriptor, "wb") as file:
@@ -590,13 +664,14 @@ class RemoteBackend:
                         size += len(chunk)
                         if expected_size is not None and size > expected_size:
                             raise IntegrityError(f"more than the announced {expected_size} bytes")
-                        digest.update(chunk)
+                        if digest is not None:
+                            digest.update(chunk)
                         file.write(chunk)
                     file.flush()
                     await asyncio.to_thread(os.fsync, file.fileno())
                 if expected_size is not None and size != expected_size:
                     raise IntegrityError(f"{size} bytes, {expected_size} announced")
-                if sha256 and digest.hexdigest() != sha256.lower():
+                if digest is not None and digest.hexdigest() != sha256.lower():
                     raise IntegrityError(
                         f"SHA-256 {digest.hexdigest()} does not match the announced {sha256}"
                     )

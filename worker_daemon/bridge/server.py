@@ -39,7 +39,7 @@ from worker_daemon.bridge.exceptions import (
     InvalidRequest,
     NetworkError,
 )
-from worker_daemon.bridge.paths import relative_posix, resolve_in, restrict_file
+from worker_daemon.bridge.paths import make_directory, relative_posix, resolve_in, restrict_file
 from worker_daemon.bridge.references import (
     HuggingFaceReference,
     ParameterServerReference,
@@ -246,8 +246,7 @@ class BridgeServer:
                 raise InvalidRequest("parameter-server peer must not be blank")
             if not reference.filenames:
                 raise InvalidRequest("parameter-server filenames must not be empty")
-        artifacts_dir = resolve_in(self.work_dir, ARTIFACTS_DIR)
-        artifacts_dir.mkdir(parents=True, exist_ok=True)
+        artifacts_dir = make_directory(self.work_dir, ARTIFACTS_DIR)
         try:
             async with asyncio.timeout(self.fetch_timeout):
                 files = await self.backend.fetch(reference=reference, artifacts_dir=artifacts_dir)
@@ -278,8 +277,7 @@ class BridgeServer:
 
     async def _receive(self, request: web.Request) -> web.StreamResponse:
         body = await _parse(request, ReceiveRequest)
-        directory = resolve_in(self.work_dir, body.path)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = make_directory(self.work_dir, body.path)
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -361,12 +359,16 @@ class BridgeServer:
     # --- helpers ---------------------------------------------------------------------------------------------
 
     def _reported_file(self, directory: Path, name: str) -> Path:
-        """A file a backend wrote, checked against the path rules and made ``0600``."""
+        """A file a backend wrote, checked against the path rules and made ``0600``.
+
+        Checked against the work dir as well as ``directory``: an executor that swapped ``directory`` for a
+        symlink after the request was checked would otherwise have the file reported from wherever it
+        points."""
         try:
             path = resolve_in(directory, name)
+            restrict_file(path, base=self.work_dir)
         except BridgeError as error:
             raise ConnectorError(f"the backend reported a file outside its directory: {error}") from None
-        restrict_file(path)
         return path
 
 

@@ -65,6 +65,19 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 UPDATES_DIR = "updates"
 INCOMING_DIR = "incoming"
 TRUST_REMOTE_CODE_ENV = "HYPHA_TRUST_REMOTE_CODE"
+#: Set by a daemon started with ``--slowdown F`` (an experiment knob): each step then takes F times as long
+#: (the executor sleeps ``(F − 1) ×`` the step's compute time after it; ``step_time`` includes the sleep).
+SLOWDOWN_ENV = "HYPHA_SLOWDOWN"
+
+
+def slowdown_factor(environ: dict[str, str] | None = None) -> float:
+    """The daemon's ``--slowdown`` factor (1.0 when unset or not a number ≥ 1)."""
+    value = (os.environ if environ is None else environ).get(SLOWDOWN_ENV, "")
+    try:
+        factor = float(value)
+    except ValueError:
+        return 1.0
+    return factor if math.isfinite(factor) and factor >= 1.0 else 1.0
 
 
 # --- command line ----------------------------------------------------------------------------------------------
@@ -292,6 +305,7 @@ def run_round(
     batches: Iterator[dict[str, torch.Tensor]],
     input_names: list[str],
     round_number: int,
+    slowdown: float = 1.0,
 ) -> RoundStats:
     """The inner loop of one round: train and report each step until the scheduler's counter reaches 0."""
     from worker_daemon.executors.exceptions import DataError, DivergedError
@@ -315,6 +329,8 @@ def run_round(
             lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss.detach().item())
+        if slowdown > 1.0:
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - step_started))
         step_time = time.perf_counter() - step_started
         if not math.isfinite(loss_value):
             raise DivergedError(f"round {round_number}, step {stats.steps + 1}: the loss is {loss_value}")
@@ -460,6 +476,9 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
             config.optimizer.learning_rate,
         )
         batches = iter(train_dataloader)
+        slowdown = slowdown_factor()
+        if slowdown > 1.0:
+            logger.warning("slowed down %g× on purpose (%s)", slowdown, SLOWDOWN_ENV)
         round_number = 1
         while True:
             stats = run_round(
@@ -471,6 +490,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 batches=batches,
                 input_names=config.model.input_names,
                 round_number=round_number,
+                slowdown=slowdown,
             )
             sync_started = time.perf_counter()
             reply, global_previous = synchronise(

@@ -9,6 +9,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import authentication, exceptions, permissions, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -118,6 +119,8 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
         url_path="register",
         authentication_classes=[DataNodeAuthentication],
         permission_classes=[IsDataNode],
+        # JSON only: a form body cannot carry the list of slice objects (and is not documented as if it could).
+        parser_classes=[JSONParser],
     )
     def register(self, request: Request) -> Response:
         serializer = DatasetRegistrationSerializer(data=request.data)

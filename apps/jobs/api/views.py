@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.http import FileResponse
@@ -218,10 +220,19 @@ class JobModelView(APIView):
             "Called by the job's parameter server after its last round, with its transfer token "
             "(`Authorization: Bearer <token>`, signed by the control plane for that job). The body is the file."
         ),
+        parameters=[
+            OpenApiParameter(
+                "filename",
+                OpenApiTypes.STR,
+                OpenApiParameter.PATH,
+                pattern=training.MODEL_FILENAME.pattern,
+                description="the file name",
+            )
+        ],
         request={"application/octet-stream": OpenApiTypes.BINARY},
         responses={
             201: OpenApiResponse(description="stored: `{name, size, sha256}`"),
-            **error_responses(400, 401, 404, 409),
+            **error_responses(400, 401, 403, 404, 409, 413),
         },
     )
     def put(self, request: Request, pk: str, filename: str) -> Response:
@@ -237,7 +248,7 @@ class JobModelView(APIView):
                 limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
             )
         except TransferRefused as refused:
-            return Response({"detail": str(refused)}, status=refused.status)
+            return _refused(refused, field="filename")
         return Response({"name": filename, **entry}, status=status.HTTP_201_CREATED)
 
 
@@ -261,6 +272,14 @@ def job_model_download(request: Request, pk: str):
             {"detail": f"job {job.pk} has no model yet (it is {job.status})"}, status=status.HTTP_409_CONFLICT
         )
     return FileResponse(archive.open("rb"), as_attachment=True, filename=f"model-{job.pk}.zip")
+
+
+def _refused(refused: TransferRefused, *, field: str) -> Response:
+    """A refused transfer as an API error: a 400 (a bad file name) names ``field``, like every 400; the
+    others are ``{"detail": ...}``."""
+    if refused.status == status.HTTP_400_BAD_REQUEST:
+        return Response({field: [str(refused)]}, status=refused.status)
+    return Response({"detail": str(refused)}, status=refused.status)
 
 
 def _bearer(request: Request) -> str | None:
@@ -298,9 +317,17 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         summary="Upload a file",
         description="The request body is the file itself (`Content-Type: application/octet-stream`); `?name=` "
         "names it (letters, digits, `.`, `_`, `-`).",
-        parameters=[OpenApiParameter("name", OpenApiTypes.STR, required=True, description="the file name")],
+        parameters=[
+            OpenApiParameter(
+                "name",
+                OpenApiTypes.STR,
+                required=True,
+                pattern=training.MODEL_FILENAME.pattern,
+                description="the file name",
+            )
+        ],
         request={"application/octet-stream": OpenApiTypes.BINARY},
-        responses={201: UploadSerializer, **error_responses(400, 401)},
+        responses={201: UploadSerializer, **error_responses(400, 401, 413)},
     )
     def create(self, request: Request) -> Response:
         try:
@@ -311,19 +338,20 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
                 limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
             )
         except TransferRefused as refused:
-            field = "name" if refused.status == 400 else "detail"
-            body = {field: [str(refused)]} if field == "name" else {"detail": str(refused)}
-            return Response(body, status=refused.status)
+            return _refused(refused, field="name")
         return Response(UploadSerializer(upload).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
         summary="Download an upload's content",
         description="Its owner, or the parameter server of a job built from it (with its transfer token).",
-        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **error_responses(401, 404)},
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **error_responses(401, 403, 404)},
     )
     @action(detail=True, methods=["get"], permission_classes=[], authentication_classes=[])
     def content(self, request: Request, pk: str | None = None):
-        upload = Upload.objects.filter(pk=pk).first()
+        try:
+            upload = Upload.objects.filter(pk=uuid.UUID(str(pk))).first()
+        except ValueError:  # the route takes any segment; a malformed id names no upload
+            upload = None
         if upload is None:
             return Response({"detail": "No such upload."}, status=status.HTTP_404_NOT_FOUND)
         user = None
@@ -342,4 +370,11 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
             training.authorise_upload_download(upload, user=user, token=_bearer(request))
         except TransferRefused as refused:
             return Response({"detail": str(refused)}, status=refused.status)
-        return FileResponse(upload.path.open("rb"), as_attachment=True, filename=upload.name)
+        # Opaque bytes whatever the name: a content type guessed from it (application/zip, x-tar...) would
+        # promise a format nobody checked.
+        return FileResponse(
+            upload.path.open("rb"),
+            as_attachment=True,
+            filename=upload.name,
+            content_type="application/octet-stream",
+        )

@@ -52,6 +52,18 @@ class WorkerSerializer(serializers.ModelSerializer):
         help_text="true once its token is revoked: its daemon cannot connect",
     )
     leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
+    benchmark_score = serializers.FloatField(
+        read_only=True,
+        allow_null=True,
+        help_text="training samples per second on the standard benchmark workload (higher is faster); "
+        "null until its daemon reports one",
+    )
+    benchmark = serializers.JSONField(
+        read_only=True,
+        help_text="the last benchmark's details: device, device_name, model, parameters, batch_size, "
+        "sequence_length, threads, warmup_steps, steps, step_seconds (median), duration_seconds, slowdown, "
+        "torch_version, measured_at; error and error_at when the latest run failed; {} before any",
+    )
 
     class Meta:
         model = Worker
@@ -63,6 +75,8 @@ class WorkerSerializer(serializers.ModelSerializer):
             "executors",
             "price_floor",
             "strategy",
+            "benchmark_score",
+            "benchmark",
             "status",
             "last_seen_at",
             "connected_at",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.db.models import Prefetch, QuerySet
 from drf_spectacular.utils import extend_schema, extend_schema_view
-from rest_framework import mixins, serializers, status, viewsets
+from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
@@ -18,6 +18,7 @@ from apps.jobs import services as job_services
 from apps.leases.models import Lease
 from apps.workers import services
 from apps.workers.api.serializers import WorkerCreateSerializer, WorkerSerializer, WorkerWithTokenSerializer
+from apps.workers.exceptions import WorkerOffline
 from apps.workers.models import Worker
 from hypha_site.api import error_responses
 
@@ -98,6 +99,26 @@ class WorkerViewSet(
         worker = self.get_object()
         token = job_services.rotate_token(worker)
         return self._with_token(worker, token, status.HTTP_200_OK)
+
+    @extend_schema(
+        summary="Run a worker's benchmark (staff)",
+        description=(
+            "Asks the worker's daemon to run its benchmark now; the new score appears in `benchmark_score` "
+            "and `benchmark` a few seconds later. A daemon that runs a task or holds a lease refuses (the "
+            "score would mean nothing) and records the refusal in `benchmark.error`. Staff only; 409 when "
+            "the worker is offline."
+        ),
+        request=None,
+        responses={202: WorkerSerializer, **error_responses(401, 403, 404, 409)},
+    )
+    @action(detail=True, methods=["post"], permission_classes=[permissions.IsAdminUser])
+    def benchmark(self, request: Request, pk: str | None = None) -> Response:
+        worker = self.get_object()
+        try:
+            services.request_benchmark(worker)
+        except WorkerOffline as error:
+            return Response({"detail": str(error)}, status=status.HTTP_409_CONFLICT)
+        return Response(WorkerSerializer(worker).data, status=status.HTTP_202_ACCEPTED)
 
     def _with_token(self, worker: Worker, token: str, code: int) -> Response:
         worker = self.get_queryset().get(pk=worker.pk)

@@ -14,12 +14,10 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from apps.datasets import services as dataset_services
-from apps.jobs import services as job_services
-from apps.jobs import spec as job_spec
-from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Task
-from tests.apps.conftest import advert, offer_on
-from tests.apps.jobs.test_training import SLICES, status
+from apps.jobs.models import Job, Task
+from tests.apps.jobs.conftest import SLICES
 from tests.apps.jobs.test_training import SPEC as TRAINING_SPEC
+from tests.apps.jobs.test_training import create_running_job, status
 
 #: test_training's job with three rounds (the dashboard tests record up to three).
 SPEC = {**TRAINING_SPEC, "rounds": {**TRAINING_SPEC["rounds"], "update_rounds": 3}}
@@ -37,20 +35,8 @@ def task_of(job: Job, worker) -> Task:
 
 @pytest.fixture
 def training_job(job_owner, online_rigs, tiny_text, django_capture_on_commit_callbacks) -> Job:
-    parsed = job_spec.parse_json(SPEC)
-    with django_capture_on_commit_callbacks(execute=True):
-        job = job_services.create_job(
-            owner=job_owner,
-            name="tiny-gpt",
-            num_trainers=2,
-            requirements=job_spec.to_requirements(parsed),
-            spec=parsed.model_dump(mode="json"),
-        )
-    rig_a, rig_b, rig_c = online_rigs
-    with django_capture_on_commit_callbacks(execute=True):
-        job_services.offer_made(worker=rig_a, message=offer_on(advert(job, TRAINER), price=120.0))
-        job_services.offer_made(worker=rig_b, message=offer_on(advert(job, TRAINER), price=125.0))
-        job_services.offer_made(worker=rig_c, message=offer_on(advert(job, PARAMETER_SERVER), price=90.0))
+    job = create_running_job(SPEC, job_owner, online_rigs, django_capture_on_commit_callbacks)
+    rig_c = online_rigs[2]
     with django_capture_on_commit_callbacks(execute=True):
         assert status(rig_c, task_of(job, rig_c), {"ready": {"url": "http://10.0.0.3:7070", "round": 0}}) == {
             "type": "Ok"

@@ -80,7 +80,7 @@ def test_the_overview_shows_a_user_their_jobs_and_workers_only(training_job, ada
 
     # then: Ada sees her running job and the offers on it; the rigs are nobody's, so only staff see them listed
     assert f'data-job="{training_job.pk}"' in ada_page
-    assert "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers dispatched" in ada_page
+    assert "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers told" in ada_page
     assert "data-worker=" not in ada_page
     assert "<td>rig-a</td>" in ada_page  # its offer on her job
     assert f'data-job="{training_job.pk}"' not in eve_page
@@ -301,3 +301,36 @@ def test_no_page_loads_anything_from_elsewhere(training_job, ada_browser):
     for path in ("/", "/jobs/new/", f"/jobs/{training_job.pk}/"):
         html = ada_browser.get(path).content.decode()
         assert not re.search(r'(src|href)="(https?:)?//', html), path
+
+
+def test_the_worker_page_compares_the_benchmark_with_measured_throughput(
+    training_job, online_rigs, staff_browser
+):
+    # given: rig-a benchmarked at 412.5 samples/s, then trained three steps of 4 samples
+    from tests.apps.dashboard.conftest import status, task_of
+    from tests.apps.workers.test_benchmark import result
+
+    rig_a = online_rigs[0]
+    rig_a.record_benchmark(result(412.5))
+    for loss in (4.0, 3.9, 3.8):
+        status(
+            rig_a, task_of(training_job, rig_a), {"status": {"batch_size": 4, "loss": loss, "step_time": 0.1}}
+        )
+
+    # when
+    html = staff_browser.get(f"/workers/{rig_a.pk}/").content.decode()
+    overview = staff_browser.get("/").content.decode()
+
+    # then: the score with its workload, and each trainer's samples/s as a share of it
+    assert '<dt>Benchmark</dt><dd id="benchmark"><strong>412.5 samples/s</strong>' in html
+    assert "(tiny-gpt-2x128, cpu, batch 8, median step 0.0194 s, measured 2026-11-22T03:00:00Z)" in html
+    assert '<th title="measured samples/s ÷ benchmark samples/s">vs benchmark</th>' in html
+    assert re.search(r'<td class="num">\d+%</td>', html)
+    assert '<td class="num">412.5 samples/s</td>' in overview
+    assert overview.count('<td class="num"><span class="muted">—</span></td>') == 2  # rig-b, rig-c
+
+
+def test_the_worker_page_says_when_a_worker_was_never_benchmarked(online_rigs, staff_browser):
+    html = staff_browser.get(f"/workers/{online_rigs[0].pk}/").content.decode()
+
+    assert '<dd id="benchmark"><span class="muted">not measured yet</span>' in html

@@ -187,6 +187,26 @@ def test_a_malformed_body_is_a_400_with_every_field_error(north):
     assert not DataNode.objects.get(name="data-north").online
 
 
+def test_a_form_body_is_a_415_and_registers_nothing(north):
+    # given: the slices cannot travel in a form, so the endpoint reads (and documents) JSON only
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {north[1]}")
+
+    # when
+    response = client.post(
+        "/api/datasets/register/",
+        {"name": "fresh-text", "url": "http://10.0.0.7:8750", "slices": "[]"},
+        format="multipart",
+    )
+
+    # then (it was a 400 about the slices, for a body the schema said was fine)
+    assert response.status_code == 415
+    assert not Dataset.objects.filter(name="fresh-text").exists()
+    assert not DataNode.objects.get(name="data-north").online
+
+
 def test_slice_indices_must_be_0_to_n_minus_1(north):
     # given
     body = announcement()

@@ -22,8 +22,7 @@ from hypha_site.settings import status_bridge_checked
 from tests.apps.jobs import test_training
 from tests.apps.jobs.test_training import ready, status, task_of
 
-# The training tests' running job (its three rigs, data node and ACTIVE leases), as fixtures of this module.
-data_node = test_training.data_node
+# The training tests' running job (its three rigs, data node and ACTIVE leases), as a fixture of this module.
 running_job = test_training.running_job
 
 

@@ -1,4 +1,5 @@
-"""Training workflows: dispatch, the fixed-H sync protocol, slices, rounds, the final model, and job endings."""
+"""Training workflows: dispatch, the fixed-H sync protocol, slices, rounds, the final model, and job endings
+(performance-aware sync: test_sync.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from apps.jobs import training
 from apps.jobs.exceptions import TaskRefused
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
 from apps.leases.models import Lease
-from tests.apps.conftest import advert, offer_on
+from tests.apps.conftest import _registered, advert, connect, offer_on
 from worker_daemon import protocol
 
 SPEC = {
@@ -42,25 +43,17 @@ SPEC = {
     },
     "parameter_server": {"resources": {"cpu": 2, "memory": 8, "storage": 20, "gpu": 0}},
 }
-SLICES = [(index, 1000 + index, f"{index:x}" * 64) for index in range(4)]
 
 
 def dispatches(sent) -> dict[str, protocol.DispatchJob]:
     return {message.role: message for _, message in sent if isinstance(message, protocol.DispatchJob)}
 
 
-@pytest.fixture
-def data_node(db):
-    node, _ = dataset_services.create_data_node(name="data-east", url="http://east.example:8100")
-    dataset_services.register_dataset(node, "tiny-text", SLICES)
-    return node
-
-
-@pytest.fixture
-def running_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks) -> Job:
-    """A DiLoCo job whose leases are all ACTIVE: rig-a and rig-b train, rig-c is the parameter server."""
-    parsed = job_spec.parse_json(SPEC)
-    with django_capture_on_commit_callbacks(execute=True):
+def create_running_job(spec: dict, job_owner, online_rigs, capture) -> Job:
+    """A DiLoCo job on ``spec`` whose leases are all ACTIVE: rig-a and rig-b train, rig-c is the parameter
+    server (``capture`` is pytest-django's ``django_capture_on_commit_callbacks``)."""
+    parsed = job_spec.parse_json(spec)
+    with capture(execute=True):
         job = job_services.create_job(
             owner=job_owner,
             name="tiny-gpt",
@@ -69,12 +62,18 @@ def running_job(job_owner, online_rigs, data_node, sent, django_capture_on_commi
             spec=parsed.model_dump(mode="json"),
         )
     rig_a, rig_b, rig_c = online_rigs
-    with django_capture_on_commit_callbacks(execute=True):
+    with capture(execute=True):
         job_services.offer_made(worker=rig_a, message=offer_on(advert(job, TRAINER), price=120.0))
         job_services.offer_made(worker=rig_b, message=offer_on(advert(job, TRAINER), price=125.0))
         job_services.offer_made(worker=rig_c, message=offer_on(advert(job, PARAMETER_SERVER), price=100.0))
     job.refresh_from_db()
     return job
+
+
+@pytest.fixture
+def running_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks) -> Job:
+    """A DiLoCo job on :data:`SPEC` (fixed H = 3) whose leases are all ACTIVE."""
+    return create_running_job(SPEC, job_owner, online_rigs, django_capture_on_commit_callbacks)
 
 
 def status(worker, task: Task, progress) -> dict:
@@ -94,18 +93,24 @@ def ready(job, rig_c, *, url: str = "http://10.0.0.3:7070") -> dict:
 
 
 @pytest.mark.django_db
-def test_an_allocated_training_job_dispatches_its_parameter_server_first(running_job, online_rigs, sent):
+def test_an_allocated_training_job_dispatches_its_parameter_server_and_trainers(
+    running_job, online_rigs, sent
+):
     rig_a, rig_b, rig_c = online_rigs
 
-    # then: RUNNING, one task (the parameter server's) and its dispatch, with the held-out slice for eval
+    # then: RUNNING, a task per lease, the parameter server's first, with the held-out slice for eval
     assert running_job.status == Job.Status.RUNNING
     assert running_job.status_reason == (
-        "RUNNING: parameter server dispatched to rig-c; waiting for it to listen"
+        "RUNNING: parameter server dispatched to rig-c and 2 trainers; waiting for it to listen"
     )
-    server = Task.objects.get(job=running_job)
-    assert (server.role, server.lease.worker_id, server.status) == (PARAMETER_SERVER, rig_c.pk, "dispatched")
+    server = Task.objects.get(job=running_job, role=PARAMETER_SERVER)
+    assert (server.lease.worker_id, server.status) == (rig_c.pk, "dispatched")
+    assert Task.objects.filter(job=running_job, role=TRAINER).count() == 2
+    kinds = [message.role for _, message in sent if isinstance(message, protocol.DispatchJob)]
+    assert kinds == [PARAMETER_SERVER, TRAINER, TRAINER]
+    # the trainers start while the parameter server does: its address comes once it listens
+    assert dispatches(sent)[TRAINER].peers == {}
     dispatch = dispatches(sent)[PARAMETER_SERVER]
-    assert set(dispatches(sent)) == {PARAMETER_SERVER}
     config = dispatch.spec["executor"]["config"]
     assert dispatch.spec["executor"]["class"] == "aggregate"
     assert sorted(config["updates"]["peers"]) == sorted([str(rig_a.pk), str(rig_b.pk)])
@@ -137,20 +142,24 @@ def test_an_allocated_training_job_dispatches_its_parameter_server_first(running
 
 
 @pytest.mark.django_db
-def test_the_trainers_are_dispatched_once_the_parameter_server_listens(running_job, online_rigs, sent):
+def test_the_trainers_are_told_where_the_parameter_server_listens(running_job, online_rigs, sent):
     rig_a, rig_b, rig_c = online_rigs
+    key = dispatches(sent)[PARAMETER_SERVER].transfer_key
+    sent.clear()
 
     # when
     reply = ready(running_job, rig_c)
 
-    # then
+    # then: each trainer's dispatch again, now with the address (the daemon takes the peers of a running task)
     assert reply == {"type": "Ok"}
     running_job.refresh_from_db()
     assert running_job.status_reason == (
-        "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers dispatched"
+        "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers told"
+    )
+    assert sorted(worker for worker, message in sent if isinstance(message, protocol.DispatchJob)) == sorted(
+        [rig_a.pk, rig_b.pk]
     )
     trainer = dispatches(sent)[TRAINER]
-    key = dispatches(sent)[PARAMETER_SERVER].transfer_key
     assert trainer.peers == {str(rig_c.pk): "http://10.0.0.3:7070"}
     config = trainer.spec["executor"]["config"]
     assert config["model"]["artifact"] == {
@@ -164,16 +173,19 @@ def test_the_trainers_are_dispatched_once_the_parameter_server_listens(running_j
     claims = protocol.verify_transfer_token(key, trainer.transfer_token, job_id=str(running_job.pk))
     assert claims["role"] == TRAINER
     assert Task.objects.filter(job=running_job, role=TRAINER).count() == 2
-    # a repeated ready (a restarted parameter server) dispatches nobody twice
-    ready(running_job, rig_c)
-    assert sum(isinstance(m, protocol.DispatchJob) for _, m in sent) == 3
+    stored = Task.objects.get(pk=trainer.task_id).dispatch_message
+    assert stored["peers"] == {str(rig_c.pk): "http://10.0.0.3:7070"}  # what a reconnecting daemon is sent
+    # a repeated ready (a restarted parameter server) starts no second trainer task; it re-points them
+    ready(running_job, rig_c, url="http://10.0.0.4:7070")
+    assert Task.objects.filter(job=running_job, role=TRAINER).count() == 2
+    assert dispatches(sent)[TRAINER].peers == {str(rig_c.pk): "http://10.0.0.4:7070"}
 
 
 @pytest.mark.django_db
 def test_an_unknown_parameter_server_url_is_refused(running_job, online_rigs):
     rig_c = online_rigs[2]
     assert ready(running_job, rig_c, url="file:///etc/passwd") == {"type": "Error"}
-    assert not Task.objects.filter(job=running_job, role=TRAINER).exists()
+    assert not Task.objects.filter(job=running_job, role=PARAMETER_SERVER).exclude(url="").exists()
 
 
 # --- the sync protocol -----------------------------------------------------------------------------------------
@@ -348,14 +360,16 @@ def test_the_job_completes_when_the_model_is_stored_and_the_parameter_server_exi
             HTTP_AUTHORIZATION=header,
         )
         assert response.status_code == expected, response.content
-    assert (
-        client.put(
-            f"{url}/..secret",
-            b"x",
-            content_type="application/octet-stream",
-            HTTP_AUTHORIZATION=f"Bearer {token}",
-        ).status_code
-        == 400
+    bad_name = client.put(
+        f"{url}/..secret",
+        b"x",
+        content_type="application/octet-stream",
+        HTTP_AUTHORIZATION=f"Bearer {token}",
+    )
+    # a 400 names the field, like every 400 of the API
+    assert (bad_name.status_code, bad_name.json()) == (
+        400,
+        {"filename": ["'..secret' is not an allowed model file name"]},
     )
 
     # when: the parameter server uploads its model and exits cleanly
@@ -473,9 +487,55 @@ def test_a_failed_trainer_fails_the_job_and_releases_every_lease(running_job, on
 
 
 @pytest.mark.django_db
-def test_a_lease_that_expires_while_training_fails_the_job(running_job, online_rigs):
-    rig_a = online_rigs[0]
+def test_a_lost_trainer_is_replaced_and_the_replacement_joins_with_the_rounds_done(
+    running_job, online_rigs, sent, django_capture_on_commit_callbacks
+):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    Round.objects.create(job=running_job, number=1, closed=True)
+    lost = task_of(running_job, rig_a)
+
+    # when: rig-a's lease runs out (its daemon died)
     Lease.objects.filter(job=running_job, worker=rig_a).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    with django_capture_on_commit_callbacks(execute=True):
+        job_services.tick_leases()
+
+    # then: the job trains on, rig-a's task is over, and a trainer is advertised again
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.RUNNING
+    assert running_job.status_reason.startswith("RUNNING: the trainer lease on rig-a expired while training")
+    lost.refresh_from_db()
+    assert lost.status == Task.Status.CANCELLED
+    wanted = advert(running_job, TRAINER)
+    assert (wanted.status, wanted.wanted) == ("open", 1)
+
+    # when: a spare worker takes it
+    spare = _registered("rig-d")
+    connect(spare)
+    sent.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        job_services.offer_made(worker=spare, message=offer_on(wanted, price=110.0))
+
+    # then: it is dispatched with the parameter server's address, starting after the round already done
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.RUNNING
+    assert running_job.status_reason == "RUNNING: 1 replacement trainer(s) joined"
+    replacement = task_of(running_job, spare)
+    assert (replacement.round, replacement.sync_state) == (1, "training")
+    (dispatch,) = [message for _, message in sent if isinstance(message, protocol.DispatchJob)]
+    assert dispatch.peers == {str(rig_c.pk): "http://10.0.0.3:7070"}
+    # and the parameter server is told to expect it, not the lost one
+    reply = status(rig_c, task_of(running_job, rig_c), {"waiting": {"round": 2}})
+    assert reply["peers"] == sorted([str(rig_b.pk), str(spare.pk)])
+
+
+@pytest.mark.django_db
+def test_a_lost_parameter_server_fails_the_job(running_job, online_rigs):
+    rig_c = online_rigs[2]
+    ready(running_job, rig_c)
+    Lease.objects.filter(job=running_job, worker=rig_c).update(
         expires_at=timezone.now() - timedelta(seconds=1)
     )
 
@@ -484,8 +544,25 @@ def test_a_lease_that_expires_while_training_fails_the_job(running_job, online_r
     running_job.refresh_from_db()
     assert running_job.status == Job.Status.FAILED
     assert running_job.status_reason == (
-        "FAILED: the trainer lease on rig-a expired while training: not renewed before it ran out"
+        "FAILED: the parameter server lease on rig-c expired while training: not renewed before it ran out"
     )
+
+
+@pytest.mark.django_db
+def test_a_trainer_lost_after_the_last_round_is_not_replaced(running_job, online_rigs):
+    rig_a, _rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    Round.objects.create(job=running_job, number=1, closed=True)
+    Round.objects.create(job=running_job, number=2, closed=True)
+    Lease.objects.filter(job=running_job, worker=rig_a).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+
+    job_services.tick_leases()
+
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.RUNNING
+    assert not running_job.advertisements.filter(role=TRAINER, status="open").exists()
 
 
 @pytest.mark.django_db

@@ -50,6 +50,31 @@ def test_an_upload_is_stored_with_its_digest_and_listed_for_its_owner_only(alice
 
 
 @pytest.mark.django_db
+def test_an_upload_is_downloaded_as_opaque_bytes_whatever_its_name(alice):
+    # given
+    created = upload(alice, b"PK fake zip", name="tiny.zip").json()
+
+    # when
+    response = alice.client.get(f"/api/uploads/{created['id']}/content/")
+
+    # then: the content type the schema documents, not one guessed from ".zip"
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/octet-stream"
+    assert response["Content-Disposition"] == 'attachment; filename="tiny.zip"'
+    assert b"".join(response.streaming_content) == b"PK fake zip"
+
+
+@pytest.mark.django_db
+def test_a_malformed_upload_id_is_a_404_not_a_server_error(alice):
+    # when: the content route takes any path segment as the id
+    response = alice.client.get("/api/uploads/null,null/content/")
+
+    # then (it was a 500: the id went to the database as a UUID)
+    assert response.status_code == 404
+    assert response.json() == {"detail": "No such upload."}
+
+
+@pytest.mark.django_db
 def test_a_bad_upload_name_is_refused_and_nothing_is_stored(alice, settings):
     uploads = settings.HYPHA_DATA_DIR / "uploads"
     before = set(uploads.iterdir()) if uploads.exists() else set()
@@ -115,4 +140,4 @@ def test_the_parameter_server_of_a_job_built_from_an_upload_may_download_it(
     assert fetch(training.transfer_token(trainer_lease)).status_code == 403
     assert fetch(dispatch.transfer_token[:-4] + "AAAA").status_code == 401
     assert fetch(None).status_code == 401
-    assert Task.objects.filter(job=job).count() == 1
+    assert Task.objects.filter(job=job).count() == 3  # the parameter server and both trainers

@@ -26,6 +26,8 @@ def worker_body(worker: Worker, *, leases: list) -> dict:
         "executors": worker.executors,
         "price_floor": worker.price_floor,
         "strategy": worker.strategy,
+        "benchmark_score": worker.benchmark_score,
+        "benchmark": worker.benchmark,
         "status": worker.status,
         "last_seen_at": iso(worker.last_seen_at),
         "connected_at": iso(worker.connected_at),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from datetime import timedelta
 
@@ -81,6 +82,10 @@ async def eventually(check, *, timeout: float = TIMEOUT) -> None:
     while not await database_sync_to_async(check)():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+def warnings_in(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
 
 
 def as_frame(message: protocol._Message) -> dict:
@@ -244,6 +249,106 @@ async def test_an_oversize_frame_is_refused_too_large(gateway, rig_a):
     [frame] = await receive(communicator)
     assert (frame["code"], frame["message"]) == ("too_large", f"frame of {len(text)} bytes exceeds {limit}")
     assert await snapshot() == before
+
+
+async def test_an_oversize_frame_is_logged_and_the_connection_stays_usable(gateway, rig_a, caplog):
+    # given: a frame under the limit in characters but over it in UTF-8 bytes (3 bytes per "€")
+    communicator = await gateway(rig_a.token)
+    await greet(communicator)
+    before = await snapshot()
+    limit = settings.HYPHA_WS_MAX_MESSAGE_BYTES
+    text = json.dumps(
+        {"type": "release_lease", "lease_id": str(uuid.uuid4()), "reason": "€" * (limit // 2)},
+        ensure_ascii=False,
+    )
+    assert len(text) < limit < len(text.encode())
+
+    # when
+    with caplog.at_level("WARNING", logger="apps.workers.consumers"):
+        await communicator.send_to(text_data=text)
+        [frame] = await receive(communicator)
+
+    # then: refused with its byte size, logged, nothing changed
+    size = len(text.encode())
+    assert (frame["code"], frame["message"]) == ("too_large", f"frame of {size} bytes exceeds {limit}")
+    assert warnings_in(caplog) == [f"worker rig-a sent a {size}-byte frame; refused (limit {limit})"]
+    assert await snapshot() == before
+    # and the connection still works: the next frame is handled
+    lease_id = str(uuid.uuid4())
+    await communicator.send_to(text_data=json.dumps({"type": "lease_renewed", "lease_id": lease_id}))
+    [frame] = await receive(communicator)
+    assert (frame["code"], frame["lease_id"]) == ("unknown_lease", lease_id)
+
+
+# --- rate limits ----------------------------------------------------------------------------------------------
+
+
+def renewal_of_nothing() -> str:
+    """A frame that is handled (answered ``unknown_lease``) and changes nothing."""
+    return json.dumps({"type": "lease_renewed", "lease_id": str(uuid.uuid4())})
+
+
+RATE_LIMITED = (
+    "error",
+    "rate_limited",
+    "over the rate limit of 0.001 frames/s (burst 3); frame dropped",
+)
+
+
+async def test_frames_over_the_rate_limit_are_refused_and_change_nothing(gateway, rig_a, settings, caplog):
+    # given: a bucket of 3 frames that practically never refills; the hello takes one
+    settings.HYPHA_WS_RATE, settings.HYPHA_WS_BURST, settings.HYPHA_WS_FLOOD_REFUSALS = 0.001, 3, 100
+    communicator = await gateway(rig_a.token)
+    await greet(communicator)
+    before = await snapshot()
+
+    # when: four frames, of which two fit
+    with caplog.at_level("WARNING", logger="apps.workers.consumers"):
+        for _ in range(4):
+            await communicator.send_to(text_data=renewal_of_nothing())
+        frames = await receive(communicator, 4)
+
+    # then: two handled, two refused without being looked at, logged once
+    assert [frame["code"] for frame in frames[:2]] == ["unknown_lease", "unknown_lease"]
+    assert [(frame["type"], frame["code"], frame["message"]) for frame in frames[2:]] == [RATE_LIMITED] * 2
+    assert [frame["ref"] for frame in frames[2:]] == [None, None]
+    assert warnings_in(caplog) == ["worker rig-a: 1 frame(s) over the rate limit (0.001/s, burst 3) refused"]
+    # and the connection stays open, nothing changed
+    assert await communicator.receive_nothing(timeout=0.1)
+    assert await snapshot() == before
+
+
+async def test_a_flooding_connection_is_closed_4008_and_others_are_not_affected(
+    gateway, rig_a, rig_b, settings, caplog
+):
+    # given: two connections, each with its own bucket
+    settings.HYPHA_WS_RATE, settings.HYPHA_WS_BURST, settings.HYPHA_WS_FLOOD_REFUSALS = 0.001, 3, 4
+    flooder = await gateway(rig_a.token)
+    bystander = await gateway(rig_b.token)
+    await greet(flooder)
+    await greet(bystander)
+
+    # when: rig-a sends 2 frames that fit and 5 that do not
+    with caplog.at_level("WARNING", logger="apps.workers.consumers"):
+        for _ in range(7):
+            await flooder.send_to(text_data=renewal_of_nothing())
+        frames = await receive(flooder, 7)
+        code = await closed_with(flooder)
+
+    # then: 4 refusals are tolerated, the 5th closes the connection with the reason before it
+    assert [frame["code"] for frame in frames] == ["unknown_lease"] * 2 + ["rate_limited"] * 5
+    assert frames[-1]["message"] == "more than 4 frames over the rate limit in 10 s"
+    assert code == protocol.CloseCode.FLOODING == 4008
+    assert not protocol.CloseCode(code).is_fatal  # the daemon reconnects, with backoff
+    assert warnings_in(caplog) == [
+        "worker rig-a: 1 frame(s) over the rate limit (0.001/s, burst 3) refused",
+        "worker rig-a from ?:0: more than 4 frames over the rate limit in 10 s; closing the connection",
+    ]
+    # and rig-b's connection still has its own two frames
+    for _ in range(2):
+        await bystander.send_to(text_data=renewal_of_nothing())
+    assert [frame["code"] for frame in await receive(bystander, 2)] == ["unknown_lease"] * 2
+    assert await bystander.receive_nothing(timeout=0.1)
 
 
 # --- the market over the gateway ------------------------------------------------------------------------------

@@ -86,6 +86,38 @@ async def test_status_is_sent_verbatim_and_the_reply_returned(backend, answerer)
     assert backend.samples == 4
 
 
+async def test_granted_step_reports_are_answered_here_and_counted_into_the_next_forwarded_one(
+    backend, answerer
+):
+    # given: the control plane allows two step reports to be answered by the daemon
+    answerer.status_replies = [
+        {"type": "Continue", "continue_for": 2},
+        {"type": "ScheduleUpdate", "counter": 0},
+    ]
+    step = {"status": {"batch_size": 4, "loss": 2.5}}
+
+    # when: four steps
+    replies = [await backend.status(job_id=JOB, progress=step) for _ in range(4)]
+
+    # then: the 2nd and 3rd never left the daemon; the 4th stands for three steps and twelve samples
+    assert replies == [{"type": "Continue"}] * 3 + [{"type": "ScheduleUpdate", "counter": 0}]
+    first, fourth = answerer.of_type(protocol.StatusReport)
+    assert first.progress == step
+    assert fourth.progress == {
+        "status": {"batch_size": 4, "loss": 2.5, "covered_steps": 3, "covered_samples": 12}
+    }
+    assert backend.samples == 16  # the update's X-Samples counts every step
+    assert backend.local_continues == 0
+
+
+async def test_a_grant_applies_to_step_reports_only(backend, answerer):
+    answerer.status_replies = [{"type": "Continue", "continue_for": 5}]
+    await backend.status(job_id=JOB, progress={"status": {"batch_size": 1}})
+    assert await backend.status(job_id=JOB, progress="update") == {"type": "Continue"}  # forwarded
+    assert backend.local_continues == 0
+    assert len(answerer.of_type(protocol.StatusReport)) == 2
+
+
 async def test_status_without_a_reply_is_a_network_error(backend, answerer):
     answerer.silent = True
     backend.request_timeout = 0.1
@@ -189,6 +221,44 @@ async def test_a_slice_comes_from_the_next_url_when_one_fails(backend, answerer,
     assert acks(answerer) == [2]
 
 
+def task_log_lines(answerer) -> list[str]:
+    frames = [*answerer.sent, *answerer.link.queued]
+    return [line for frame in frames if isinstance(frame, protocol.TaskLog) for line in frame.lines]
+
+
+async def test_while_no_data_node_answers_the_download_waits_and_says_so(
+    backend, answerer, answer_slice, peer, work
+):
+    # given: the only node serving slice 2 answers 503 twice (restarting), then serves it
+    peer.slices[("stdlib", 2)] = b"good"
+    peer.slice_unavailable = 2
+    answerer.slice_answers = [answer_slice(peer, "stdlib", 2)]
+    backend.retry_base, backend.retry_cap = 0.01, 0.05
+
+    # when
+    files = await asyncio.wait_for(backend.fetch(reference=DATA, artifacts_dir=work / "artifacts"), 10)
+
+    # then: it waited, saying so on the job's page (the task's log), and got the slice
+    assert files == [("2", 4)]
+    lines = task_log_lines(answerer)
+    assert (
+        len(lines) == 2 and lines[0].startswith("waiting for data: slice 2 of stdlib (") and "503" in lines[0]
+    )
+
+
+async def test_a_data_node_down_for_longer_than_data_wait_fails_the_fetch(
+    backend, answerer, answer_slice, peer, work
+):
+    peer.slices[("stdlib", 2)] = b"good"
+    peer.slice_unavailable = 10**6
+    answerer.slice_answers = [answer_slice(peer, "stdlib", 2)]
+    backend.retry_base, backend.retry_cap, backend.data_wait = 0.01, 0.05, 0.3
+
+    with pytest.raises(ConnectorError, match="slice 2 of 'stdlib' could not be downloaded: .*503"):
+        await asyncio.wait_for(backend.fetch(reference=DATA, artifacts_dir=work / "artifacts"), 10)
+    assert task_log_lines(answerer)
+
+
 async def test_an_exhausted_dataset_is_a_connector_error(backend, answerer, work):
     answerer.slice_answers = [{"error": "dataset stdlib has no slice left"}]
     with pytest.raises(ConnectorError, match="no slice left"):
@@ -212,8 +282,29 @@ async def test_model_fetch_from_the_parameter_server_learns_the_round(backend, p
     assert (backend.rounds_completed, backend.next_send_round) == (2, 3)
 
 
+async def test_a_fetch_waits_for_the_peers_address(backend, peer, work):
+    # given: the trainer was dispatched before its parameter server listened
+    peer.model = {"config.json": b"{}"}
+    backend.peers.clear()
+    fetch = asyncio.create_task(
+        backend.fetch(
+            reference=ParameterServerReference(peer=PS, filenames=["config.json"]),
+            artifacts_dir=work / "artifacts",
+        )
+    )
+    await asyncio.sleep(0.1)
+    assert not fetch.done() and peer.requests == []
+
+    # when: the repeated dispatch brings the address
+    backend.update_peers({PS: peer.url + "/"})
+
+    # then
+    assert await asyncio.wait_for(fetch, 5) == [("config.json", 2)]
+
+
 async def test_model_fetch_failures(backend, peer, work):
-    with pytest.raises(ConnectorError, match="no address for peer 'elsewhere'"):
+    backend.peer_wait = 0.1
+    with pytest.raises(NetworkError, match="address of peer 'elsewhere' was not given within 0.1 s"):
         await backend.fetch(
             reference=ParameterServerReference(peer="elsewhere", filenames=["a"]),
             artifacts_dir=work / "artifacts",

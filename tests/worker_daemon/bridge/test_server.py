@@ -158,6 +158,43 @@ async def test_fetch_of_a_file_the_backend_put_outside_is_a_connector_error(
         assert (await response.json())["error"] == "connector_error"
 
 
+async def test_fetch_into_an_artifacts_dir_linked_out_is_refused(
+    client: aiohttp.ClientSession, backend: RecordingBackend, work_dir: Path, tmp_path: Path
+) -> None:
+    # given: the executor plants artifacts -> a directory outside
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", work_dir / "artifacts")
+    # when
+    async with client.post(f"{BASE}/resources/fetch", json=DATA) as response:
+        status, body = response.status, await response.json()
+    # then
+    assert (status, body) == (
+        400,
+        {"error": "invalid_request", "detail": "path leaves the work dir: 'artifacts'"},
+    )
+    assert backend.calls == []
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+async def test_fetch_of_a_file_the_executor_linked_out_is_not_reported(
+    client: aiohttp.ClientSession, backend: RecordingBackend, work_dir: Path, tmp_path: Path
+) -> None:
+    # given: artifacts/17 is a link to a file outside (the recording backend writes through it, as a
+    # careless backend would)
+    (tmp_path / "secret").write_bytes(b"keep")
+    (tmp_path / "secret").chmod(0o644)
+    (work_dir / "artifacts").mkdir()
+    os.symlink(tmp_path / "secret", work_dir / "artifacts" / "17")
+    # when
+    async with client.post(f"{BASE}/resources/fetch", json=DATA) as response:
+        status, body = response.status, await response.json()
+    # then: not reported, and the mode of the file outside is untouched
+    assert status == 500
+    assert body["error"] == "connector_error"
+    assert "leaves the work dir" in body["detail"]
+    assert mode(tmp_path / "secret") == 0o644
+
+
 # --- bodies that do not deserialise ------------------------------------------------------------------------------
 
 
@@ -243,6 +280,55 @@ async def test_send_refuses_paths_outside_the_work_dir(
     assert backend.calls == []
 
 
+@pytest.mark.parametrize(
+    ("links", "path"),
+    [
+        ({"out": "/etc"}, "out/passwd"),  # a directory link out of the work dir
+        ({"delta.safetensors": "{outside}/secret"}, "delta.safetensors"),  # a file link out
+        ({"c": "{outside}", "b": "c", "a": "b"}, "a/secret"),  # a chain of links, each inside
+        ({"loop-a": "loop-b", "loop-b": "loop-a"}, "loop-a/x"),  # a loop
+    ],
+)
+async def test_send_refuses_symlinks_leaving_the_work_dir(
+    client: aiohttp.ClientSession,
+    backend: RecordingBackend,
+    work_dir: Path,
+    tmp_path: Path,
+    links: dict,
+    path: str,
+) -> None:
+    # given
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_bytes(b"not yours")
+    for name, target in reversed(links.items()):
+        os.symlink(target.format(outside=tmp_path / "outside"), work_dir / name)
+    # when
+    async with client.post(f"{BASE}/resources/send", json={"resource": UPDATES, "path": path}) as response:
+        status, body = response.status, await response.json()
+    # then
+    assert (status, body["error"]) == (400, "invalid_request")
+    assert backend.calls == []
+
+
+async def test_send_through_a_symlink_to_a_directory_inside_is_fine(
+    client: aiohttp.ClientSession, backend: RecordingBackend, work_dir: Path
+) -> None:
+    # given: out -> updates, inside the work dir
+    (work_dir / "updates").mkdir()
+    (work_dir / "updates" / "delta.safetensors").write_bytes(b"gradient")
+    os.symlink("updates", work_dir / "out")
+    # when
+    async with client.post(
+        f"{BASE}/resources/send", json={"resource": UPDATES, "path": "out/delta.safetensors"}
+    ) as response:
+        assert (response.status, await response.read()) == (200, b"")
+    # then: the backend gets the resolved path
+    ((name, arguments),) = backend.calls
+    assert (name, arguments["path"]) == ("send", work_dir.resolve() / "updates" / "delta.safetensors")
+    backend.release_send.set()
+    await asyncio.wait_for(backend.send_finished.wait(), 2)
+
+
 # --- receive (SSE) -----------------------------------------------------------------------------------------------
 
 
@@ -307,6 +393,44 @@ async def test_receive_refusals(
         if status == 400:
             assert (await response.json())["error"] == "invalid_request"
     assert backend.calls == []
+
+
+@pytest.mark.parametrize("path", [None, "out", "out/", "out/sub"])
+async def test_receive_into_a_dir_linked_out_is_refused_and_creates_nothing(
+    client: aiohttp.ClientSession, backend: RecordingBackend, work_dir: Path, tmp_path: Path, path: str | None
+) -> None:
+    # given: out -> outside and incoming -> outside (the default receive dir)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", work_dir / "out")
+    os.symlink(tmp_path / "outside", work_dir / "incoming")
+    body = {"resource": UPDATES} if path is None else {"resource": UPDATES, "path": path}
+    # when
+    async with client.post(f"{BASE}/resources/receive", json=body) as response:
+        status, answer = response.status, await response.json()
+    # then
+    assert (status, answer["error"]) == (400, "invalid_request")
+    assert "leaves the work dir" in answer["detail"]
+    assert backend.calls == []
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+async def test_receive_through_a_symlink_to_a_directory_inside_is_fine(
+    client: aiohttp.ClientSession, backend: RecordingBackend, work_dir: Path
+) -> None:
+    # given: out -> results, inside the work dir
+    (work_dir / "results").mkdir()
+    os.symlink("results", work_dir / "out")
+    # when
+    response = await client.post(f"{BASE}/resources/receive", json={"resource": UPDATES, "path": "out/r1"})
+    try:
+        assert response.status == 200
+        await backend.incoming.put(("weights", b"w", PS))
+        frame = await next_data_frame(response.content)
+    finally:
+        response.close()
+    # then: created and reported at its real place
+    assert frame == f'data: {{"path":"results/r1/weights","size":1,"from_peer":"{PS}"}}\n\n'.encode()
+    assert backend.calls[0][1]["directory"] == work_dir.resolve() / "results" / "r1"
 
 
 # --- status ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""Faults during training, with real processes on loopback and ``kill -9``.
+
+A trainer's daemon is killed in the middle of a job: its lease expires within its TTL, the parameter server
+stops waiting for it, the job advertises the role again, a spare daemon takes it, fetches the current global
+weights and trains the remaining rounds; the job completes with the configured number of rounds.
+
+The only data node is killed while trainers download from it, and restarted at the same address: the trainers
+wait (and say so on the job's page) instead of failing, and the job completes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import services_mode, small_training_job
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+pytestmark = pytest.mark.timeout(600)
+
+ROUNDS = 4
+
+
+def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Path) -> None:
+    from bench.cluster import training_cluster, worker_toml
+
+    # given: a parameter-server daemon and three trainer daemons for a job of two trainers (one spare)
+    dataset, spec = small_training_job(
+        tmp_path,
+        trainers=2,
+        rounds=ROUNDS,
+        inner_steps=20,
+        round_timeout=300.0,
+        dedicated_parameter_server=True,
+    )
+    with training_cluster(
+        root=tmp_path / "cluster",
+        dataset_dir=dataset,
+        workers=4,
+        mode="services" if services_mode() else "embedded",
+        settings={"HYPHA_LEASE_TTL": "3"},
+        worker_tomls=[worker_toml(parameter_server_only=True, benchmark=False)]
+        + [worker_toml(benchmark=False)] * 3,
+    ) as cluster:
+        job_id = cluster.submit(spec, name="e2e-trainer-killed")
+
+        # when: round 1 is done, one trainer's daemon is killed (its executor dies with it)
+        deadline = time.monotonic() + 240
+        job = cluster.job(job_id)
+        while not any(round_["closed"] for round_ in job["rounds"]):
+            alive = job["status"] not in ("completed", "failed", "cancelled")
+            assert time.monotonic() < deadline and alive, (job["status_reason"], cluster.logs())
+            time.sleep(0.5)
+            job = cluster.job(job_id)
+        trainers = {task["worker"]: task["worker_id"] for task in job["tasks"] if task["role"] == "trainer"}
+        victim = sorted(trainers)[0]
+        killed_at = time.monotonic()
+        os.killpg(cluster.daemons[victim].popen.pid, signal.SIGKILL)
+
+        # then: the job completes all its rounds
+        job = cluster.follow(job_id, timeout=420)
+        assert job["status"] == "completed", f"{job['status_reason']}\n{cluster.logs()}"
+
+    rounds = job["rounds"]
+    assert [round_["number"] for round_ in rounds] == list(range(1, ROUNDS + 1))
+    assert all(round_["closed"] for round_ in rounds)
+    tasks = [task for task in job["tasks"] if task["role"] == "trainer"]
+    lost = next(task for task in tasks if task["worker"] == victim)
+    assert lost["status"] == "cancelled" and "expired" in lost["reason"], lost
+    spare = [task for task in tasks if task["worker"] not in trainers]
+    assert len(spare) == 1, tasks
+    assert spare[0]["status"] == "exited" and spare[0]["round"] == ROUNDS, spare[0]
+    # the replacement trained in the last rounds; the victim in none after its death
+    assert str(spare[0]["worker_id"]) in rounds[-1]["participants"], rounds[-1]
+    assert trainers[victim] not in rounds[-1]["participants"]
+    # the job said so while it went on, and no round waited for its timeout
+    assert any("expired while training" in event["reason"] for event in job["events"]), job["events"]
+    assert all(round_["duration"] < 120 for round_ in rounds), [round_["duration"] for round_ in rounds]
+    assert time.monotonic() - killed_at < 400
+
+
+def test_a_data_node_that_goes_away_is_waited_for_and_the_job_completes(tmp_path: Path) -> None:
+    from bench.cluster import training_cluster
+
+    # given: a job whose trainers download a slice every few steps from the one data node
+    dataset, spec = small_training_job(
+        tmp_path, trainers=2, rounds=ROUNDS, inner_steps=20, round_timeout=300.0
+    )
+    with training_cluster(
+        root=tmp_path / "cluster",
+        dataset_dir=dataset,
+        workers=3,
+        mode="services" if services_mode() else "embedded",
+        settings={"HYPHA_LEASE_TTL": "10"},
+        benchmark=False,
+    ) as cluster:
+        job_id = cluster.submit(spec, name="e2e-data-node-away")
+        deadline = time.monotonic() + 240
+        job = cluster.job(job_id)
+        while not any(task["role"] == "trainer" and task["steps_total"] > 0 for task in job["tasks"]):
+            alive = job["status"] not in ("completed", "failed", "cancelled")
+            assert time.monotonic() < deadline and alive, (job["status_reason"], cluster.logs())
+            time.sleep(0.3)
+            job = cluster.job(job_id)
+
+        # when: the data node is killed, and comes back at the same address 8 s later
+        os.killpg(cluster.data_node.popen.pid, signal.SIGKILL)
+        time.sleep(8)
+        waiting = cluster.job(job_id)
+        cluster.restart_data_node()
+        job = cluster.follow(job_id, timeout=420)
+
+    # then: the trainers said they were waiting for data (on the job's page), and the job completed
+    tails = "\n".join(task["log_tail"] for task in waiting["tasks"] if task["role"] == "trainer")
+    assert "waiting for data: slice" in tails, tails[-3000:]
+    assert job["status"] == "completed", job["status_reason"]
+    assert [round_["number"] for round_ in job["rounds"]] == list(range(1, ROUNDS + 1))
