@@ -6,11 +6,12 @@ dataset from the Python standard library's sources with ``hypha-data prepare-tex
 so every slice holds ``input_ids`` and ``labels`` of equal size and all slices of a dataset are the same
 size), then starts two servers over the same files on loopback:
 
-* **our data node** — ``python -m data_node`` as its CLI runs it. It has no option to serve without a control
-  plane, but it serves from the moment it listens and registers in the background, retrying forever (backoff
-  up to 30 s) while the control plane is unreachable; the benchmark points ``--server`` at a free loopback
-  port where nothing listens, as the tests do, so the node serves and never registers. Ready when ``/healthz``
-  answers (after it has hashed every slice).
+* **our data node** — ``python -m data_node`` as its CLI runs it. It serves slices only to requests carrying
+  a slice token signed with the download key its control plane answers the registration with, so the
+  benchmark answers ``POST /api/datasets/register/`` itself (a stdlib HTTP server on a loopback port, with a
+  fixed key) and every request of both servers carries the slice's token (``?token=…``, signed once before
+  the runs; nginx ignores it): the data node's numbers include verifying it. Ready when a slice answers 200
+  (after it has hashed every slice and registered).
 * **nginx** from Debian (``apt-get install -y nginx-light``), with a private configuration in the run's temp
   directory (``nginx -c CONF -p PREFIX -e ERROR_LOG``): ``daemon off``, ``master_process on``,
   ``worker_processes auto``, ``sendfile on``, no access log, and locations that map the same URLs
@@ -48,6 +49,8 @@ import argparse
 import contextlib
 import hashlib
 import http.client
+import http.server
+import json
 import multiprocessing
 import os
 import re
@@ -58,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,6 +76,7 @@ sys.path[:] = [
 ]
 
 from bench.harness import BIN_DIR, Child, load_average, print_start, run_directory  # noqa: E402
+from data_node import tokens  # noqa: E402
 from data_node.slices import sha256_of, slice_file_name  # noqa: E402
 from tests.e2e.isolation import free_port, stop_with_parent  # noqa: E402
 
@@ -89,6 +94,7 @@ REQUEST_TIMEOUT = 30.0
 SAMPLE_CHECKS = 8
 MB = 1_000_000
 WRK_MAX_SLICE = 1 << 20  # see the module docstring: above this wrk, not the server, sets the pace
+DOWNLOAD_KEY = "bench-download-key-" + "0" * 45  # what the benchmark's "control plane" gives the data node
 NGINX_INSTALL_HELP = """nginx is not installed (looked for `nginx` on PATH and in /usr/sbin).
 Install it from Debian and run the benchmark again:
 
@@ -161,6 +167,18 @@ class Dataset:
 
     def path(self, index: int) -> str:
         return f"/datasets/{self.name}/slices/{index}"
+
+    def request_path(self, index: int) -> str:
+        """:meth:`path` with the slice's download token, as the control plane hands slice URLs out."""
+        token = tokens.sign(
+            DOWNLOAD_KEY,
+            dataset=self.name,
+            index=index,
+            job="bench",
+            peer="bench",
+            expires=int(time.time()) + 86400,
+        )
+        return f"{self.path(index)}?token={token}"
 
     @property
     def count(self) -> int:
@@ -277,17 +295,42 @@ def running(name: str, argv: list[str], *, log: Path, port: int, ready_path: str
             popen.wait(STOP_GRACE)
 
 
-def data_node(dataset: Dataset, root: Path) -> contextlib.AbstractContextManager[Server]:
+class _Registrar(http.server.BaseHTTPRequestHandler):
+    """The control plane's part the data node needs: its registration, answered with :data:`DOWNLOAD_KEY`."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.dumps({"download_key": DOWNLOAD_KEY}).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's signature)
+        pass
+
+
+@contextlib.contextmanager
+def data_node(dataset: Dataset, root: Path) -> Iterator[Server]:
     port = free_port()
-    nowhere = free_port()  # no control plane listens here: the node serves and retries registering
+    registrar = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Registrar)
+    thread = threading.Thread(target=registrar.serve_forever, daemon=True)
+    thread.start()
     argv = [
-        sys.executable, "-m", "data_node", "--server", f"http://127.0.0.1:{nowhere}",
-        "--token", "hd_benchmark-not-registered", "--dataset", str(dataset.directory),
+        sys.executable, "-m", "data_node", "--server", f"http://127.0.0.1:{registrar.server_address[1]}",
+        "--token", "hd_benchmark", "--dataset", str(dataset.directory),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
     ]  # fmt: skip
-    return running(
-        "data node", argv, log=root / f"data-node-{dataset.name}.log", port=port, ready_path="/healthz"
-    )
+    try:
+        with running(
+            "data node", argv, log=root / f"data-node-{dataset.name}.log", port=port,
+            ready_path=dataset.request_path(0),
+        ) as server:  # fmt: skip
+            yield server
+    finally:
+        registrar.shutdown()
+        registrar.server_close()
 
 
 def find_nginx() -> str | None:
@@ -364,7 +407,7 @@ def check_answers(server: Server, dataset: Dataset) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_TIMEOUT)
     try:
         for index in indices:
-            connection.request("GET", dataset.path(index))
+            connection.request("GET", dataset.request_path(index))
             response = connection.getresponse()
             body = response.read()
             problems = []
@@ -446,7 +489,7 @@ class Run:
 
 
 def python_run(server: Server, dataset: Dataset, *, clients: int, seconds: float) -> Run:
-    paths = [dataset.path(index) for index in range(dataset.count)]
+    paths = [dataset.request_path(index) for index in range(dataset.count)]
     results: multiprocessing.Queue = multiprocessing.Queue()
     start_at = time.monotonic() + 0.5  # time for every client to fork and connect
     processes = [
@@ -513,7 +556,8 @@ def wrk_run(
     threads = min(clients, os.cpu_count() or 1)
     script.write_text(
         WRK_SCRIPT.format(
-            paths=", ".join(f'"{dataset.path(index)}"' for index in range(dataset.count)), threads=threads
+            paths=", ".join(f'"{dataset.request_path(index)}"' for index in range(dataset.count)),
+            threads=threads,
         )
     )
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

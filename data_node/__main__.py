@@ -3,8 +3,9 @@
     hypha-data-node --server URL --token TOKEN --dataset DIR [--host 127.0.0.1] [--port 0] [--public-url URL]
 
 The dataset's name is DIR's basename; its slices are DIR/00000.safetensors, … (see ``hypha-data``). The node
-hashes every slice, starts serving, registers (retrying while the control plane is unreachable), logs one
-line, and serves until SIGTERM or SIGINT.
+hashes every slice, starts listening, registers (retrying while the control plane is unreachable), logs one
+line, and serves until SIGTERM or SIGINT. Downloads need a slice token signed with the download key the control
+plane answers the registration with (``data_node.tokens``); until then they get 503.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ EXIT_CODES = f"""exit codes:
   {EXIT_USAGE}  bad command line
   {EXIT_TOKEN_REFUSED}  the control plane refused the token (401)
   {EXIT_DATASET_INVALID}  DIR is not a dataset (no slices 00000.safetensors…, a gap, or a name that is no slug)
-  {EXIT_REGISTRATION_REFUSED}  the control plane refused the dataset (400, or 409: other slices under that name)
+  {EXIT_REGISTRATION_REFUSED}  the control plane refused the dataset (400, or 409: other slices under that name),
+     or its answer held no download key
   {EXIT_CANNOT_LISTEN}  cannot listen on --host/--port
 """
 
@@ -63,7 +65,15 @@ async def run(
 
     from aiohttp import web
 
-    from data_node.server import RegistrationRefused, ServedDataset, TokenRefused, build_app, log, register
+    from data_node.server import (
+        RegistrationRefused,
+        ServedDataset,
+        TokenRefused,
+        build_app,
+        log,
+        register,
+        set_download_key,
+    )
     from data_node.slices import InvalidDatasetDirectory, dataset_name, scan
 
     try:
@@ -77,7 +87,9 @@ async def run(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    runner = web.AppRunner(build_app(dataset), access_log=None)
+    app = build_app(dataset)  # answers 503 to downloads until the registration brings the download key
+    # No access log: a slice URL's query holds its download token.
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -97,13 +109,18 @@ async def run(
             registration.cancel()
             return EXIT_OK
         try:
-            registration.result()
+            answer = registration.result()
         except TokenRefused as error:
             log.error("%s: check --token", error)
             return EXIT_TOKEN_REFUSED
         except RegistrationRefused as error:
             log.error("%s", error)
             return EXIT_REGISTRATION_REFUSED
+        download_key = answer.get("download_key") if isinstance(answer, dict) else None
+        if not isinstance(download_key, str) or not download_key:
+            log.error("the control plane's answer holds no download_key: is it older than this data node?")
+            return EXIT_REGISTRATION_REFUSED
+        set_download_key(app, download_key)
         log.info(
             "serving dataset %s (%d slices, %d bytes) at %s on %s:%s; registered with %s",
             dataset.name,

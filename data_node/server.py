@@ -7,7 +7,12 @@ it computes, so replacing it with the digest would break those conditional reque
 let ``index == len`` crash the node). The slice list and digests are computed once at start-up: the files must
 not change while the node serves them (the control plane holds their digests).
 
-Downloads are not authenticated yet (no job-scoped download tokens): serve only data you would publish.
+Every download must carry a slice token (:mod:`data_node.tokens`) signed with the download key the control plane
+returned when the node registered, as the ``token`` query parameter of the URL the control plane handed out (or
+as ``Authorization: Bearer …``): none, malformed, a wrong signature or expired → 401; a token for another dataset
+or slice → 403; before the registration has been answered (no key yet) → 503 with ``Retry-After``. The token is
+checked before the path, so whoever has none learns nothing of which slices exist. Errors are JSON
+``{"error": …, "detail": …}``. The node keeps no access log: URLs carry tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from data_node import tokens
 from data_node.slices import SliceFile
 
 log = logging.getLogger("data_node")
@@ -49,16 +55,70 @@ class ServedDataset:
         return sum(slice_.size for slice_ in self.slices)
 
 
-def build_app(dataset: ServedDataset) -> web.Application:
-    """The aiohttp application serving ``dataset``'s slices."""
+class DownloadKey:
+    """The node's download key (UTF-8 bytes, encoded once), ``None`` until the control plane answered the
+    registration with it. Set with :func:`set_download_key`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, key: str | None = None) -> None:
+        self.value = key.encode() if key else None
+
+
+#: Where the application keeps its :class:`DownloadKey`.
+DOWNLOAD_KEY = web.AppKey("download_key", DownloadKey)
+
+
+def set_download_key(app: web.Application, key: str) -> None:
+    """Start accepting tokens signed with ``key`` (the ``download_key`` of the registration's answer)."""
+    app[DOWNLOAD_KEY].value = key.encode()
+
+
+def _error(status: int, error: str, detail: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": error, "detail": detail}, status=status, headers=headers)
+
+
+def build_app(dataset: ServedDataset, *, download_key: str | None = None) -> web.Application:
+    """The aiohttp application serving ``dataset``'s slices to holders of tokens signed with ``download_key``
+    (or, when ``None``, with the key :func:`set_download_key` sets later)."""
+    key_holder = DownloadKey(download_key)
 
     async def get_slice(request: web.Request) -> web.StreamResponse:
+        key = key_holder.value
+        if key is None:
+            return _error(
+                503,
+                "not_ready",
+                "this data node has not been registered with its control plane yet",
+                {"Retry-After": "5"},
+            )
+        name = request.match_info["name"]
         index_text = request.match_info["index"]
-        if request.match_info["name"] != dataset.name or not index_text.isdecimal():
-            raise web.HTTPNotFound(text="no such dataset or slice\n")
-        index = int(index_text)
+        # ASCII digits, and few: int() of a 5000-digit string raises (a 500 otherwise).
+        index = (
+            int(index_text)
+            if index_text.isascii() and index_text.isdecimal() and len(index_text) < 12
+            else -1
+        )
+        token = request.query.get("token")
+        if token is None:
+            authorization = request.headers.get("Authorization", "")
+            if authorization[:7].lower() == "bearer ":
+                token = authorization[7:].strip()
+        try:
+            tokens.verify(key, token, dataset=name, index=index)
+        except tokens.SliceTokenError as error:
+            # The path only, never the query: it holds the token.
+            log.info("refused %s (%d): %s", request.path, error.status, error.detail)
+            if error.status == 401:
+                return _error(
+                    401, "unauthorized", error.detail, {"WWW-Authenticate": 'Bearer realm="slices"'}
+                )
+            return _error(error.status, "forbidden", error.detail)
+        if name != dataset.name or index < 0:
+            return _error(404, "not_found", "no such dataset or slice")
         if index >= len(dataset.slices):  # ``>=``: index == count is past the end too
-            raise web.HTTPNotFound(text=f"dataset {dataset.name} has slices 0..{len(dataset.slices) - 1}\n")
+            return _error(404, "not_found", f"dataset {dataset.name} has slices 0..{len(dataset.slices) - 1}")
         slice_ = dataset.slices[index]
         return web.FileResponse(
             slice_.path,
@@ -69,9 +129,16 @@ def build_app(dataset: ServedDataset) -> web.Application:
         )
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"dataset": dataset.name, "slices": len(dataset.slices)})
+        return web.json_response(
+            {
+                "dataset": dataset.name,
+                "slices": len(dataset.slices),
+                "registered": key_holder.value is not None,
+            }
+        )
 
     app = web.Application()
+    app[DOWNLOAD_KEY] = key_holder
     app.router.add_get("/datasets/{name}/slices/{index}", get_slice)
     app.router.add_get("/healthz", health)
     return app

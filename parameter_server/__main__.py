@@ -1,7 +1,8 @@
 """``python -m parameter_server``: the built-in parameter server a worker daemon starts for an ``aggregate`` task.
 
 Environment: ``HYPHA_TRANSFER_KEY`` (required: verifies the trainers' transfer tokens),
-``HYPHA_TRANSFER_TOKEN`` and ``HYPHA_SERVER_URL`` (required: the final model's upload). torch and
+``HYPHA_TRANSFER_TOKEN`` and ``HYPHA_SERVER_URL`` (required: the final model's upload), and optionally
+``HYPHA_TRANSFER_TOKEN_FILE`` (a file the daemon rewrites with each fresh, short-lived token). torch and
 transformers are imported only after the arguments are parsed, so ``--help`` and argument errors are instant.
 Logs go to stderr through the ``parameter_server`` logger; the daemon re-prints them.
 """
@@ -125,6 +126,9 @@ def _main(arguments: argparse.Namespace) -> int:
         transfer_key=environment["HYPHA_TRANSFER_KEY"],
         transfer_token=environment["HYPHA_TRANSFER_TOKEN"],
         server_url=environment["HYPHA_SERVER_URL"],
+        transfer_token_file=Path(token_file)
+        if (token_file := os.environ.get("HYPHA_TRANSFER_TOKEN_FILE"))
+        else None,
     )
     loop = asyncio.new_event_loop()
     try:

@@ -1,7 +1,8 @@
 """The eval loss of the global model after each round.
 
-Eval slices (``eval.slices`` of the job: index, size, SHA-256, data-node URLs) are downloaded once, checked
-against their size and digest, cached under ``work_dir/eval/`` and loaded into memory; they are safetensors
+Eval slices (``eval.slices`` of the job: index, size, SHA-256, data-node URLs, each with its download token
+in the query, which no message here repeats) are downloaded once, checked against their size and digest,
+cached under ``work_dir/eval/`` and loaded into memory; they are safetensors
 dicts of equally long tensors, like training slices (reference §5). The loss is the mean of the model's own
 ``loss`` output over batches of ``eval.batch_size`` samples of the ``input-names`` tensors, each batch weighted
 by its number of samples, computed on the CPU under ``torch.no_grad``. The server runs :meth:`Evaluator.loss`
@@ -14,6 +15,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,16 +32,23 @@ logger = logging.getLogger("parameter_server")
 DOWNLOAD_TIMEOUT = aiohttp.ClientTimeout(total=600, connect=10, sock_read=60)
 
 
+def _without_query(url: str) -> str:
+    """``url`` for a message: without its query (a slice URL's holds its download token)."""
+    return urllib.parse.urlsplit(url)._replace(query="", fragment="").geturl()
+
+
 async def _download(session: aiohttp.ClientSession, item: EvalSlice, target: Path) -> None:
     errors = []
     for url in item.urls:
+        where = _without_query(url)
         digest = hashlib.sha256()
         size = 0
         partial = target.with_name(target.name + ".partial")
         try:
             async with session.get(url, timeout=DOWNLOAD_TIMEOUT) as response:
                 if response.status != 200:
-                    errors.append(f"{url}: HTTP {response.status}")
+                    # 401: the token expired (a parameter server the control plane replaces gets new ones)
+                    errors.append(f"{where}: HTTP {response.status}")
                     continue
                 with open(partial, "wb") as file:
                     async for chunk in response.content.iter_chunked(1 << 20):
@@ -49,11 +58,11 @@ async def _download(session: aiohttp.ClientSession, item: EvalSlice, target: Pat
                         digest.update(chunk)
                         file.write(chunk)
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            errors.append(f"{url}: {error or type(error).__name__}")
+            errors.append(f"{where}: {str(error).replace(url, where) or type(error).__name__}")
             partial.unlink(missing_ok=True)
             continue
         if size != item.size or digest.hexdigest() != item.sha256:
-            errors.append(f"{url}: size or SHA-256 does not match slice {item.index}")
+            errors.append(f"{where}: size or SHA-256 does not match slice {item.index}")
             partial.unlink(missing_ok=True)
             continue
         partial.replace(target)

@@ -50,6 +50,23 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointFile:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ResumeConfig:
+    """``checkpoint``: the last round the job's previous parameter server saved with the control plane, to
+    resume from: its files are fetched from ``uri`` + name (a control-plane path) with the transfer token."""
+
+    round_number: int
+    uri: str
+    files: tuple[CheckpointFile, ...]
+
+
+@dataclass(frozen=True)
 class JobConfig:
     job_id: str
     expected_peers: tuple[str, ...]
@@ -65,6 +82,7 @@ class JobConfig:
     round_timeout: float
     weighted: bool
     eval: EvalConfig | None
+    resume: ResumeConfig | None = None
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -103,6 +121,41 @@ def _peers(value: Any, where: str) -> tuple[str, ...]:
     if len(set(peers)) != len(peers):
         raise JobConfigError(f"{where}.peers lists a peer twice")
     return tuple(peers)
+
+
+_CHECKPOINT_FILES = ("round.json", "weights.safetensors", "momentum.safetensors", "result.safetensors")
+
+
+def _resume(value: Any) -> ResumeConfig | None:
+    if value is None:
+        return None
+    checkpoint = _object(value, "checkpoint")
+    uri = _string(checkpoint.get("uri"), "checkpoint.uri")
+    if not uri.startswith("/") or not uri.endswith("/"):
+        raise JobConfigError(f"checkpoint.uri must be a control-plane path ending in '/', got {uri!r}")
+    files = _object(checkpoint.get("files"), "checkpoint.files")
+    if "round.json" not in files or "weights.safetensors" not in files:
+        raise JobConfigError("checkpoint.files must name round.json and weights.safetensors")
+    entries = []
+    for name, entry in files.items():
+        if name not in _CHECKPOINT_FILES:
+            raise JobConfigError(f"checkpoint.files: unknown file {name!r}")
+        entry = _object(entry, f"checkpoint.files.{name}")
+        digest = _string(entry.get("sha256"), f"checkpoint.files.{name}.sha256")
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise JobConfigError(f"checkpoint.files.{name}.sha256 must be 64 lowercase hex digits")
+        entries.append(
+            CheckpointFile(
+                name=name,
+                size=_integer(entry.get("size"), f"checkpoint.files.{name}.size", minimum=0),
+                sha256=digest,
+            )
+        )
+    return ResumeConfig(
+        round_number=_integer(checkpoint.get("round"), "checkpoint.round", minimum=0),
+        uri=uri,
+        files=tuple(entries),
+    )
 
 
 def _source(value: Any) -> ModelSource:
@@ -192,7 +245,7 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
 
     # ``model``, ``rounds`` and ``eval`` extend the config; also found at the envelope's top level for callers
     # that put them next to ``executor``.
-    for key in ("model", "rounds", "eval"):
+    for key in ("model", "rounds", "eval", "checkpoint"):
         if key not in config and key in envelope:
             config = {**config, key: envelope[key]}
     model = _object(config.get("model"), "model")
@@ -221,4 +274,5 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
         ),
         weighted=weighted,
         eval=_eval(config.get("eval")),
+        resume=_resume(config.get("checkpoint")),
     )

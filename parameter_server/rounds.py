@@ -102,7 +102,8 @@ class RoundCoordinator:
     """Collects the open round's updates and takes the outer step; see the module docstring for the rules.
 
     ``weights`` are the global weights after ``rounds_completed`` rounds and ``momentum`` the outer momentum
-    (None before the first step); both are replaced, never mutated. ``persist`` may raise: the round is then
+    (None before the first step); both are replaced, never mutated. ``last_result`` (a server resumed from a
+    checkpoint) is served as round ``rounds_completed``'s result. ``persist`` may raise: the round is then
     not published and :attr:`failure` is set (the service stops; the checkpoint of the previous round stands).
     """
 
@@ -120,6 +121,7 @@ class RoundCoordinator:
         momentum_factor: float,
         persist: PersistHook | None = None,
         on_first_update: FirstUpdateHook | None = None,
+        last_result: RoundResult | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.expected = tuple(expected)
@@ -140,6 +142,10 @@ class RoundCoordinator:
         )
         self._results: dict[int, RoundResult] = {}
         self._fetched: dict[int, set[str]] = {}
+        if last_result is not None and last_result.round_number == rounds_completed:
+            # Resumed from a checkpoint: round ``rounds_completed``'s result is served again.
+            self._results[rounds_completed] = last_result
+            self._fetched[rounds_completed] = set()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()

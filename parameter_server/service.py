@@ -3,7 +3,9 @@
 :func:`run` is what ``python -m parameter_server`` runs:
 
 1. Build or fetch the initial model (:mod:`parameter_server.model`); if ``work_dir/checkpoints`` has a
-   round, restore its weights, momentum and round number instead (a restart), else save round 0.
+   round, or the job's ``checkpoint`` names a later one the control plane keeps (this server replaces a lost
+   one), restore its weights, momentum, round number and last result instead, else save round 0. Every round
+   (round 0 included) is uploaded to the control plane before it is published.
 2. Bind the HTTP API, then report ``{"ready": {"url", "round"}}`` through the bridge.
 3. For each round the coordinator publishes: compute the eval loss (if the job has ``eval``) in a thread,
    then report ``{"round": {...}}``. When a round accepts its first update, report ``{"waiting": {"round"}}``
@@ -17,7 +19,7 @@
 
 Files under ``work_dir``: ``model/`` (config and other non-weight files), ``global/round-N.safetensors``
 (the global weights after round N, the last two kept), ``results/round-N.safetensors`` (u_N, the last two),
-``checkpoints/`` (weights + momentum per round, the last two), ``incoming/`` (update bodies being read),
+``checkpoints/`` (weights, momentum and u_r per round, the last two), ``incoming/`` (update bodies being read),
 ``eval/`` (cached eval slices), ``source/`` (downloaded model files).
 """
 
@@ -27,6 +29,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +50,12 @@ from parameter_server.model import (
     InitialModel,
     prepare_model,
 )
-from parameter_server.reporting import BridgeReporter, upload_model
+from parameter_server.reporting import (
+    BridgeReporter,
+    download_checkpoint,
+    upload_checkpoint,
+    upload_model,
+)
 from parameter_server.rounds import KEEP_RESULTS, RoundCoordinator, RoundResult
 from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http
 
@@ -77,6 +86,23 @@ class Settings:
     server_url: str
     final_wait: float = 60.0
     upload_deadline: float = 60.0
+    #: Seconds a checkpoint upload (or the download of the one to resume from) keeps retrying: a control
+    #: plane being redeployed must not fail the job.
+    checkpoint_deadline: float = 600.0
+    #: Where the daemon keeps the current transfer token (``HYPHA_TRANSFER_TOKEN_FILE``): tokens are
+    #: short-lived and refreshed there; ``transfer_token`` is the first one, used when the file is unreadable.
+    transfer_token_file: Path | None = None
+
+    def current_token(self) -> str:
+        if self.transfer_token_file is not None:
+            try:
+                token = self.transfer_token_file.read_text(encoding="ascii").strip()
+            except (OSError, UnicodeDecodeError) as error:
+                logger.warning("cannot read the transfer token file %s: %s", self.transfer_token_file, error)
+            else:
+                if token:
+                    return token
+        return self.transfer_token
 
 
 class Stopped(Exception):
@@ -126,10 +152,11 @@ class ParameterServer:
         """Prepare the model, restore or save round 0, bind the HTTP port (no report yet)."""
         for directory in (self.global_dir, self.results_dir):
             directory.mkdir(parents=True, exist_ok=True)
-        access = ControlPlaneAccess(server_url=self.settings.server_url, token=self.settings.transfer_token)
+        access = ControlPlaneAccess(server_url=self.settings.server_url, token=self.settings.current_token())
         initial = await asyncio.to_thread(prepare_model, self.job, self.work_dir, control_plane=access)
         self.initial = initial
-        state = await asyncio.to_thread(checkpoints.load_latest, self.checkpoint_dir)
+        state = await self._restore()
+        last_result = None
         if state is None:
             weights, momentum, completed = initial.weights, None, 0
             await asyncio.to_thread(
@@ -146,6 +173,26 @@ class ParameterServer:
                 raise CheckpointError("the checkpoint's weights do not match the job's model")
             weights, momentum, completed = state.weights, state.momentum, state.round_number
             logger.info("resuming after round %d from %s", completed, self.checkpoint_dir)
+            if state.result is not None and completed > 0:
+                # Trainers that sent this round's update may not have fetched u_r from the previous server.
+                result_path = _round_file(self.results_dir, completed)
+                await asyncio.to_thread(weights_io.save, result_path, state.result, metadata=FILE_METADATA)
+                last_result = RoundResult(
+                    round_number=completed,
+                    update=state.result,
+                    participants=state.participants,
+                    left_out=(),
+                    refused={},
+                    samples=0,
+                    duration=0.0,
+                    bytes_in=0,
+                    stepped=True,
+                    path=result_path,
+                )
+        resume = self.job.resume
+        if resume is None or resume.round_number < completed:
+            # The control plane keeps a copy of the last round: a server started elsewhere resumes from it.
+            await self._upload_checkpoint(completed)
         weights_path = _round_file(self.global_dir, completed)
         await asyncio.to_thread(weights_io.save, weights_path, weights, metadata=FILE_METADATA)
 
@@ -161,6 +208,7 @@ class ParameterServer:
             momentum_factor=self.job.momentum,
             persist=self._persist,
             on_first_update=self._first_update,
+            last_result=last_result,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -188,8 +236,50 @@ class ParameterServer:
             self.job.update_rounds,
         )
 
+    async def _restore(self) -> checkpoints.RoundState | None:
+        """The round to resume from: the work dir's last one, or the control plane's copy if that is newer
+        (this server replaces one that was lost); None for a fresh start."""
+        local = await asyncio.to_thread(checkpoints.load_latest, self.checkpoint_dir)
+        resume = self.job.resume
+        if resume is None or (local is not None and local.round_number >= resume.round_number):
+            return local
+        logger.info("fetching round %d's checkpoint from the control plane", resume.round_number)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        partial = Path(
+            tempfile.mkdtemp(prefix=f"{checkpoints.PARTIAL_PREFIX}download-", dir=self.checkpoint_dir)
+        )
+        try:
+            await download_checkpoint(
+                server_url=self.settings.server_url,
+                uri=resume.uri,
+                token=self.settings.current_token(),
+                files={entry.name: (entry.size, entry.sha256) for entry in resume.files},
+                directory=partial,
+                deadline=self.settings.checkpoint_deadline,
+            )
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        state = await asyncio.to_thread(checkpoints.adopt_round, self.checkpoint_dir, partial)
+        if state.round_number != resume.round_number:
+            raise CheckpointError(
+                f"the control plane's checkpoint holds round {state.round_number}, not {resume.round_number}"
+            )
+        return state
+
+    async def _upload_checkpoint(self, round_number: int) -> None:
+        await upload_checkpoint(
+            server_url=self.settings.server_url,
+            job_id=self.job.job_id,
+            round_number=round_number,
+            token=self.settings.current_token(),
+            files=checkpoints.round_files(self.checkpoint_dir, round_number),
+            deadline=self.settings.checkpoint_deadline,
+        )
+
     async def _persist(self, result: RoundResult, weights: StateDict, momentum: StateDict | None) -> None:
-        """Checkpoint, then the new global file and u_r's file; only then is the round published."""
+        """Checkpoint (here and on the control plane), then the new global file and u_r's file; only then is
+        the round published: a round trainers saw is never lost with this server."""
         assert self.app is not None
         number = result.round_number
         await asyncio.to_thread(
@@ -198,8 +288,11 @@ class ParameterServer:
             round_number=number,
             weights=weights,
             momentum=momentum,
+            result=result.update,
+            participants=result.participants,
             keep=2,
         )
+        await self._upload_checkpoint(number)
         weights_path = _round_file(self.global_dir, number)
         result_path = _round_file(self.results_dir, number)
         await asyncio.to_thread(weights_io.save, weights_path, weights, metadata=FILE_METADATA)
@@ -329,7 +422,7 @@ class ParameterServer:
             upload_model(
                 server_url=self.settings.server_url,
                 job_id=self.job.job_id,
-                token=self.settings.transfer_token,
+                token=self.settings.current_token(),
                 files=files,
                 deadline=self.settings.upload_deadline,
             )

@@ -30,6 +30,8 @@ exit codes:
   {ExitCode.TOKEN_REFUSED:d}  the control plane refused the token (missing, invalid or revoked)
   {ExitCode.UNSUPPORTED_VERSION:d}  the control plane does not support this daemon's protocol version
   {ExitCode.BENCHMARK_FAILED:d}  (benchmark subcommand) the benchmark failed or timed out
+  {ExitCode.SUPERSEDED:d}  another daemon connected with the same token and took the worker over (run one
+     daemon per token; a supervisor should not restart on this code, or the two take turns)
   Network failures are not fatal: the daemon reconnects with exponential backoff.
 
 environment:

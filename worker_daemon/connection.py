@@ -20,11 +20,17 @@ Two layers, so that the decisions are testable without a network:
   with an error instead.
 
 :func:`run_daemon` runs one daemon to completion and returns the process exit code
-(:class:`~worker_daemon.exceptions.ExitCode`).
+(:class:`~worker_daemon.exceptions.ExitCode`). A refused token (4000/4001/4003) or protocol version (4002)
+ends it, and so does 4009: another daemon process connected with this worker's token after it (each process
+names itself on the handshake, :data:`INSTANCE_HEADER`), so it stops rather than take the worker back.
 
 What survives a lost connection: ACTIVE leases stay in the book (they keep their local expiry and are
 claimed again in the next ``hello``); reservations for pending offers and the open advertisements are
-dropped, because the control plane forgets them with the connection.
+dropped, because the control plane forgets them with the connection. While the connection is lost a lease
+is kept :data:`DISCONNECTED_LEASE_GRACE` seconds past its local expiry, and the daemon retries at least
+every quarter lease TTL: a restarted control plane gives every lease one TTL from its restart (it cannot
+tell a lease whose renewal fell in its outage from a dead daemon's), and a daemon that is back within it
+keeps its leases and its running tasks.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from worker_daemon.exceptions import (
     BenchmarkError,
     ExitCode,
     FatalConnectionError,
+    SupersededError,
     TokenRefusedError,
     UnsupportedVersionError,
     WorkerDaemonError,
@@ -65,8 +72,17 @@ OFFER_SAFETY_MARGIN = 1.0
 #: generous offer window).
 DEFAULT_OFFER_TTL = 5.0
 DEFAULT_LEASE_TTL = 10.0
+#: Seconds an ACTIVE lease is kept past its local expiry while the connection is lost (it could not be
+#: renewed: the control plane may be restarting, and will give it one TTL from its restart). Long enough
+#: for a restart of daphne and Celery with migrations; a daemon that was cut off while the control plane ran
+#: learns at its next welcome that the lease ended, and stops its task then, or after this grace at the latest.
+DISCONNECTED_LEASE_GRACE = 60.0
 
 SHUTDOWN_REASON = "daemon shutting down"
+#: The handshake header naming this daemon process (a random id per process, the same on every reconnect), so
+#: that the control plane tells a daemon reconnecting from a restarted one: a restarted daemon takes the worker
+#: over, and the process it replaced is refused from then on (close 4009) instead of taking it back.
+INSTANCE_HEADER = "Hypha-Daemon-Instance"
 NOT_FREE_REASON = "resources no longer free"
 
 
@@ -109,8 +125,13 @@ class WorkerSession:
         daemon_version: str = "",
         clock: Callable[[], float] = time.monotonic,
         book: LeaseBook | None = None,
+        disconnected_lease_grace: float = DISCONNECTED_LEASE_GRACE,
     ) -> None:
         self.config = config
+        self.disconnected_lease_grace = disconnected_lease_grace
+        #: Whether a connection that was welcomed has been lost and no welcome has come since: the leases
+        #: then get their grace (see the module docstring).
+        self.cut_off = False
         self.daemon_version = daemon_version
         self.book = book if book is not None else LeaseBook(capacity=config.capacity, clock=clock)
         self._clock = clock
@@ -203,6 +224,7 @@ class WorkerSession:
                 return Outcome(reevaluate=True)
             case (
                 protocol.DispatchJob()
+                | protocol.TransferToken()
                 | protocol.CancelJob()
                 | protocol.StatusReply()
                 | protocol.SliceAssigned()
@@ -302,12 +324,24 @@ class WorkerSession:
         return offers
 
     def prune(self) -> bool:
-        """Drop reservations and leases whose local expiry passed; True if anything was freed."""
-        reservations, leases = self.book.prune()
+        """Drop reservations and leases whose local expiry passed (leases: plus the grace, while cut off
+        from the control plane); True if anything was freed."""
+        grace = self.disconnected_lease_grace if self.cut_off else 0.0
+        reservations, leases = self.book.prune(lease_grace=grace)
         for reservation in reservations:
             logger.debug("reservation for advertisement %s expired", reservation.advertisement_id)
         for lease in leases:
             self.awaiting_end.discard(lease.lease_id)
+            if self.cut_off:
+                logger.warning(
+                    "lease %s not renewed, dropped: the control plane was unreachable for its TTL and %gs "
+                    "more (job %s, role %s)",
+                    lease.lease_id,
+                    grace,
+                    lease.job_id,
+                    lease.role,
+                )
+                continue
             logger.warning(
                 "lease %s not renewed, dropped (job %s, role %s)", lease.lease_id, lease.job_id, lease.role
             )
@@ -320,6 +354,7 @@ class WorkerSession:
         self._window_deadlines.clear()
         self._offered_attempt.clear()
         self._rejected_attempt.clear()
+        self.cut_off = self.cut_off or self.welcomed
         self.welcomed = False
 
     def begin_shutdown(self) -> list[protocol.ReleaseLease]:
@@ -341,6 +376,7 @@ class WorkerSession:
         self.offer_ttl = message.offer_ttl
         self.lease_ttl = message.lease_ttl
         self.welcomed = True
+        self.cut_off = False
         replies: list[protocol.DaemonMessage] = []
         # welcome.leases is the control plane's view of what we may keep: exactly those survive.
         keep = {info.lease_id: info for info in message.leases if info.status == "active"}
@@ -479,9 +515,15 @@ class WorkerDaemon:
         benchmark_at_start: bool = False,
         benchmark_timeout: float = benchmark.TIMEOUT,
         benchmark_budget: float | None = None,
+        disconnected_lease_grace: float = DISCONNECTED_LEASE_GRACE,
     ) -> None:
         self.url = websocket_url(server_url)
-        self.session = WorkerSession(config=config, daemon_version=daemon_version(), clock=clock)
+        self.session = WorkerSession(
+            config=config,
+            daemon_version=daemon_version(),
+            clock=clock,
+            disconnected_lease_grace=disconnected_lease_grace,
+        )
         #: Runs the dispatched tasks; it reads the session's lease book.
         self.jobs = (
             jobs
@@ -489,6 +531,8 @@ class WorkerDaemon:
             else JobManager(config=config, book=self.session.book, server_url=self.url)
         )
         self._token = token
+        #: This process's id on the handshake (:data:`INSTANCE_HEADER`).
+        self.instance_id = uuid.uuid4().hex
         self._batch_window = batch_window
         self._prune_interval = prune_interval
         self._backoff_base = backoff_base
@@ -573,9 +617,13 @@ class WorkerDaemon:
                 loop.remove_signal_handler(signal_number)
 
     def backoff_delay(self, attempt: int) -> float:
-        """The delay before reconnect number ``attempt + 1``: uniform in [0, min(cap, base·2^attempt)]."""
+        """The delay before reconnect number ``attempt + 1``: uniform in [0, min(cap, base·2^attempt)], and
+        at most a quarter lease TTL while the daemon holds leases."""
         # Full jitter (AWS architecture blog): spreads the reconnects of many daemons after a server restart.
         ceiling = min(self._backoff_cap, self._backoff_base * 2 ** min(attempt, 32))
+        if self.session.book.leases:
+            # A restarted control plane keeps our leases for one TTL from its restart: be back well within it.
+            ceiling = min(ceiling, self.session.lease_ttl / 4)
         return self._uniform(0.0, ceiling)
 
     async def _connect_once(self) -> None:
@@ -605,7 +653,10 @@ class WorkerDaemon:
         try:
             return await connect(
                 self.url,
-                additional_headers={"Authorization": f"Bearer {self._token}"},
+                additional_headers={
+                    "Authorization": f"Bearer {self._token}",
+                    INSTANCE_HEADER: self.instance_id,
+                },
                 user_agent_header=f"hypha-worker-daemon/{self.session.daemon_version}",
                 open_timeout=self._open_timeout,
                 ping_interval=self._ping_interval,
@@ -669,6 +720,16 @@ class WorkerDaemon:
             close_code = None
         name = f" ({close_code.name})" if close_code is not None else ""
         detail = f"code {code}{name}" + (f", reason {reason!r}" if reason else "")
+        if close_code == protocol.CloseCode.SUPERSEDED:
+            # Another daemon with our token connected after us (a restart while this process hung, or the same
+            # token configured twice). Reconnecting would take the worker back, and it would take it back in
+            # turn: one of the two must stop, and the newer one is the one the operator started last.
+            raise SupersededError(
+                f"another daemon connected with this worker's token and took the worker over ({detail}); "
+                "this one stops. Run exactly one daemon per worker token",
+                close_code=code,
+                reason=reason,
+            )
         if close_code is not None and close_code.is_fatal:
             error_type = (
                 UnsupportedVersionError

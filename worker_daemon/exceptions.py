@@ -9,7 +9,9 @@ Hierarchy::
     └── FatalConnectionError           the control plane said reconnecting cannot help
         ├── TokenRefusedError          token missing, invalid or revoked (close 4000/4001/4003,
         │                              or HTTP 401/403 on the handshake)                   → exit 3
-        └── UnsupportedVersionError    the control plane does not speak our protocol (4002) → exit 4
+        ├── UnsupportedVersionError    the control plane does not speak our protocol (4002) → exit 4
+        └── SupersededError            another daemon connected with this worker's token and took
+                                       over (4009): two daemons must not fight over one worker → exit 6
 
 Transient network failures (refused connections, timeouts, dropped sockets, other close codes) are not
 errors of this package: the connection loop catches websockets' and the OS's own exceptions and reconnects
@@ -37,6 +39,8 @@ class ExitCode(enum.IntEnum):
     """The control plane does not support this daemon's protocol version."""
     BENCHMARK_FAILED = 5
     """``hypha-worker-daemon benchmark`` could not measure (the message says why)."""
+    SUPERSEDED = 6
+    """Another daemon connected with this worker's token and took the worker over (close 4009)."""
 
 
 class WorkerDaemonError(Exception):
@@ -80,3 +84,13 @@ class UnsupportedVersionError(FatalConnectionError):
     """The control plane does not accept this daemon's protocol version."""
 
     exit_code = ExitCode.UNSUPPORTED_VERSION
+
+
+class SupersededError(FatalConnectionError):
+    """Another daemon (another process) connected with this worker's token, and the newest connection wins.
+
+    Reconnecting would take the worker back from it, and it would take it back in turn: two daemons with one
+    token would ping-pong forever, each ending the other's leases. So the superseded one stops.
+    """
+
+    exit_code = ExitCode.SUPERSEDED

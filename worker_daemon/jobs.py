@@ -12,8 +12,10 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
    * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
      (compact JSON of the spec) replaced in every argument;
    * runtime ``parameter-server``: ``python -m parameter_server --socket … --work-dir … --job … --host …
-     --port … [--public-url …]`` with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN`` and
-     ``HYPHA_SERVER_URL`` (the control plane's HTTP base URL) in its environment;
+     --port … [--public-url …]`` with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN``,
+     ``HYPHA_TRANSFER_TOKEN_FILE`` (``<work dir>/.transfer-token``, rewritten with each fresh token the
+     control plane sends in a ``transfer_token`` frame) and ``HYPHA_SERVER_URL`` (the control plane's HTTP
+     base URL) in its environment;
 
 3. posts ``job_started``; re-logs every line of the child's stdout and stderr (prefixed with the task id);
 4. when the process ends, by itself or cancelled (``cancel_job``, its lease gone, daemon shutdown: SIGTERM to
@@ -150,6 +152,19 @@ class Task:
         return "\n".join(self.output)[-LOG_TAIL_CHARS:]
 
 
+#: A parameter server's current transfer token, in its work dir (``HYPHA_TRANSFER_TOKEN_FILE``).
+TOKEN_FILE = ".transfer-token"
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Replace ``path``'s content with ``token`` at once (readable by this user only)."""
+    partial = path.with_name(f".{path.name}.part")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w", encoding="ascii") as file:
+        file.write(token)
+    os.replace(partial, path)
+
+
 class JobManager:
     """Starts, watches and stops this daemon's tasks (see the module docstring).
 
@@ -203,6 +218,8 @@ class JobManager:
                 ) as current:
                     task = self.start(message)
                     telemetry.annotate(current, **{"hypha.started": task is not None})
+            case protocol.TransferToken():
+                self.refresh_token(message.task_id, message.transfer_token)
             case protocol.CancelJob():
                 with telemetry.span("cancel_job", **{"hypha.task_id": message.task_id}) as current:
                     found = self.cancel(
@@ -215,6 +232,19 @@ class JobManager:
                 self.link.resolve(message)
             case _:
                 return False
+        return True
+
+    def refresh_token(self, task_id: uuid.UUID, token: str) -> bool:
+        """A running task's fresh transfer token: its bridge uses it from now on, and a parameter server reads
+        it from its token file before each call to the control plane. False if the task does not run here."""
+        task = self.tasks.get(task_id)
+        if task is None:
+            return False
+        task.dispatch = task.dispatch.model_copy(update={"transfer_token": token})
+        if task.backend is not None:
+            task.backend.transfer_token = token
+        if task.work_dir is not None and task.executor.runtime == "parameter-server":
+            write_token_file(task.work_dir / TOKEN_FILE, token)
         return True
 
     def start(self, dispatch: protocol.DispatchJob) -> Task | None:
@@ -481,6 +511,12 @@ class JobManager:
                 environment[variable] = value
             else:
                 environment.pop(variable, None)
+        environment.pop("HYPHA_TRANSFER_TOKEN_FILE", None)
+        if dispatch.transfer_token is not None:
+            # Tokens are short-lived: the fresh ones the control plane sends replace this file's content.
+            token_file = task.work_dir / TOKEN_FILE
+            write_token_file(token_file, dispatch.transfer_token)
+            environment["HYPHA_TRANSFER_TOKEN_FILE"] = str(token_file)
         return argv, environment
 
     async def _supervise(self, task: Task) -> protocol.JobExited:

@@ -210,13 +210,14 @@ class LeaseBook:
             del self._reservations[reservation.advertisement_id]
         return reservation
 
-    def prune(self) -> tuple[list[Reservation], list[Lease]]:
-        """Remove every reservation and lease whose expiry has passed; return them."""
+    def prune(self, *, lease_grace: float = 0.0) -> tuple[list[Reservation], list[Lease]]:
+        """Remove every reservation whose expiry has passed, and every lease whose expiry passed more than
+        ``lease_grace`` seconds ago; return them."""
         now = self._clock()
         reservations = [r for r in self._reservations.values() if r.expires_at <= now]
         for reservation in reservations:
             del self._reservations[reservation.advertisement_id]
-        leases = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        leases = [lease for lease in self._leases.values() if lease.expires_at + lease_grace <= now]
         for lease in leases:
             del self._leases[lease.lease_id]
         return reservations, leases

@@ -402,6 +402,15 @@ class DispatchJob(_Message):
     transfer_key: str | None = None
 
 
+class TransferToken(_Message):
+    """A fresh transfer token for the running task ``task_id`` (sent with each renewal of its lease: tokens
+    are short-lived); it replaces the dispatch's ``transfer_token`` from now on."""
+
+    type: Literal["transfer_token"] = "transfer_token"
+    task_id: uuid.UUID
+    transfer_token: str = Field(min_length=1, max_length=4096)
+
+
 class CancelJob(_Message):
     type: Literal["cancel_job"] = "cancel_job"
     task_id: uuid.UUID
@@ -462,6 +471,7 @@ ServerMessage = Annotated[
     | RenewLease
     | LeaseEnded
     | DispatchJob
+    | TransferToken
     | CancelJob
     | StatusReply
     | SliceAssigned

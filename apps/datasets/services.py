@@ -19,9 +19,14 @@ How a job's training consumes its dataset:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import time
+import urllib.parse
 from collections.abc import Iterable
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Max, Q
 from django.utils import timezone
@@ -38,6 +43,7 @@ from apps.datasets.exceptions import (
 from apps.datasets.models import DataNode, Dataset, DatasetReplica, JobSlice, Slice
 from apps.leases.models import Lease
 from apps.workers.models import hash_token
+from data_node import tokens as slice_tokens
 
 SLUG = re.compile(r"^[-a-zA-Z0-9_]+$")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -54,6 +60,15 @@ def create_data_node(*, name: str, url: str, owner=None) -> tuple[DataNode, str]
 def authenticate_data_node(token: str) -> DataNode | None:
     """The data node holding ``token``, or ``None``."""
     return DataNode.objects.filter(token_hash=hash_token(token)).first()
+
+
+def download_key(node: DataNode) -> str:
+    """The key ``node`` verifies slice tokens with: derived from ``SECRET_KEY``, the node's id and its token's
+    hash, never stored. The node gets it in the answer to its registration; a new node token (or a new
+    ``SECRET_KEY``) makes a new key, and the node learns it when it registers again."""
+    return hmac.new(
+        settings.SECRET_KEY.encode(), f"data-node:{node.pk}:{node.token_hash}".encode(), hashlib.sha256
+    ).hexdigest()
 
 
 # --- datasets -----------------------------------------------------------------------------------------------
@@ -149,6 +164,45 @@ def _check_same_slices(dataset: Dataset, node: DataNode, checked: list[tuple[int
 def replicas(dataset: Dataset) -> list[DataNode]:
     """The data nodes serving ``dataset``, online ones first, then by name (trainers download from these)."""
     return list(DataNode.objects.filter(replicas__dataset=dataset).order_by("-online", "name"))
+
+
+# --- slice download URLs ------------------------------------------------------------------------------------
+
+#: The ``peer`` of the parameter server's eval slice tokens (a trainer's is its worker id).
+PARAMETER_SERVER_PEER = slice_tokens.PARAMETER_SERVER_PEER
+#: How long a trainer's slice URL stays valid (seconds). The bridge downloads right after the claim, but waits
+#: up to its ``data_wait`` (15 min by default) for data nodes that are down, retrying the same URLs: twice that.
+SLICE_TOKEN_LIFETIME = 30 * 60
+#: How long the parameter server's eval slice URLs stay valid. It downloads them when it reports its first
+#: round (which may be long after its dispatch), again each round until that works, and again when its daemon
+#: restarts it from the dispatch frame the control plane stored; a server the control plane replaces gets new
+#: URLs. So they live long; they still name only the job's held-out slices, and the parameter server.
+EVAL_SLICE_TOKEN_LIFETIME = 7 * 24 * 3600
+
+
+def slice_urls(
+    dataset: Dataset, index: int, *, job_id, peer: str, lifetime: float = SLICE_TOKEN_LIFETIME
+) -> list[str]:
+    """``GET`` URLs of slice ``index`` of ``dataset`` at each data node serving it (online ones first), each
+    with a ``token`` query parameter signed with that node's :func:`download_key`: it names the dataset, the
+    slice, job ``job_id`` and ``peer`` (the downloading worker's id, or
+    :data:`PARAMETER_SERVER_PEER`) and expires ``lifetime`` seconds from now."""
+    expires = int(time.time() + lifetime)
+    urls = []
+    for node in replicas(dataset):
+        if not node.url:
+            continue
+        token = slice_tokens.sign(
+            download_key(node),
+            dataset=dataset.name,
+            index=index,
+            job=str(job_id),
+            peer=str(peer),
+            expires=expires,
+        )
+        query = urllib.parse.urlencode({"token": token})
+        urls.append(f"{node.url.rstrip('/')}/datasets/{dataset.name}/slices/{index}?{query}")
+    return urls
 
 
 # --- a job's slices -----------------------------------------------------------------------------------------

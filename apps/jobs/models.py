@@ -88,6 +88,9 @@ class Job(models.Model):
     spec = models.JSONField(default=dict, blank=True)
     #: ``{filename: {"size": bytes, "sha256": hex}}`` of the final model the parameter server uploaded.
     model_files = models.JSONField(default=dict, blank=True)
+    #: The last round the parameter server saved with the control plane, to restart it from:
+    #: ``{"round": n, "files": {filename: {"size", "sha256"}}}`` (``{}`` before the first).
+    checkpoint = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     allocated_at = models.DateTimeField(null=True, blank=True)

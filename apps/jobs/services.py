@@ -20,6 +20,7 @@ from apps.leases import services as lease_services
 from apps.leases.exceptions import LeaseTransitionRefused
 from apps.leases.models import Lease
 from apps.market import services as market
+from apps.market.exceptions import OfferRefused
 from apps.market.models import Advertisement
 from apps.workers import services as worker_services
 from apps.workers.models import Worker
@@ -98,15 +99,9 @@ def allocate(job_id) -> None:
         job = Job.objects.select_for_update().filter(pk=job_id).first()
         if job is None or job.status not in ALLOCATING_STATES:
             return
-        # A training job past its last round replaces nobody: it is about to complete.
-        replacing = not (
-            job.status == Job.Status.RUNNING
-            and training.is_training_job(job)
-            and not training.wants_replacements(job)
-        )
         for role in ROLES:
             requirement = job.requirement(role)
-            missing = requirement.count - _active_count(job, role) if replacing else 0
+            missing = requirement.count - _active_count(job, role) if training.replaces(job, role) else 0
             ad = job.advertisements.filter(role=role, status=Advertisement.Status.OPEN).first()
             if ad is not None:
                 if missing <= 0:
@@ -253,6 +248,8 @@ def offer_made(*, worker: Worker, message: protocol.Offer) -> protocol.OfferRece
         _lock_job_of_advertisement(message.advertisement_id)
         # Re-read: the consumer's copy predates the resources and executors its hello just reported.
         worker = Worker.objects.get(pk=worker.pk)
+        if worker.is_revoked:  # a frame that raced the revocation wins no lease
+            raise OfferRefused("the worker's token was revoked")
         outcome = market.record_offer(worker=worker, message=message)
         offer = outcome.offer
         if offer.lease_id is None:
@@ -388,11 +385,18 @@ def model_uploaded(*, job: Job, filename: str, token: str | None, chunks, limit:
     return training.store_model_file(job, filename, chunks, limit=limit)
 
 
+def checkpoint_uploaded(
+    *, job: Job, round_number: int, filename: str, token: str | None, chunks, limit: int
+) -> dict:
+    """Store one file of a round the job's parameter server saves (TransferRefused when refused)."""
+    return training.store_checkpoint_file(job, round_number, filename, token, chunks, limit=limit)
+
+
 def _complete_or_fail(job: Job, *, stragglers: bool = False) -> None:
     """A task exited cleanly. Once the parameter server has, the job completes when its trainers have exited
     too (they were told Done; ``stragglers`` completes it without waiting any longer), and fails if the
     parameter server left before the last round was applied and the model stored."""
-    server = job.tasks.filter(role=PARAMETER_SERVER).first()
+    server = training.current_server(job)
     if server is None or server.status != Task.Status.EXITED:
         return
     if not training.training_finished(job):
@@ -432,11 +436,16 @@ def tick_leases() -> LeaseTick:
             except LeaseTransitionRefused:
                 pass  # renewed or released concurrently: nothing to do
     expires_in = lease_services.lease_ttl().total_seconds()
-    for lease in lease_services.claim_due_renewals():
+    due = lease_services.claim_due_renewals()
+    for lease in due:
         worker_services.send_to_worker(
             lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in)
         )
         result.renewals_requested += 1
+    # Transfer tokens are short-lived: each live task gets a fresh one with its lease's renewal.
+    workers = {lease.pk: lease.worker_id for lease in due}
+    for message in training.fresh_tokens(due):
+        worker_services.send_to_worker(workers[message.lease_id], message.token)
     return result
 
 
@@ -587,7 +596,22 @@ def _end_lease(
                     enqueue_on_commit(tasks.allocate_job, str(job.pk))
                 return
             lost = f"{lost}; {problem}"
-        # Restarting a lost parameter server from its checkpoint is the fault tolerance still to come.
+        else:
+            # A new parameter server is advertised; it resumes from the round the lost one saved last.
+            problem = training.server_lost(job, lease, reason=lost)
+            if problem is None and training.model_stored(job):
+                # It had applied the last round and stored the model; it only waited for the last fetches.
+                _end_job(job, Job.Status.COMPLETED, reason=training.completion_reason(job))
+                return
+            if problem is None:
+                job.transition(
+                    Job.Status.RUNNING,
+                    reason=f"RUNNING: {lost}; a new one is advertised to resume after round "
+                    f"{job.checkpoint['round']}",
+                )
+                enqueue_on_commit(tasks.allocate_job, str(job.pk))
+                return
+            lost = f"{lost}; {problem}"
         _end_job(job, Job.Status.FAILED, reason=f"FAILED: {lost}")
         return
     refresh_status(job)
@@ -596,6 +620,7 @@ def _end_lease(
 
 __all__ = [
     "PARAMETER_SERVER",
+    "checkpoint_uploaded",
     "model_uploaded",
     "slice_acknowledged",
     "slice_requested",

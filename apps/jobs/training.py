@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import math
 import re
+import shutil
 import time
 import uuid
 from collections import OrderedDict
@@ -47,9 +49,9 @@ logger = logging.getLogger(__name__)
 CONTROL_PLANE_PEER = "control-plane"
 #: Files of the global model trainers fetch from the parameter server, and the parameter server uploads.
 MODEL_FILES = ("config.json", "model.safetensors")
-#: How long transfer tokens live. Long enough for a job of a day; refreshable short-lived tokens are part of
-#: the security work that follows (docs/training.md).
-TRANSFER_TOKEN_LIFETIME = 24 * 3600
+#: How long a transfer token lives (at least twice the lease TTL): short, because each live task gets a fresh
+#: one with every renewal of its lease (``transfer_token`` frames), so a token that leaks is soon worthless.
+TRANSFER_TOKEN_LIFETIME = 15 * 60
 #: Seconds a trainer waits before asking again when every slice of the epoch is assigned to someone.
 SLICE_RETRY_SECONDS = 1.0
 MODEL_FILENAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
@@ -76,7 +78,12 @@ def transfer_key(job_id) -> str:
     return hmac.new(settings.SECRET_KEY.encode(), f"transfer:{job_id}".encode(), hashlib.sha256).hexdigest()
 
 
+def transfer_token_lifetime() -> float:
+    return max(TRANSFER_TOKEN_LIFETIME, 2 * settings.HYPHA_LEASE_TTL)
+
+
 def transfer_token(lease: Lease) -> str:
+    """A token for the task on ``lease``: its job, its worker (``peer``), the lease, the role, and an expiry."""
     return protocol.sign_transfer_token(
         transfer_key(lease.job_id),
         {
@@ -84,9 +91,29 @@ def transfer_token(lease: Lease) -> str:
             "peer": str(lease.worker_id),
             "lease": str(lease.pk),
             "role": lease.role,
-            "exp": int(time.time()) + TRANSFER_TOKEN_LIFETIME,
+            "exp": int(time.time() + transfer_token_lifetime()),
         },
     )
+
+
+@dataclass(frozen=True)
+class FreshToken:
+    lease_id: Any
+    token: protocol.TransferToken
+
+
+def fresh_tokens(leases: list[Lease]) -> list[FreshToken]:
+    """A new transfer token for each live task bound to one of ``leases`` (sent with their renewal)."""
+    if not leases:
+        return []
+    tasks = Task.objects.filter(lease__in=leases, status__in=Task.LIVE).select_related("lease")
+    return [
+        FreshToken(
+            lease_id=task.lease_id,
+            token=protocol.TransferToken(task_id=task.pk, transfer_token=transfer_token(task.lease)),
+        )
+        for task in tasks
+    ]
 
 
 # --- the spec of a running job ----------------------------------------------------------------------------
@@ -136,21 +163,26 @@ def _peers_reference(worker_ids: list[str]) -> dict:
     return {"type": "peers", "peers": worker_ids, "strategy": {"type": "All"}, "resource": None}
 
 
-def _slice_entry(dataset: Dataset, slice_: Slice) -> dict:
+def _slice_entry(dataset: Dataset, slice_: Slice, *, job_id, peer: str, lifetime: float) -> dict:
     return {
         "index": slice_.index,
         "size": slice_.size_bytes,
         "sha256": slice_.sha256,
-        "urls": slice_urls(dataset, slice_.index),
+        "urls": slice_urls(dataset, slice_.index, job_id=job_id, peer=peer, lifetime=lifetime),
     }
 
 
-def slice_urls(dataset: Dataset, index: int) -> list[str]:
-    return [
-        f"{node.url.rstrip('/')}/datasets/{dataset.name}/slices/{index}"
-        for node in dataset_services.replicas(dataset)
-        if node.url
-    ]
+def slice_urls(
+    dataset: Dataset,
+    index: int,
+    *,
+    job_id,
+    peer: str,
+    lifetime: float = dataset_services.SLICE_TOKEN_LIFETIME,
+) -> list[str]:
+    """The data nodes' URLs of slice ``index``, each with a download token for ``peer`` of job ``job_id``
+    (:func:`apps.datasets.services.slice_urls`)."""
+    return dataset_services.slice_urls(dataset, index, job_id=job_id, peer=peer, lifetime=lifetime)
 
 
 def evaluation_indices(parsed: job_spec.DiLoCoSpec, dataset: Dataset) -> list[int]:
@@ -186,16 +218,41 @@ def start(job: Job) -> str | None:
         dataset_services.prepare_job(job, dataset.name, exclude=held_out)
     except DatasetError as error:
         return str(error)
-    leases = list(job.leases.filter(status=Lease.Status.ACTIVE).select_related("worker"))
-    server_lease = next(lease for lease in leases if lease.role == PARAMETER_SERVER)
-    trainers = [str(lease.worker_id) for lease in leases if lease.role == TRAINER]
+    server_lease = job.leases.select_related("worker").get(role=PARAMETER_SERVER, status=Lease.Status.ACTIVE)
+    task = _dispatch_server(job, server_lease, dataset=dataset, held_out=held_out)
+    count = _dispatch_trainers(job, task)
+    job.transition(
+        Job.Status.RUNNING,
+        reason=f"RUNNING: parameter server dispatched to {server_lease.worker.name} and {count} trainers; "
+        "waiting for it to listen",
+    )
+    return None
+
+
+def _dispatch_server(job: Job, lease: Lease, *, dataset: Dataset, held_out: list[int]) -> Task:
+    """Create and dispatch a parameter-server task on ``lease``: it waits for the job's ACTIVE trainers and,
+    when the job has a checkpoint (this server replaces a lost one), resumes from it."""
+    parsed = plan(job).spec
+    trainers = [
+        str(worker_id)
+        for worker_id in job.leases.filter(role=TRAINER, status=Lease.Status.ACTIVE).values_list(
+            "worker_id", flat=True
+        )
+    ]
     evaluation = None
     if held_out:
         evaluation = {
             "dataset": dataset.name,
             "batch_size": parsed.evaluation.batch_size,
+            # Signed anew with every dispatch: a replacement parameter server gets fresh tokens.
             "slices": [
-                _slice_entry(dataset, slice_)
+                _slice_entry(
+                    dataset,
+                    slice_,
+                    job_id=job.pk,
+                    peer=dataset_services.PARAMETER_SERVER_PEER,
+                    lifetime=dataset_services.EVAL_SLICE_TOKEN_LIFETIME,
+                )
                 for slice_ in dataset.slices.filter(index__in=held_out).order_by("index")
             ],
         }
@@ -204,7 +261,7 @@ def start(job: Job) -> str | None:
         # A path, not a URL: the parameter server fetches it from the control plane it was told about,
         # with its transfer token (the control plane does not know the address daemons reach it at).
         model_source = {"type": "uri", "value": f"/api/uploads/{parsed.model.source.file}/content/"}
-    task = Task.objects.create(job=job, lease=server_lease, role=PARAMETER_SERVER)
+    task = Task.objects.create(job=job, lease=lease, role=PARAMETER_SERVER)
     envelope = job_spec.to_aggregate_job_json(
         parsed,
         job_id=str(job.pk),
@@ -213,25 +270,25 @@ def start(job: Job) -> str | None:
         model_source=model_source,
         evaluation=evaluation,
     )
+    if job.checkpoint:
+        envelope["executor"]["config"]["checkpoint"] = {
+            "round": job.checkpoint["round"],
+            "uri": f"/api/jobs/{job.pk}/checkpoint/",
+            "files": job.checkpoint["files"],
+        }
     _dispatch(
         task,
         protocol.DispatchJob(
             task_id=task.pk,
-            lease_id=server_lease.pk,
+            lease_id=lease.pk,
             job_id=job.pk,
             role=PARAMETER_SERVER,
             spec=envelope,
-            transfer_token=transfer_token(server_lease),
+            transfer_token=transfer_token(lease),
             transfer_key=transfer_key(job.pk),
         ),
     )
-    count = _dispatch_trainers(job, task)
-    job.transition(
-        Job.Status.RUNNING,
-        reason=f"RUNNING: parameter server dispatched to {server_lease.worker.name} and {count} trainers; "
-        "waiting for it to listen",
-    )
-    return None
+    return task
 
 
 def _dispatch(task: Task, message: protocol.DispatchJob) -> None:
@@ -313,26 +370,99 @@ def wants_replacements(job: Job) -> bool:
     return not job.rounds.filter(number=plan(job).update_rounds, closed=True).exists()
 
 
+def replaces(job: Job, role: str) -> bool:
+    """Whether a missing ``role`` of ``job`` is advertised: always while it allocates; while a training job
+    runs, a trainer until its last round is done, a parameter server until the final model is stored."""
+    if job.status != Job.Status.RUNNING or not is_training_job(job):
+        return True
+    return wants_replacements(job) if role == TRAINER else not model_stored(job)
+
+
+def model_stored(job: Job) -> bool:
+    """The last round is applied and the final model stored: nothing of the training is left to do."""
+    return (
+        "model.safetensors" in job.model_files
+        and job.rounds.filter(number=plan(job).update_rounds, closed=True).exists()
+    )
+
+
 def dispatch_replacements(job: Job) -> int:
     """Dispatch a trainer task for each ACTIVE trainer lease of the RUNNING ``job`` that has none (a
     replacement): it fetches the current global weights from the parameter server and joins the open round.
-    Nothing happens before the parameter server listens (its ``ready`` dispatches them)."""
-    server = job.tasks.filter(role=PARAMETER_SERVER, status__in=Task.LIVE).exclude(url="").first()
+    Nothing happens before the parameter server listens (its ``ready`` dispatches them). A parameter-server
+    lease without a task (the lost one's replacement) gets a server that resumes from the checkpoint."""
+    server = job.tasks.filter(role=PARAMETER_SERVER, status__in=Task.LIVE).first()
     if server is None:
+        lease = (
+            job.leases.select_related("worker")
+            .filter(role=PARAMETER_SERVER, status=Lease.Status.ACTIVE, task__isnull=True)
+            .first()
+        )
+        if lease is not None:
+            _restart_server(job, lease)
+        return 0
+    if not server.url:
         return 0
     return _dispatch_trainers(job, server)
+
+
+def _restart_server(job: Job, lease: Lease) -> Task:
+    parsed = plan(job).spec
+    dataset = Dataset.objects.get(name=parsed.dataset.name)
+    task = _dispatch_server(job, lease, dataset=dataset, held_out=evaluation_indices(parsed, dataset))
+    job.transition(
+        Job.Status.RUNNING,
+        reason=f"RUNNING: parameter server dispatched to {lease.worker.name}, resuming after round "
+        f"{job.checkpoint.get('round', 0)}; waiting for it to listen",
+    )
+    return task
+
+
+#: A job fails rather than restart its parameter server more often than this (one that dies again and again
+#: is not a passing fault).
+MAX_SERVER_RESTARTS = 3
+
+
+def server_lost(job: Job, lease: Lease, *, reason: str) -> str | None:
+    """The parameter-server lease of the RUNNING training ``job`` ended: its task is over (CANCELLED). Returns
+    ``None`` when a new one is to resume from the job's checkpoint (advertised like any missing role), or why
+    the job cannot go on."""
+    task = Task.objects.filter(lease=lease).first()
+    if task is not None:
+        task.finish(Task.Status.CANCELLED, reason=reason[:2000])
+    if not job.checkpoint:
+        return "it had saved no round to restart from"
+    lost = Task.objects.filter(job=job, role=PARAMETER_SERVER, status=Task.Status.CANCELLED).count()
+    if lost > MAX_SERVER_RESTARTS:
+        return f"{lost} parameter servers lost, more than the {MAX_SERVER_RESTARTS} restarts a job makes"
+    return None
+
+
+def current_server(job: Job) -> Task | None:
+    """The job's latest parameter-server task (earlier ones were lost with their leases)."""
+    return job.tasks.filter(role=PARAMETER_SERVER).order_by("-dispatched_at", "-id").first()
 
 
 def _point_trainers(job: Job, server: Task) -> int:
     """Send every live trainer's dispatch again with the parameter server's address (its daemon takes the new
     ``peers`` of a running task); the stored dispatch carries it too, for a daemon that reconnects."""
-    peers = {str(server.lease.worker_id): server.url}
     told = 0
     for task in job.tasks.filter(role=TRAINER, status__in=Task.LIVE).select_related("lease"):
+        # The peer id the trainer's spec names for its parameter server: the first server's, also after a
+        # restart elsewhere (the daemon maps it to whichever address it is given).
+        peers = {_server_peer_of(task, default=str(server.lease.worker_id)): server.url}
         message = protocol.DispatchJob.model_validate({**task.dispatch_message, "peers": peers})
         _dispatch(task, message)
         told += 1
     return told
+
+
+def _server_peer_of(task: Task, *, default: str) -> str:
+    try:
+        peers = task.dispatch_message["spec"]["executor"]["config"]["results"]["peers"]
+    except (KeyError, TypeError):
+        return default
+    return str(peers[0]) if isinstance(peers, list) and peers else default
 
 
 # --- what daemons report about their tasks ----------------------------------------------------------------------
@@ -853,7 +983,7 @@ def _assign_slice(task: Task, message: protocol.FetchSlice, refused) -> protocol
         index=job_slice.slice.index,
         size=job_slice.slice.size_bytes,
         sha256=job_slice.slice.sha256,
-        urls=slice_urls(dataset, job_slice.slice.index),
+        urls=slice_urls(dataset, job_slice.slice.index, job_id=task.job_id, peer=str(task.lease.worker_id)),
     )
 
 
@@ -874,24 +1004,7 @@ def model_directory(job_id) -> Path:
 
 def authorise_model_upload(job: Job, token: str | None) -> Task:
     """The parameter-server task whose transfer token ``token`` is; :class:`TransferRefused` otherwise."""
-    if not token:
-        raise TransferRefused("a transfer token is required (Authorization: Bearer …)", status=401)
-    try:
-        claims = protocol.verify_transfer_token(transfer_key(job.pk), token, job_id=str(job.pk))
-    except protocol.TransferTokenError as error:
-        raise TransferRefused(str(error), status=401) from None
-    task = (
-        Task.objects.select_related("lease")
-        .filter(job=job, role=PARAMETER_SERVER, lease_id=claims.get("lease"))
-        .first()
-    )
-    if claims.get("role") != PARAMETER_SERVER or task is None:
-        raise TransferRefused("only the job's parameter server uploads its model")
-    if not task.is_live or job.status != Job.Status.RUNNING:
-        raise TransferRefused(
-            f"job {job.pk} is {job.status}; its model can no longer be replaced", status=409
-        )
-    return task
+    return _server_task(job, token, action="uploads its model")
 
 
 def _write_stream(path: Path, chunks, *, limit: int) -> dict:
@@ -927,6 +1040,119 @@ def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
         locked.save(update_fields=["model_files", "updated_at"])
     (directory / "model.zip").unlink(missing_ok=True)
     return entry
+
+
+# --- checkpoints: the parameter server's last round, kept to restart it elsewhere ---------------------------------
+
+#: The files of a saved round (parameter_server.checkpoints); the manifest completes a copy.
+CHECKPOINT_MANIFEST = "round.json"
+CHECKPOINT_FILES = ("weights.safetensors", "momentum.safetensors", "result.safetensors", CHECKPOINT_MANIFEST)
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+def checkpoint_directory(job_id) -> Path:
+    return Path(settings.HYPHA_DATA_DIR) / "checkpoints" / str(job_id)
+
+
+def _server_task(job: Job, token: str | None, *, action: str) -> Task:
+    """The live parameter-server task of ``job`` whose transfer token ``token`` is; :class:`TransferRefused`
+    (401 for a missing or bad token, 403 for another role or an ended server, 409 once the job ended)."""
+    if not token:
+        raise TransferRefused("a transfer token is required (Authorization: Bearer …)", status=401)
+    try:
+        claims = protocol.verify_transfer_token(transfer_key(job.pk), token, job_id=str(job.pk))
+    except protocol.TransferTokenError as error:
+        raise TransferRefused(str(error), status=401) from None
+    task = (
+        Task.objects.select_related("lease")
+        .filter(job=job, role=PARAMETER_SERVER, lease_id=claims.get("lease"))
+        .first()
+    )
+    if claims.get("role") != PARAMETER_SERVER or task is None:
+        raise TransferRefused(f"only the job's parameter server {action}")
+    if job.status != Job.Status.RUNNING:
+        raise TransferRefused(f"job {job.pk} is {job.status}", status=409)
+    if not task.is_live:
+        raise TransferRefused(f"this parameter server's task is {task.status}; it {action} no more")
+    return task
+
+
+def store_checkpoint_file(
+    job: Job, round_number: int, filename: str, token: str | None, chunks, *, limit: int
+):
+    """Store one file of round ``round_number``'s checkpoint, uploaded by the job's live parameter server.
+
+    Files are kept aside until the manifest (``round.json``, sent last) arrives: it must name the round and
+    the files it says the round has; the round then replaces the job's checkpoint in one step. A round older
+    than the one kept is refused (409); the one kept again is answered with what is stored (a retry)."""
+    task = _server_task(job, token, action="saves checkpoints")
+    if filename not in CHECKPOINT_FILES:
+        raise TransferRefused(
+            f"{filename!r} is not a checkpoint file (one of {', '.join(CHECKPOINT_FILES)})", status=400
+        )
+    kept = job.checkpoint.get("round", -1) if job.checkpoint else -1
+    if round_number < kept:
+        raise TransferRefused(f"round {round_number} is older than the saved round {kept}", status=409)
+    if round_number == kept:
+        for _ in chunks:  # drain the body: the client is still sending it
+            pass
+        return job.checkpoint["files"].get(filename, {})
+    directory = checkpoint_directory(job.pk)
+    partial = directory / f".partial-round-{round_number}-{task.pk}"
+    if filename != CHECKPOINT_MANIFEST:
+        entry = _write_stream(partial / filename, chunks, limit=limit)
+        (partial / f".{filename}.json").write_text(json.dumps(entry))
+        return entry
+    entry = _write_stream(partial / filename, chunks, limit=MAX_MANIFEST_BYTES)
+    try:
+        manifest = json.loads((partial / filename).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or manifest.get("round_number") != round_number:
+        raise TransferRefused(f"round.json does not describe round {round_number}", status=400)
+    wanted = ["weights.safetensors"]
+    wanted += ["momentum.safetensors"] if manifest.get("has_momentum") else []
+    wanted += ["result.safetensors"] if manifest.get("has_result") else []
+    missing = [name for name in wanted if not (partial / f".{name}.json").is_file()]
+    if missing:
+        raise TransferRefused(f"round {round_number} is missing {', '.join(missing)}", status=409)
+    files = {name: json.loads((partial / f".{name}.json").read_text()) for name in wanted}
+    files[CHECKPOINT_MANIFEST] = entry
+    final = directory / f"round-{round_number}"
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.checkpoint and locked.checkpoint.get("round", -1) >= round_number:
+            return entry  # a concurrent upload of the same round won
+        locked.checkpoint = {"round": round_number, "files": files}
+        locked.save(update_fields=["checkpoint", "updated_at"])
+        job.checkpoint = locked.checkpoint
+        if round_number >= 1:
+            # The round is applied once it is saved: its report follows with the details, unless the server
+            # dies first — a server that resumes starts after it and never reports it.
+            round_ = _locked_round(locked, round_number)
+            if not round_.closed:
+                participants = manifest.get("participants")
+                round_.closed, round_.closed_at = True, timezone.now()
+                if isinstance(participants, list):
+                    round_.participants = [str(peer)[:64] for peer in participants[:1024]]
+                round_.save()
+    for stale in directory.iterdir():
+        if stale != final and (stale.name.startswith("round-") or stale.name.startswith(".partial-round-")):
+            number = stale.name.removeprefix(".partial-").removeprefix("round-").partition("-")[0]
+            if not number.isdigit() or int(number) <= round_number:
+                shutil.rmtree(stale, ignore_errors=True)
+    logger.info("job %s: round %d checkpoint saved (%s)", job.pk, round_number, ", ".join(sorted(files)))
+    return entry
+
+
+def checkpoint_file(job: Job, filename: str, token: str | None) -> Path:
+    """The path of a file of the job's saved round, for its live parameter server (a restarted one)."""
+    _server_task(job, token, action="fetches checkpoints")
+    if not job.checkpoint or filename not in job.checkpoint.get("files", {}):
+        raise TransferRefused(f"job {job.pk} has no saved {filename!r}", status=404)
+    return checkpoint_directory(job.pk) / f"round-{job.checkpoint['round']}" / filename
 
 
 # --- uploads ------------------------------------------------------------------------------------------------
@@ -1006,14 +1232,8 @@ TRAINER_EXIT_GRACE = 30.0
 
 def training_finished(job: Job) -> bool:
     """The last round is applied, the final model stored, and the parameter server exited cleanly."""
-    update_rounds = plan(job).update_rounds
-    server = job.tasks.filter(role=PARAMETER_SERVER).first()
-    return (
-        server is not None
-        and server.status == Task.Status.EXITED
-        and job.rounds.filter(number=update_rounds, closed=True).exists()
-        and "model.safetensors" in job.model_files
-    )
+    server = current_server(job)
+    return server is not None and server.status == Task.Status.EXITED and model_stored(job)
 
 
 def trainers_running(job: Job) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from apps.leases.models import Lease, LeaseEvent
+from apps.leases.models import Lease, LeaseClock, LeaseEvent
 from hypha_site.admin_base import ReadOnlyModelAdmin, ReadOnlyTabularInline
 
 
@@ -30,3 +30,10 @@ class LeaseEventAdmin(ReadOnlyModelAdmin):
     list_filter = ["kind"]
     search_fields = ["=lease__id", "detail"]
     list_select_related = ["lease"]
+
+
+@admin.register(LeaseClock)
+class LeaseClockAdmin(ReadOnlyModelAdmin):
+    """When the lease clock last ran, and its last resume after a stop (a control-plane restart)."""
+
+    list_display = ["ticked_at", "resumed_at", "stopped_for", "resumptions"]

@@ -8,7 +8,8 @@ State machine (every transition records a :class:`LeaseEvent`)::
         └──release─▶ RELEASED ◀┘
 
 A TEMPORARY lease holds a worker while its offer is open; ACTIVE leases must be renewed before
-``expires_at``. EXPIRED and RELEASED are final. Every transition is a conditional UPDATE on the current
+``expires_at``. EXPIRED and RELEASED are final. When the lease clock resumes after the control plane stood
+still (:class:`LeaseClock`), ACTIVE leases get one TTL from the restart (event ``extended``, status unchanged). Every transition is a conditional UPDATE on the current
 status (and, for renew/activate, on ``expires_at`` still being in the future), so two processes racing on
 the same lease cannot both win: on PostgreSQL the second UPDATE waits for the first's row lock and then
 re-checks its WHERE clause against the committed row.
@@ -139,6 +140,8 @@ class LeaseEvent(models.Model):
         RENEWED = "renewed", "renewed"
         EXPIRED = "expired", "expired"
         RELEASED = "released", "released"
+        #: ACTIVE → ACTIVE: the lease clock resumed after a stop and gave the lease one TTL from the restart.
+        EXTENDED = "extended", "extended"
 
     lease = models.ForeignKey(Lease, on_delete=models.CASCADE, related_name="events")
     kind = models.CharField(max_length=16, choices=Kind.choices)
@@ -153,3 +156,28 @@ class LeaseEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.from_status}→{self.to_status}"
+
+
+class LeaseClock(models.Model):
+    """When the lease clock last ran: one row (``pk=1``), written by every lease tick.
+
+    Renewals are asked for, and leases expired, only while the clock runs and the gateway is up, so the
+    time the control plane stood still (a restart, an outage) must not count against a lease: when the
+    clock finds that it has not run for longer than a stall, it *resumes* — every ACTIVE lease that was
+    alive when it last ran gets at least one TTL from the resume (``apps.leases.services.resume_clock``).
+    ``resumed_at``/``stopped_for`` record the last resume, for the logs, the admin and the renewal rule
+    that asks daemons to confirm those leases at once.
+    """
+
+    SINGLETON = 1
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=SINGLETON, editable=False)
+    ticked_at = models.DateTimeField(help_text="when the lease clock last ran")
+    resumed_at = models.DateTimeField(
+        null=True, blank=True, help_text="when the lease clock last resumed after a stop"
+    )
+    stopped_for = models.FloatField(default=0.0, help_text="seconds the clock stood still before that resume")
+    resumptions = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"lease clock (last ran {self.ticked_at:%Y-%m-%d %H:%M:%S} UTC)"

@@ -3,6 +3,10 @@
 Authentication is the ``Authorization: Bearer <token>`` header of the handshake. A refused token still gets
 the connection accepted so that an :class:`~worker_daemon.protocol.Error` frame can say why before the close
 (daphne drops close reasons); the close code says it too (:class:`~worker_daemon.protocol.CloseCode`).
+The ``Hypha-Daemon-Instance`` header names the daemon process: the newest connection of a worker wins (the
+older one is closed with 4009), and a process a newer one superseded is refused with 4009 when it comes back
+(:func:`apps.workers.services.record_connection`). A revoked token's connection is closed with 4003, frames
+still in flight are dropped, and whatever lease the worker won meanwhile ends when the connection closes.
 
 The consumer validates frames and calls :mod:`apps.jobs.services`; it holds no market logic.
 
@@ -16,6 +20,7 @@ logged (refusals at most once per 5 s per connection); other connections are not
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from channels.db import database_sync_to_async
@@ -28,6 +33,7 @@ from apps.jobs.exceptions import TaskRefused
 from apps.market.exceptions import OfferRefused
 from apps.workers import services as worker_services
 from apps.workers.exceptions import AuthenticationFailed
+from apps.workers.models import Worker
 from apps.workers.ratelimit import FLOOD_WINDOW, FrameRateLimit
 from hypha_site import metrics, telemetry
 from worker_daemon import protocol
@@ -39,6 +45,10 @@ TOUCH_INTERVAL = 5.0
 #: channels_redis forgets group members after a day (its ``group_expiry``); a daemon connected for weeks
 #: re-joins its groups well before that.
 GROUP_REFRESH_INTERVAL = 3600.0
+#: The handshake header naming the daemon process (``worker_daemon.connection.INSTANCE_HEADER``), and what
+#: a value must look like to be kept (the daemon sends 32 hex digits; anything else is ignored).
+INSTANCE_HEADER = b"hypha-daemon-instance"
+INSTANCE_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class WorkerGatewayConsumer(AsyncWebsocketConsumer):
@@ -46,11 +56,18 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     greeted = False
     #: Set once the gateway closed the connection itself: frames still in flight are ignored.
     closing = False
+    #: Set when the connection is closed because the worker's token was revoked.
+    revoked = False
+    #: The daemon process's id from the handshake ("" when it sent none or an invalid one).
+    instance = ""
 
     async def connect(self) -> None:
         await self.accept()
+        self.instance = self._instance()
         try:
-            self.worker = await database_sync_to_async(worker_services.authenticate)(self._bearer_token())
+            self.worker = await database_sync_to_async(worker_services.authenticate)(
+                self._bearer_token(), instance=self.instance
+            )
         except AuthenticationFailed as error:
             logger.warning("worker connection refused from %s: %s", self._peer(), error.message)
             await self._close_with(error.code, protocol.ErrorCode.REFUSED, error.message)
@@ -71,6 +88,8 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         await self.channel_layer.group_discard(
             worker_services.worker_group(self.worker.pk), self.channel_name
         )
+        if self.revoked:
+            await database_sync_to_async(_end_leases_of_revoked)(self.worker)
         await database_sync_to_async(job_services.worker_disconnected)(
             worker=self.worker, channel_name=self.channel_name
         )
@@ -207,6 +226,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             "peer": self._peer(),
             "daemon_version": hello.daemon_version,
             "protocol_version": hello.protocol_version,
+            "instance": self.instance,
         }
         welcome = await database_sync_to_async(job_services.worker_connected)(
             worker=self.worker, channel_name=self.channel_name, hello=hello, info=info
@@ -220,11 +240,21 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     # --- channel-layer events ---------------------------------------------------------------------------
 
     async def gateway_frame(self, event: dict) -> None:
+        if self.closing:
+            return  # the error frame before the close is the last thing a closed connection is told
         await self.send(text_data=event["text"])
 
     async def gateway_close(self, event: dict) -> None:
-        if event.get("keep_channel") == self.channel_name:
+        if event.get("keep_channel") == self.channel_name or self.closing:
             return
+        self.revoked = event["code"] == protocol.CloseCode.TOKEN_REVOKED
+        logger.info(
+            "closing the connection of worker %s from %s (%d): %s",
+            self.worker.name if self.worker is not None else "?",
+            self._peer(),
+            event["code"],
+            event["message"],
+        )
         await self._close_with(event["code"], protocol.ErrorCode.REFUSED, event["message"])
 
     # --- helpers ------------------------------------------------------------------------------------------
@@ -252,7 +282,6 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                 limit.flood_refusals,
                 FLOOD_WINDOW,
             )
-            self.closing = True
             await self._close_with(
                 protocol.CloseCode.FLOODING,
                 protocol.ErrorCode.RATE_LIMITED,
@@ -288,6 +317,9 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         await self.send(text_data=protocol.encode(frame))
 
     async def _close_with(self, close_code: int, error_code: protocol.ErrorCode, text: str) -> None:
+        # Frames the daemon sent before it heard of the close are dropped from now on: a revoked or superseded
+        # daemon no longer speaks for the worker.
+        self.closing = True
         await self._error(error_code, text)
         await self.close(code=int(close_code), reason=text[:120])
 
@@ -299,6 +331,25 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                     return token.strip()
         return None
 
+    def _instance(self) -> str:
+        for name, value in self.scope.get("headers", []):
+            if name.lower() == INSTANCE_HEADER:
+                instance = value.decode("latin-1").strip()
+                return instance if INSTANCE_PATTERN.fullmatch(instance) else ""
+        return ""
+
     def _peer(self) -> str:
         client = self.scope.get("client") or ("?", 0)
         return f"{client[0]}:{client[1]}"
+
+
+def _end_leases_of_revoked(worker) -> None:
+    """End what a revoked worker still holds when its connection closes.
+
+    ``revoke_worker`` ended its leases, but a frame handled between the revocation's commit and the close
+    reaching this consumer (an offer that settled at once) may have won it another: end that one too, unless
+    the token was rotated meanwhile (the worker is trusted again, and must not be revoked a second time).
+    """
+    worker = Worker.objects.get(pk=worker.pk)
+    if worker.is_revoked:
+        job_services.revoke_worker(worker)

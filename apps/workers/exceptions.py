@@ -1,7 +1,8 @@
 """Errors of the workers app.
 
 WorkerError
-├── AuthenticationFailed     no token, an unknown token or a revoked one (``code`` is the close code)
+├── AuthenticationFailed     no token, an unknown or revoked one, or a daemon process a newer one
+│                            superseded (``code`` is the close code)
 └── WorkerOffline            the worker's daemon is not connected, so it cannot be asked anything
 """
 

@@ -18,6 +18,12 @@ from worker_daemon import protocol
 logger = logging.getLogger(__name__)
 
 WORKERS_GROUP = "workers"
+#: ``Worker.connection_info`` key listing the daemon processes (their handshake instance ids) that a newer
+#: daemon of the worker superseded, and which are refused (4009) when they come back.
+SUPERSEDED_KEY = "superseded_instances"
+#: Enough for any number of restarts in a row: a superseded process that is still around comes back within
+#: its reconnect backoff, long before this many newer daemons have been started.
+SUPERSEDED_KEPT = 16
 
 
 def worker_group(worker_id) -> str:
@@ -29,8 +35,13 @@ def create_worker(*, name: str, owner=None) -> tuple[Worker, str]:
     return Worker.create_with_token(name=name, owner=owner)
 
 
-def authenticate(token: str | None) -> Worker:
-    """The worker owning ``token``; :class:`AuthenticationFailed` with the close code to use otherwise."""
+def authenticate(token: str | None, *, instance: str = "") -> Worker:
+    """The worker owning ``token``; :class:`AuthenticationFailed` with the close code to use otherwise.
+
+    ``instance`` is the daemon process's id from its handshake (``""`` when it sent none): a process that a
+    newer daemon of the same worker superseded is refused with 4009, so that a daemon that hung (or a second
+    daemon given the same token) does not take the worker back from the one started after it.
+    """
     if not token:
         raise AuthenticationFailed(
             protocol.CloseCode.MISSING_TOKEN, "no token: send 'Authorization: Bearer <worker token>'"
@@ -42,14 +53,29 @@ def authenticate(token: str | None) -> Worker:
         raise AuthenticationFailed(
             protocol.CloseCode.TOKEN_REVOKED, f"the token of worker {worker.name!r} has been revoked"
         )
+    if instance and instance in worker.connection_info.get(SUPERSEDED_KEY, ()):
+        raise AuthenticationFailed(
+            protocol.CloseCode.SUPERSEDED,
+            f"a newer daemon took over worker {worker.name!r}; this one was superseded and must stop "
+            "(run one daemon per worker token)",
+        )
     return worker
 
 
 def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hello, info: dict) -> Worker:
-    """Mark the worker online on ``channel_name`` with what its daemon reports; the newest connection wins."""
+    """Mark the worker online on ``channel_name`` with what its daemon reports; the newest connection wins.
+
+    An older connection still open is closed with 4009. When the newest connection comes from another daemon
+    process than the last one (``info["instance"]``), that process is remembered as superseded, so that it is
+    refused (4009) if it connects again rather than take the worker back: one daemon per worker, the newest.
+    """
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker.pk)
         previous_channel = worker.channel_name
+        info = {
+            **info,
+            SUPERSEDED_KEY: superseded_instances(worker.connection_info, info.get("instance", "")),
+        }
         worker.mark_online(
             channel_name=channel_name,
             resources=hello.resources,
@@ -69,6 +95,17 @@ def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hell
                 keep_channel=channel_name,
             )
     return worker
+
+
+def superseded_instances(previous_info: dict, instance: str) -> list[str]:
+    """The daemon processes refused from now on, once ``instance`` connects after the connection described by
+    ``previous_info``: the ones refused before, and the previous one if it is another process (the most
+    recent :data:`SUPERSEDED_KEPT`)."""
+    superseded = [item for item in previous_info.get(SUPERSEDED_KEY, []) if item != instance]
+    previous = previous_info.get("instance", "")
+    if previous and previous != instance and previous not in superseded:
+        superseded.append(previous)
+    return superseded[-SUPERSEDED_KEPT:]
 
 
 def benchmark_reported(*, worker: Worker, message: protocol.BenchmarkReport) -> Worker:

@@ -4,17 +4,24 @@ A trainer's daemon is killed in the middle of a job: its lease expires within it
 stops waiting for it, the job advertises the role again, a spare daemon takes it, fetches the current global
 weights and trains the remaining rounds; the job completes with the configured number of rounds.
 
+The parameter server's daemon is killed in the middle of a job: its lease expires, a spare daemon is leased
+as the new parameter server, fetches the round the lost one saved last from the control plane, and the
+trainers send it their updates (again, for the round that was open); every round is applied exactly once.
+
 The only data node is killed while trainers download from it, and restarted at the same address: the trainers
 wait (and say so on the job's page) instead of failing, and the job completes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,10 +36,12 @@ pytestmark = pytest.mark.timeout(600)
 ROUNDS = 4
 
 
-def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def fault_cluster(tmp_path: Path, *, parameter_servers: int, trainers: int) -> Iterator[tuple[Any, dict]]:
+    """A cluster (lease TTL 3 s) of daemons that run only parameter servers, then trainer daemons; and the
+    spec of a job of two trainers and :data:`ROUNDS` rounds."""
     from bench.cluster import training_cluster, worker_toml
 
-    # given: a parameter-server daemon and three trainer daemons for a job of two trainers (one spare)
     dataset, spec = small_training_job(
         tmp_path,
         trainers=2,
@@ -44,22 +53,34 @@ def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Pa
     with training_cluster(
         root=tmp_path / "cluster",
         dataset_dir=dataset,
-        workers=4,
+        workers=parameter_servers + trainers,
         mode="services" if services_mode() else "embedded",
         settings={"HYPHA_LEASE_TTL": "3"},
-        worker_tomls=[worker_toml(parameter_server_only=True, benchmark=False)]
-        + [worker_toml(benchmark=False)] * 3,
+        worker_tomls=[worker_toml(parameter_server_only=True, benchmark=False)] * parameter_servers
+        + [worker_toml(benchmark=False)] * trainers,
     ) as cluster:
+        yield cluster, spec
+
+
+def after_round_one(cluster: Any, job_id: str) -> dict:
+    """The job once its first round is applied (it must get there within 240 s)."""
+    deadline = time.monotonic() + 240
+    job = cluster.job(job_id)
+    while not any(round_["closed"] for round_ in job["rounds"]):
+        alive = job["status"] not in ("completed", "failed", "cancelled")
+        assert time.monotonic() < deadline and alive, (job["status_reason"], cluster.logs())
+        time.sleep(0.5)
+        job = cluster.job(job_id)
+    return job
+
+
+def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Path) -> None:
+    # given: a parameter-server daemon and three trainer daemons for a job of two trainers (one spare)
+    with fault_cluster(tmp_path, parameter_servers=1, trainers=3) as (cluster, spec):
         job_id = cluster.submit(spec, name="e2e-trainer-killed")
 
         # when: round 1 is done, one trainer's daemon is killed (its executor dies with it)
-        deadline = time.monotonic() + 240
-        job = cluster.job(job_id)
-        while not any(round_["closed"] for round_ in job["rounds"]):
-            alive = job["status"] not in ("completed", "failed", "cancelled")
-            assert time.monotonic() < deadline and alive, (job["status_reason"], cluster.logs())
-            time.sleep(0.5)
-            job = cluster.job(job_id)
+        job = after_round_one(cluster, job_id)
         trainers = {task["worker"]: task["worker_id"] for task in job["tasks"] if task["role"] == "trainer"}
         victim = sorted(trainers)[0]
         killed_at = time.monotonic()
@@ -85,6 +106,42 @@ def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Pa
     assert any("expired while training" in event["reason"] for event in job["events"]), job["events"]
     assert all(round_["duration"] < 120 for round_ in rounds), [round_["duration"] for round_ in rounds]
     assert time.monotonic() - killed_at < 400
+
+
+def test_a_parameter_server_killed_mid_job_is_restarted_from_its_last_round(tmp_path: Path) -> None:
+    # given: two daemons that run parameter servers only (one spare) and two trainer daemons
+    with fault_cluster(tmp_path, parameter_servers=2, trainers=2) as (cluster, spec):
+        job_id = cluster.submit(spec, name="e2e-parameter-server-killed")
+
+        # when: round 1 is applied, the parameter server's daemon is killed (its server dies with it)
+        job = after_round_one(cluster, job_id)
+        (server,) = [task for task in job["tasks"] if task["role"] == "parameter_server"]
+        os.killpg(cluster.daemons[server["worker"]].popen.pid, signal.SIGKILL)
+
+        # then: the job completes all its rounds
+        job = cluster.follow(job_id, timeout=420)
+        assert job["status"] == "completed", f"{job['status_reason']}\n{cluster.logs()}"
+
+    # each round applied once, by one server or the other
+    rounds = job["rounds"]
+    assert [round_["number"] for round_ in rounds] == list(range(1, ROUNDS + 1))
+    assert all(round_["closed"] for round_ in rounds)
+    servers = [task for task in job["tasks"] if task["role"] == "parameter_server"]
+    assert [task["status"] for task in servers] == ["cancelled", "exited"], [
+        (task["worker"], task["status"], task["reason"]) for task in servers
+    ]
+    assert "expired" in servers[0]["reason"], servers[0]
+    assert servers[1]["worker"] != server["worker"]
+    # the new one resumed from the control plane's copy of the last round the lost one saved
+    resumed = [line for line in servers[1]["log_tail"].splitlines() if "resuming after round" in line]
+    assert resumed, servers[1]["log_tail"][-3000:]
+    assert any("a new one is advertised to resume after round" in event["reason"] for event in job["events"])
+    # both trainers trained to the end, in the last round too
+    trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+    assert [task["status"] for task in trainers] == ["exited", "exited"], [
+        (task["status"], task["reason"], task["log_tail"][-2000:]) for task in trainers
+    ]
+    assert sorted(rounds[-1]["participants"]) == sorted(str(task["worker_id"]) for task in trainers)
 
 
 def test_a_data_node_that_goes_away_is_waited_for_and_the_job_completes(tmp_path: Path) -> None:

@@ -7,14 +7,17 @@ every progress value the parameter server reports and answers from ``replies`` (
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.protocol import sign_transfer_token
@@ -145,3 +148,74 @@ async def bridge(short_tmp: Path, status_backend: StatusBackend) -> AsyncIterato
     )
     yield server
     await server.close()
+
+
+@dataclass
+class Receiver:
+    """The control plane's model and checkpoint endpoints and a data node's slice endpoint, on one local
+    port. ``checkpoints`` keeps what was uploaded per round; ``saved`` is the last round completed by its
+    ``round.json``, which ``GET …/checkpoint/<filename>`` serves."""
+
+    url: str = ""
+    uploads: dict[str, bytes] = field(default_factory=dict)
+    authorizations: list[str] = field(default_factory=list)
+    failures: int = 0
+    slices: dict[int, bytes] = field(default_factory=dict)
+    checkpoints: dict[int, dict[str, bytes]] = field(default_factory=dict)
+    saved: int | None = None
+
+    async def put_model(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization", ""))
+        if self.failures:
+            self.failures -= 1
+            return web.Response(status=503, text="try later")
+        assert request.match_info["job"] == JOB_ID
+        self.uploads[request.match_info["filename"]] = await request.read()
+        return web.json_response({"stored": True})
+
+    async def put_checkpoint(self, request: web.Request) -> web.Response:
+        assert request.match_info["job"] == JOB_ID
+        number, filename = int(request.match_info["round"]), request.match_info["filename"]
+        self.checkpoints.setdefault(number, {})[filename] = await request.read()
+        if filename == "round.json":
+            self.saved = number
+        return web.json_response({"name": filename}, status=201)
+
+    async def get_checkpoint(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization", ""))
+        files = self.checkpoints.get(self.saved, {}) if self.saved is not None else {}
+        if request.match_info["filename"] not in files:
+            return web.json_response({"detail": "no such file"}, status=404)
+        return web.Response(body=files[request.match_info["filename"]])
+
+    def resume_entry(self) -> dict:
+        """The job JSON's ``checkpoint`` naming the saved round, as the control plane sends it."""
+        files = self.checkpoints[self.saved]
+        return {
+            "round": self.saved,
+            "uri": f"/api/jobs/{JOB_ID}/checkpoint/",
+            "files": {
+                name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                for name, data in files.items()
+            },
+        }
+
+    async def get_slice(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.slices[int(request.match_info["index"])])
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    state = Receiver()
+    app = web.Application()
+    app.router.add_put("/api/jobs/{job}/model/{filename}", state.put_model)
+    app.router.add_put("/api/jobs/{job}/checkpoint/{round}/{filename}", state.put_checkpoint)
+    app.router.add_get("/api/jobs/{job}/checkpoint/{filename}", state.get_checkpoint)
+    app.router.add_get("/datasets/{dataset}/slices/{index}", state.get_slice)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield state
+    await runner.cleanup()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from parameter_server import checkpoints
-from parameter_server.checkpoints import RoundState, load_latest, save_round
+from parameter_server.checkpoints import RoundState, adopt_round, load_latest, round_files, save_round
 from parameter_server.exceptions import CheckpointError, TensorRefused
 
 
@@ -80,8 +81,57 @@ def test_round_trip_is_bit_identical_and_latest_wins(tmp_path):
     assert json.loads((path / "round.json").read_text()) == {
         "format": 1,
         "has_momentum": True,
+        "has_result": False,
+        "participants": [],
         "round_number": 1,
     }
+    assert (state.result, state.participants) == (None, ())
+
+
+def test_a_round_keeps_its_result_and_participants_and_travels_as_files(tmp_path):
+    # given round 3 saved with its update u_3 and who took part
+    weights, momentum, result = make_state(3), make_momentum(3), make_momentum(4)
+    save_round(
+        tmp_path / "here",
+        round_number=3,
+        weights=weights,
+        momentum=momentum,
+        result=result,
+        participants=["peer-a", "peer-b"],
+    )
+
+    # when its files are listed for the upload and copied into another server's partial directory
+    files = round_files(tmp_path / "here", 3)
+    assert list(files) == ["weights.safetensors", "momentum.safetensors", "result.safetensors", "round.json"]
+    elsewhere = tmp_path / "elsewhere"
+    partial = elsewhere / ".partial-download-x"
+    partial.mkdir(parents=True)
+    for name, path in files.items():
+        shutil.copyfile(path, partial / name)
+    state = adopt_round(elsewhere, partial)
+
+    # then the copy is a complete round there, bit for bit
+    assert state.round_number == 3
+    assert_bit_identical(state.weights, weights)
+    assert_bit_identical(state.momentum, momentum)
+    assert_bit_identical(state.result, result)
+    assert state.participants == ("peer-a", "peer-b")
+    assert entries(elsewhere) == ["round-000000003"]
+    assert load_latest(elsewhere).round_number == 3
+
+
+def test_adopting_files_that_are_no_round_leaves_nothing(tmp_path):
+    partial = tmp_path / ".partial-download-y"
+    partial.mkdir()
+    (partial / "round.json").write_text(json.dumps({"format": 1, "round_number": "two"}))
+    with pytest.raises(CheckpointError, match="no round number"):
+        adopt_round(tmp_path, partial)
+    assert entries(tmp_path) == []
+
+    partial.mkdir()
+    (partial / "round.json").write_text(json.dumps({"format": 1, "round_number": 2, "has_momentum": False}))
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        adopt_round(tmp_path, partial)  # the weights are missing
 
 
 def test_a_round_without_momentum_loads_with_none(tmp_path):

@@ -90,7 +90,7 @@ def free_port() -> int:
 
 
 async def test_the_process_reports_ready_serves_and_stops_on_sigterm(
-    spawn, bridge, status_backend, short_tmp
+    spawn, bridge, status_backend, short_tmp, receiver
 ):
     # given
     port = free_port()
@@ -106,6 +106,7 @@ async def test_the_process_reports_ready_serves_and_stops_on_sigterm(
         str(port),
         "--public-url",
         f"http://localhost:{port}/",
+        env=environment(HYPHA_SERVER_URL=receiver.url),
     )
 
     # when
@@ -124,6 +125,7 @@ async def test_the_process_reports_ready_serves_and_stops_on_sigterm(
         assert (response.status, await response.json()) == (200, {"job": JOB_ID, "round": 1})
     checkpoints = sorted(path.name for path in (short_tmp / "work" / "checkpoints").iterdir())
     assert checkpoints == ["round-000000000"]
+    assert receiver.saved == 0  # the control plane has round 0 before the server says it is ready
 
     # when
     process.send_signal(signal.SIGTERM)

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from torch.testing import assert_close
 
 from parameter_server import weights as weights_io
@@ -25,48 +22,11 @@ from tests.parameter_server.conftest import (
     JOB_ID,
     PS_PEER,
     TRANSFER_KEY,
+    Receiver,
     aggregate_job,
     auth,
     token,
 )
-
-
-@dataclass
-class Receiver:
-    """The control plane's model upload endpoint and a data node's slice endpoint, on one local port."""
-
-    url: str = ""
-    uploads: dict[str, bytes] = field(default_factory=dict)
-    authorizations: list[str] = field(default_factory=list)
-    failures: int = 0
-    slices: dict[int, bytes] = field(default_factory=dict)
-
-    async def put_model(self, request: web.Request) -> web.Response:
-        self.authorizations.append(request.headers.get("Authorization", ""))
-        if self.failures:
-            self.failures -= 1
-            return web.Response(status=503, text="try later")
-        assert request.match_info["job"] == JOB_ID
-        self.uploads[request.match_info["filename"]] = await request.read()
-        return web.json_response({"stored": True})
-
-    async def get_slice(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.slices[int(request.match_info["index"])])
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
-    state = Receiver()
-    app = web.Application()
-    app.router.add_put("/api/jobs/{job}/model/{filename}", state.put_model)
-    app.router.add_get("/datasets/{dataset}/slices/{index}", state.get_slice)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield state
-    await runner.cleanup()
 
 
 def settings(work_dir: Path, bridge, receiver: Receiver, **overrides) -> Settings:
@@ -355,6 +315,92 @@ async def test_a_restart_resumes_after_the_last_checkpoint_and_stop_ends_serving
     stop.set()
     with pytest.raises(Stopped):
         await asyncio.wait_for(service, 10)
+
+
+async def test_a_server_started_elsewhere_resumes_from_the_control_planes_copy_bit_for_bit(
+    tmp_path, bridge, status_backend, receiver
+):
+    job_json = aggregate_job(peers=[ALICE, BOB], update_rounds=2)
+    session_timeout = aiohttp.ClientTimeout(total=20)
+    updates: dict[tuple[int, str], bytes] = {}
+
+    async def ready_server(count: int) -> str:
+        return (await status_backend.wait_for("ready", count, timeout=60))[count - 1]["url"]
+
+    # given: a server that closed round 1 (saved with the control plane first) and is lost during round 2,
+    # after alice's round 2 update reached it
+    stop = asyncio.Event()
+    lost = asyncio.create_task(run(parse_job(job_json), settings(tmp_path / "lost", bridge, receiver), stop))
+    async with aiohttp.ClientSession(timeout=session_timeout) as session:
+        url = await ready_server(1)
+        alice, bob = Trainer(session, url, ALICE), Trainer(session, url, BOB)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        for number, peer, seed in ((1, ALICE, 1), (1, BOB, 2), (2, ALICE, 3), (2, BOB, 4)):
+            updates[number, peer] = to_bytes(tmp_path, delta_like(theta_0, seed))
+        assert await alice.send(1, updates[1, ALICE], samples=2) == 200
+        assert await bob.send(1, updates[1, BOB], samples=6) == 200
+        u_1 = (await alice.get("rounds/1/result?wait=20"))[2]
+        assert receiver.saved == 1  # published only once the control plane has it
+        assert await alice.send(2, updates[2, ALICE], samples=3) == 200
+    stop.set()
+    with pytest.raises(Stopped):
+        await asyncio.wait_for(lost, 10)
+    saved = dict(receiver.checkpoints[1])
+    assert sorted(saved) == [
+        "momentum.safetensors",
+        "result.safetensors",
+        "round.json",
+        "weights.safetensors",
+    ]
+
+    # when: a new server starts on an empty work dir with the job's checkpoint, and the trainers send round 2
+    # (alice again: her update was lost with the server)
+    resumed_job = parse_job({**job_json, "checkpoint": receiver.resume_entry()})
+    resumed = asyncio.create_task(
+        run(resumed_job, settings(tmp_path / "resumed", bridge, receiver), asyncio.Event())
+    )
+    async with aiohttp.ClientSession(timeout=session_timeout) as session:
+        url = await ready_server(2)
+        alice, bob = Trainer(session, url, ALICE), Trainer(session, url, BOB)
+        status, headers, data = await bob.get("rounds/1/result?wait=1")  # bob had not fetched u_1 yet
+        assert (status, headers["X-Included"]) == (200, "true")
+        assert_bit_identical(from_bytes(tmp_path, data), from_bytes(tmp_path, u_1))
+        assert await alice.send(2, updates[2, ALICE], samples=3) == 200
+        assert await bob.send(2, updates[2, BOB], samples=5) == 200
+        u_2_resumed = from_bytes(tmp_path, (await alice.get("rounds/2/result?wait=20"))[2])
+        assert (await bob.get("rounds/2/result?wait=20"))[0] == 200
+        assert await asyncio.wait_for(resumed, 30) == 0
+
+    # then: what it restored is the saved round byte for byte, and round 2 is what an uninterrupted server
+    # computes from the same updates, bit for bit (momentum restored, round 1 applied once)
+    restored = tmp_path / "resumed" / "checkpoints" / "round-000000001"
+    for name, data in saved.items():
+        assert (restored / name).read_bytes() == data, name
+    assert status_backend.values.count({"ready": {"url": url, "round": 1}}) == 1
+    uninterrupted = asyncio.create_task(
+        run(parse_job(job_json), settings(tmp_path / "whole", bridge, receiver), asyncio.Event())
+    )
+    async with aiohttp.ClientSession(timeout=session_timeout) as session:
+        url = await ready_server(3)
+        alice, bob = Trainer(session, url, ALICE), Trainer(session, url, BOB)
+        assert await alice.send(1, updates[1, ALICE], samples=2) == 200
+        assert await bob.send(1, updates[1, BOB], samples=6) == 200
+        assert_bit_identical(
+            from_bytes(tmp_path, (await alice.get("rounds/1/result?wait=20"))[2]), from_bytes(tmp_path, u_1)
+        )
+        assert (await bob.get("rounds/1/result?wait=20"))[0] == 200
+        assert await alice.send(2, updates[2, ALICE], samples=3) == 200
+        assert await bob.send(2, updates[2, BOB], samples=5) == 200
+        u_2 = from_bytes(tmp_path, (await alice.get("rounds/2/result?wait=20"))[2])
+        assert (await bob.get("rounds/2/result?wait=20"))[0] == 200
+        assert await asyncio.wait_for(uninterrupted, 30) == 0
+    assert_bit_identical(u_2_resumed, u_2)
+
+
+def assert_bit_identical(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype and torch.equal(actual[name], tensor), name
 
 
 async def test_done_in_reply_to_a_round_report_ends_the_job_early(tmp_path, bridge, status_backend, receiver):

@@ -159,7 +159,7 @@ async def test_run_benchmark_is_answered_with_the_result(control_plane, daemons,
     assert (report.request_id, report.error) == (request_id, "")
     assert report.benchmark is not None and report.benchmark.model == "tiny-gpt-2x128"
     assert daemon.session.benchmark == report.benchmark
-    await connection.close(4009)
+    await connection.close(4010)  # any close the daemon reconnects after
     reconnected = await control_plane.next_connection()
     assert (await reconnected.expect(protocol.Hello)).benchmark == report.benchmark
 

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from worker_daemon import protocol
-from worker_daemon.connection import WorkerDaemon, daemon_version, run_daemon
+from worker_daemon.connection import INSTANCE_HEADER, WorkerDaemon, daemon_version, run_daemon
 from worker_daemon.exceptions import ExitCode
 
 CAPACITY = protocol.Resources(cpu=8, memory=32, storage=100, gpu=24)
@@ -288,6 +288,51 @@ async def test_fatal_close_codes_end_the_daemon(
     assert caplog.messages == [
         f"the control plane closed the connection: code {int(code)} ({code.name}), reason 'no entry'; "
         f"giving up (exit code {int(exit_code)})"
+    ]
+
+
+async def test_the_daemon_names_its_process_on_every_handshake(control_plane, daemons, worker_config, make):
+    # given
+    daemon, _ = daemons.start(config=worker_config, server_url=control_plane.url)
+    first = await control_plane.next_connection()
+    await first.expect(protocol.Hello)
+
+    # when: the connection is lost and the daemon reconnects
+    await first.close(4010, "server shutting down")
+    second = await control_plane.next_connection()
+    await second.expect(protocol.Hello)
+
+    # then: both handshakes name the same process (and another daemon is another process)
+    assert len(daemon.instance_id) == 32 and int(daemon.instance_id, 16) >= 0
+    assert first.headers[INSTANCE_HEADER] == second.headers[INSTANCE_HEADER] == daemon.instance_id
+    other = WorkerDaemon(config=worker_config, server_url=control_plane.url, token="t")
+    assert other.instance_id != daemon.instance_id
+
+
+async def test_a_superseded_daemon_exits_6_without_reconnecting_or_releasing(
+    control_plane, daemons, worker_config, make, caplog
+):
+    # given: a daemon holding a lease
+    daemon, task = daemons.start(config=worker_config, server_url=control_plane.url)
+    connection = await control_plane.next_connection()
+    await connection.expect(protocol.Hello)
+    advertisement = make.advertisement()
+    await connection.send(make.welcome(advertisements=[advertisement]))
+    lease_id, _ = await win_lease(connection, make, advertisement)
+    await make.wait_until(lambda: daemon.session.book.lease_ids() == [lease_id])
+
+    # when: another daemon with the same token took the worker over
+    with caplog.at_level(logging.ERROR, logger="worker_daemon.connection"):
+        await connection.close(protocol.CloseCode.SUPERSEDED)
+        result = await asyncio.wait_for(task, 5)
+
+    # then: it stops, without taking the worker back and without releasing the lease (the newer daemon's now)
+    assert result == ExitCode.SUPERSEDED == 6
+    assert control_plane.handshakes == 1
+    assert connection.received.empty()
+    assert caplog.messages == [
+        "another daemon connected with this worker's token and took the worker over (code 4009 (SUPERSEDED)); "
+        "this one stops. Run exactly one daemon per worker token; giving up (exit code 6)"
     ]
 
 

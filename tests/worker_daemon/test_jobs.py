@@ -389,6 +389,7 @@ def test_the_parameter_server_command(config, book, short_dir):
     task = Task(
         dispatch=message, executor=executor, work_dir=short_dir / "hypha-x", socket_path=short_dir / "s"
     )
+    task.work_dir.mkdir()
 
     argv, environment = manager._command(task)
 
@@ -417,6 +418,14 @@ def test_the_parameter_server_command(config, book, short_dir):
         "HYPHA_TRANSFER_TOKEN": "ps-token",
     }
     assert environment["JOB_JSON"] == job_json
+    # the current token is in a file only this user reads, which a fresh token replaces
+    token_file = Path(environment["HYPHA_TRANSFER_TOKEN_FILE"])
+    assert (token_file, token_file.read_text()) == (task.work_dir / ".transfer-token", "ps-token")
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    manager.tasks[task.task_id] = task
+    manager.handle(protocol.TransferToken(task_id=task.task_id, transfer_token="fresh-token"))
+    assert (token_file.read_text(), task.dispatch.transfer_token) == ("fresh-token", "fresh-token")
+    assert manager.refresh_token(uuid.uuid4(), "for a task that does not run here") is False
 
 
 async def test_a_task_that_cannot_start_is_reported_and_cleaned_up(

@@ -15,9 +15,12 @@ parameter server and data nodes (plain HTTP with timeouts). See ``docs/training.
   ``uri``              → ``GET`` into ``artifacts/<last URL segment>`` (``part-0.bin`` when empty).
   ``huggingface``      → ``huggingface_hub.hf_hub_download`` per file, copied into ``artifacts/``.
 * ``send``: ``PUT <peer>/jobs/<job>/rounds/<r>/update`` (streamed, ``X-Samples``), retried on connection
-  errors and 5xx; a 409/413/422 is logged with the parameter server's reason and not retried.
+  errors, timeouts and 5xx for up to ``peer_wait`` seconds at the peer's current address (a lost parameter
+  server is restarted elsewhere); a 4xx is logged with the parameter server's reason and not retried. A copy
+  waits in ``.sent/`` until the round's result arrives.
 * ``receive``: long-polls ``GET <peer>/jobs/<job>/rounds/<r>/result?wait=…`` for r = rounds completed + 1, …,
-  saving each result as ``<directory>/<peer id>``.
+  saving each result as ``<directory>/<peer id>``. If the parameter server moved while round r was open, the
+  kept update is sent to the new one first (it resumed from the last saved round and never saw it).
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PREFETCH_DIR = ".prefetch"
+#: Where the last update sent waits for its round's result (``work_dir``-relative).
+SENT_DIR = ".sent"
 CHUNK_SIZE = 1 << 20
 #: Status codes of a parameter server's refusal that sending again cannot fix (docs/training.md).
-REFUSED_UPDATE = frozenset({409, 413, 422})
 #: Shortest wait before asking for a slice again, whatever ``retry_in`` says.
 MIN_SLICE_RETRY = 0.05
 
@@ -92,6 +96,17 @@ class CachedSlice:
     index: int
     size: int
     path: Path
+
+
+@dataclass
+class _InFlight:
+    """The last update sent, until its round's result arrives."""
+
+    round_number: int
+    peer: str
+    path: Path
+    samples: int
+    base: str
 
 
 class RemoteBackend:
@@ -155,6 +170,7 @@ class RemoteBackend:
         # Set once the first round to receive is known: after a model fetch from the parameter server, or
         # the first update sent. Until then a result stream waits instead of asking for round 1.
         self._round_known = asyncio.Event()
+        self._in_flight: _InFlight | None = None
         self._slice_lock = asyncio.Lock()
         self._prefetched: dict[str, deque[asyncio.Task[CachedSlice]]] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -226,9 +242,16 @@ class RemoteBackend:
         if not peers:
             logger.warning("task %s: update for round %d names no peer; not sent", self.task_id, round_number)
             return
+        sent = None
+        if len(peers) == 1:
+            # Kept until the round's result arrives: a parameter server restarted elsewhere lost it.
+            sent = self.work_dir / SENT_DIR / f"round-{round_number}"
+            sent.parent.mkdir(mode=0o700, exist_ok=True)
+            await asyncio.to_thread(shutil.copyfile, path, sent)
         for peer in peers:
-            url = f"{await self._peer_url(peer)}/jobs/{self.job_id}/rounds/{round_number}/update"
-            await self._put_update(url, path=path, samples=samples, round_number=round_number)
+            base = await self._send_update(peer, round_number=round_number, path=path, samples=samples)
+            if sent is not None:
+                self._in_flight = _InFlight(round_number, peer, sent, samples, base)
 
     async def receive(
         self, *, reference: PeersReference, directory: Path
@@ -242,6 +265,7 @@ class RemoteBackend:
             # A model fetched meanwhile may say the job is further along than this stream.
             round_number = max(round_number, self.rounds_completed + 1)
             base = await self._peer_url(peer)  # the current address: the parameter server may have moved
+            await self._resend_if_moved(round_number, base)
             url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/result"
             try:
                 result = await self._download(
@@ -286,6 +310,7 @@ class RemoteBackend:
                     result.size,
                     result.headers.get("X-Included", "?"),
                 )
+                self._forget_sent(round_number)
                 yield peer, result.size, peer
                 round_number += 1
                 continue
@@ -365,14 +390,18 @@ class RemoteBackend:
                     unreachable &= not isinstance(error, IntegrityError) and not (
                         isinstance(error, HttpStatusError) and error.status < 500
                     )
-                    failures.append(f"{url}: {str(error) or type(error).__name__}")
-                    logger.warning(
-                        "task %s: slice %d from %s failed: %s",
-                        self.task_id,
-                        assigned.index,
-                        url,
-                        failures[-1],
-                    )
+                    # Never the URL's query in a log or the task's output: it holds the download token.
+                    where = _without_query(url)
+                    if isinstance(error, HttpStatusError):
+                        problem = (
+                            f"answered {error.status}: {error.detail}"
+                            if error.detail
+                            else f"answered {error.status}"
+                        )
+                    else:
+                        problem = (str(error) or type(error).__name__).replace(url, where)
+                    failures.append(f"{where}: {problem}")
+                    logger.warning("task %s: slice %d failed: %s", self.task_id, assigned.index, failures[-1])
                     continue
                 return CachedSlice(dataset=dataset, index=assigned.index, size=download.size, path=target)
             detail = "; ".join(failures) if failures else "no URL to download it from"
@@ -411,18 +440,20 @@ class RemoteBackend:
     async def _fetch_model(
         self, reference: ParameterServerReference, artifacts_dir: Path
     ) -> list[tuple[str, int]]:
-        base = await self._peer_url(reference.peer)
         written = []
         for filename in reference.filenames:
             target = resolve_in(artifacts_dir, filename)
             target.parent.mkdir(parents=True, exist_ok=True)
+
+            async def download_from(base: str, filename: str = filename, target: Path = target):
+                url = f"{base}/jobs/{self.job_id}/model/{urllib.parse.quote(filename)}"
+                return await self._download(url, target, headers=self._auth(), operation="model download")
+
+            try:
+                download, base = await self._at_peer(reference.peer, f"model file {filename}", download_from)
+            except HttpStatusError as error:
+                raise ConnectorError(f"model file {filename}: {error}") from error
             url = f"{base}/jobs/{self.job_id}/model/{urllib.parse.quote(filename)}"
-            download = await self._with_retries(
-                f"model file {filename}",
-                lambda url=url, target=target: self._download(
-                    url, target, headers=self._auth(), operation="model download"
-                ),
-            )
             written.append((filename, download.size))
             rounds = download.headers.get("X-Round")
             if rounds is not None:
@@ -473,44 +504,107 @@ class RemoteBackend:
 
     # --- updates -------------------------------------------------------------------------------------------
 
-    async def _put_update(self, url: str, *, path: Path, samples: int, round_number: int) -> None:
-        headers = {**self._auth(), "X-Samples": str(samples), "Content-Type": "application/octet-stream"}
+    async def _send_update(self, peer: str, *, round_number: int, path: Path, samples: int) -> str:
+        """PUT the update to ``peer`` (patiently: :meth:`_at_peer`); returns the base URL it went to. A 4xx is
+        logged, not retried: the parameter server's reason says why."""
 
-        async def put() -> None:
-            session = self._http()
-            with (
-                telemetry.span(
-                    "update upload",
-                    **{
-                        "http.request.method": "PUT",
-                        "url.full": _without_query(url),
-                        "hypha.task_id": self.task_id,
-                        "hypha.round": round_number,
-                        "hypha.samples": samples,
-                    },
-                ) as current,
-                path.open("rb") as body,
-            ):
-                async with session.put(url, data=body, headers=headers, timeout=self._timeout()) as response:
-                    telemetry.annotate(current, **{"http.response.status_code": response.status})
-                    if response.status >= 300:
-                        raise HttpStatusError(url, response.status, await _detail(response))
+        async def put(base: str) -> None:
+            url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/update"
+            await self._put_update(url, path=path, samples=samples, round_number=round_number)
 
         try:
-            await self._with_retries(f"round {round_number} update", put)
-        except ConnectorError as error:
-            cause = error.__cause__
-            if isinstance(cause, HttpStatusError) and cause.status < 500:
-                logger.warning(
-                    "task %s: the parameter server refused the round %d update (HTTP %d): %s",
-                    self.task_id,
-                    round_number,
-                    cause.status,
-                    cause.detail,
-                )
-                return
-            raise
+            _, base = await self._at_peer(peer, f"round {round_number} update", put)
+        except HttpStatusError as error:
+            logger.warning(
+                "task %s: the parameter server refused the round %d update (HTTP %d): %s",
+                self.task_id,
+                round_number,
+                error.status,
+                error.detail,
+            )
+            return self.peers.get(peer, "")
         logger.info("task %s: round %d update sent (%d samples)", self.task_id, round_number, samples)
+        return base
+
+    async def _at_peer(self, peer: str, what: str, operation: Callable[[str], Awaitable[T]]) -> tuple[T, str]:
+        """``operation(base URL)`` against ``peer``, and the base URL it succeeded at. Connection errors,
+        timeouts and 5xx are retried for up to ``peer_wait`` seconds, each time at the peer's current address
+        (a parameter server that died is restarted elsewhere, and the control plane says where; a new address
+        ends a pause at once); a long wait is said on the job's page. A 4xx is raised as it is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.peer_wait
+        pause = self.retry_base
+        attempt = 0
+        while True:
+            base = await self._peer_url(peer)
+            try:
+                return await operation(base), base
+            except HttpStatusError as error:
+                if error.status < 500:
+                    raise
+                failure: Exception = error
+            except IntegrityError as error:
+                raise ConnectorError(f"{what}: {error}") from error
+            except (aiohttp.ClientError, TimeoutError) as error:
+                failure = error
+            attempt += 1
+            detail = str(failure) or type(failure).__name__
+            left = deadline - loop.time()
+            if left <= 0:
+                raise ConnectorError(f"{what}: {detail}") from failure
+            pause = min(pause, left)
+            line = f"waiting for the parameter server: {what} from {base} failed ({detail}); trying again in {pause:.1f} s"
+            logger.warning("task %s: %s", self.task_id, line)
+            if (
+                attempt > self.retries
+            ):  # a passing failure is retried quietly; a long one shows on the job page
+                self.link.post(protocol.TaskLog(task_id=self.task_id, lines=[line[:1000]]))
+            await self._wait_for_peers(pause)
+            pause = min(pause * 2, self.retry_cap)
+
+    async def _put_update(self, url: str, *, path: Path, samples: int, round_number: int) -> None:
+        headers = {**self._auth(), "X-Samples": str(samples), "Content-Type": "application/octet-stream"}
+        session = self._http()
+        with (
+            telemetry.span(
+                "update upload",
+                **{
+                    "http.request.method": "PUT",
+                    "url.full": _without_query(url),
+                    "hypha.task_id": self.task_id,
+                    "hypha.round": round_number,
+                    "hypha.samples": samples,
+                },
+            ) as current,
+            path.open("rb") as body,
+        ):
+            async with session.put(url, data=body, headers=headers, timeout=self._timeout()) as response:
+                telemetry.annotate(current, **{"http.response.status_code": response.status})
+                if response.status >= 300:
+                    raise HttpStatusError(url, response.status, await _detail(response))
+
+    async def _resend_if_moved(self, round_number: int, base: str) -> None:
+        """The update for ``round_number`` went to a parameter server that is no longer at ``base``'s place
+        (it was lost and a new one resumed from the last saved round): send it again to the new one."""
+        sent = self._in_flight
+        if sent is None or sent.round_number != round_number or sent.base == base:
+            return
+        logger.warning(
+            "task %s: the parameter server moved from %s to %s; sending the round %d update again",
+            self.task_id,
+            sent.base,
+            base,
+            round_number,
+        )
+        sent.base = await self._send_update(
+            sent.peer, round_number=round_number, path=sent.path, samples=sent.samples
+        )
+
+    def _forget_sent(self, round_number: int) -> None:
+        sent = self._in_flight
+        if sent is not None and sent.round_number <= round_number:
+            sent.path.unlink(missing_ok=True)
+            self._in_flight = None
 
     # --- HTTP ----------------------------------------------------------------------------------------------
 
@@ -534,6 +628,12 @@ class RemoteBackend:
         """New addresses of peers (a repeated ``dispatch_job``: the parameter server listens now, or moved)."""
         self.peers.update({peer: url.rstrip("/") for peer, url in peers.items()})
         self._peers_changed.set()
+
+    async def _wait_for_peers(self, timeout: float) -> None:
+        """Sleep ``timeout`` seconds, or less if a peer's address is given meanwhile."""
+        self._peers_changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._peers_changed.wait(), timeout)
 
     async def _peer_url(self, peer: str) -> str:
         """The peer's base URL, waiting up to ``peer_wait`` seconds for the control plane to say it (trainers

@@ -57,6 +57,25 @@ class DatasetDetailSerializer(DatasetSerializer):
         read_only_fields = fields
 
 
+class DatasetRegisteredSerializer(DatasetDetailSerializer):
+    """The answer to a data node's registration: the dataset as registered, and the node's download key."""
+
+    download_key = serializers.SerializerMethodField(
+        help_text=(
+            "The key this data node verifies slice download tokens with (HMAC-SHA256, hex): every slice URL the "
+            "control plane hands out carries a `token` query parameter signed with it. Derived, not stored: "
+            "the same on every registration of this node until its token or the control plane's secret changes."
+        )
+    )
+
+    class Meta(DatasetDetailSerializer.Meta):
+        fields = [*DatasetDetailSerializer.Meta.fields, "download_key"]
+        read_only_fields = fields
+
+    def get_download_key(self, dataset: Dataset) -> str:
+        return self.context["download_key"]
+
+
 class SliceAnnouncementSerializer(StrictSerializer):
     """One slice file as a data node announces it."""
 

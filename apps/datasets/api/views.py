@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from apps.datasets import services
 from apps.datasets.api.serializers import (
     DatasetDetailSerializer,
+    DatasetRegisteredSerializer,
     DatasetRegistrationSerializer,
     DatasetSerializer,
 )
@@ -104,12 +105,13 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
             "Called by a data node with its own token. Records the node's public URL and marks it online. "
             "The first registration of a name creates the dataset (201); registering identical slices again, "
             "or from another node (a replica), changes nothing else (200). Different slices under a registered "
-            "name are refused (409)."
+            "name are refused (409). The answer carries the node's `download_key`: the node serves a slice "
+            "only to a request whose token is signed with it."
         ),
         request=DatasetRegistrationSerializer,
         responses={
-            200: DatasetDetailSerializer,
-            201: DatasetDetailSerializer,
+            200: DatasetRegisteredSerializer,
+            201: DatasetRegisteredSerializer,
             **error_responses(400, 401, 409),
         },
     )
@@ -143,6 +145,9 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
             )
         ).get(pk=dataset.pk)
         return Response(
-            DatasetDetailSerializer(dataset).data,
+            DatasetRegisteredSerializer(
+                dataset, context={"download_key": services.download_key(request.auth)}
+            ).data,
             status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+            headers={"Cache-Control": "no-store"},  # it holds the node's download key
         )

@@ -236,20 +236,100 @@ class JobModelView(APIView):
         },
     )
     def put(self, request: Request, pk: str, filename: str) -> Response:
-        job = Job.objects.filter(pk=pk).first()
-        if job is None:
-            return Response({"detail": "No such job."}, status=status.HTTP_404_NOT_FOUND)
-        try:
-            entry = services.model_uploaded(
+        return _stored_file(
+            pk,
+            filename,
+            lambda job: services.model_uploaded(
                 job=job,
                 filename=filename,
                 token=_bearer(request),
                 chunks=_body_chunks(request),
                 limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
+            ),
+        )
+
+
+class JobCheckpointUploadView(APIView):
+    """A file of a round's checkpoint: the job's parameter server saves each round with the control plane."""
+
+    authentication_classes: list = []
+    permission_classes: list = []
+
+    @extend_schema(
+        summary="Save a file of a round's checkpoint (the job's parameter server only)",
+        description=(
+            "Called by the job's live parameter server after each round (and for round 0), with its transfer "
+            "token. The files of the round come first, its manifest `round.json` last: the round then "
+            "replaces the job's saved checkpoint, which a parameter server started after this one was lost "
+            "resumes from. A round older than the saved one is refused (409); the saved one again is a no-op."
+        ),
+        parameters=[
+            OpenApiParameter(
+                "round_number",
+                OpenApiTypes.INT,
+                OpenApiParameter.PATH,
+                description="the round (0: the initial model)",
+            ),
+            OpenApiParameter(
+                "filename",
+                OpenApiTypes.STR,
+                OpenApiParameter.PATH,
+                enum=list(training.CHECKPOINT_FILES),
+                description="the file",
+            ),
+        ],
+        request={"application/octet-stream": OpenApiTypes.BINARY},
+        responses={
+            201: OpenApiResponse(description="stored: `{name, size, sha256}`"),
+            **error_responses(400, 401, 403, 404, 409, 413),
+        },
+    )
+    def put(self, request: Request, pk: str, round_number: int, filename: str) -> Response:
+        return _stored_file(
+            pk,
+            filename,
+            lambda job: services.checkpoint_uploaded(
+                job=job,
+                round_number=round_number,
+                filename=filename,
+                token=_bearer(request),
+                chunks=_body_chunks(request),
+                limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
+            ),
+        )
+
+
+class JobCheckpointDownloadView(APIView):
+    """A file of the job's saved round, for a parameter server that resumes from it."""
+
+    authentication_classes: list = []
+    permission_classes: list = []
+
+    @extend_schema(
+        summary="Fetch a file of the job's saved round (the job's parameter server only)",
+        parameters=[
+            OpenApiParameter(
+                "filename",
+                OpenApiTypes.STR,
+                OpenApiParameter.PATH,
+                enum=list(training.CHECKPOINT_FILES),
+                description="the file",
             )
+        ],
+        responses={
+            (200, "application/octet-stream"): OpenApiTypes.BINARY,
+            **error_responses(401, 403, 404, 409),
+        },
+    )
+    def get(self, request: Request, pk: str, filename: str):
+        job = Job.objects.filter(pk=pk).first()
+        if job is None:
+            return Response({"detail": "No such job."}, status=status.HTTP_404_NOT_FOUND)
+        try:
+            path = training.checkpoint_file(job, filename, _bearer(request))
         except TransferRefused as refused:
-            return _refused(refused, field="filename")
-        return Response({"name": filename, **entry}, status=status.HTTP_201_CREATED)
+            return Response({"detail": str(refused)}, status=refused.status)
+        return FileResponse(path.open("rb"), content_type="application/octet-stream")
 
 
 @extend_schema(
@@ -272,6 +352,19 @@ def job_model_download(request: Request, pk: str):
             {"detail": f"job {job.pk} has no model yet (it is {job.status})"}, status=status.HTTP_409_CONFLICT
         )
     return FileResponse(archive.open("rb"), as_attachment=True, filename=f"model-{job.pk}.zip")
+
+
+def _stored_file(pk: str, filename: str, store) -> Response:
+    """Store a file a job's parameter server uploads with ``store(job)`` (its ``{size, sha256}``): 201, or
+    the refusal as an API error."""
+    job = Job.objects.filter(pk=pk).first()
+    if job is None:
+        return Response({"detail": "No such job."}, status=status.HTTP_404_NOT_FOUND)
+    try:
+        entry = store(job)
+    except TransferRefused as refused:
+        return _refused(refused, field="filename")
+    return Response({"name": filename, **entry}, status=status.HTTP_201_CREATED)
 
 
 def _refused(refused: TransferRefused, *, field: str) -> Response:

@@ -233,3 +233,31 @@ def test_registration_needs_a_data_node_token(north, alice):
     # then
     assert [response.status_code for response in responses] == [401, 401, 401, 401]
     assert not Dataset.objects.filter(name="fresh-text").exists()
+
+
+# --- the download key -------------------------------------------------------------------------------------------
+
+
+def test_the_registration_answer_carries_the_nodes_download_key_uncached(north, east, alice):
+    # given
+    node, token = north
+
+    # when: registered twice (the key is derived, so every answer carries the same one)
+    first = register(token, announcement())
+    again = register(token, announcement())
+
+    # then
+    key = first.json()["download_key"]
+    assert key == services.download_key(node)
+    assert again.json()["download_key"] == key
+    assert len(key) == 64 and key != services.download_key(east)
+    assert first["Cache-Control"] == "no-store"
+    # derived, not stored; and nobody reading the dataset sees it
+    assert key not in str(DataNode.objects.filter(pk=node.pk).values().get())
+    assert "download_key" not in alice.client.get("/api/datasets/fresh-text/").json()
+
+
+def test_a_refused_registration_carries_no_download_key(north):
+    response = register("hd_not-a-token", announcement())
+    assert response.status_code == 401
+    assert "download_key" not in response.json()

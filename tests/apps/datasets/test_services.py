@@ -441,3 +441,51 @@ def test_create_data_node_token_refuses_a_bad_url_and_creates_nothing():
     with pytest.raises(CommandError, match="invalid --url"):
         call_command("create_data_node_token", "data-north", "--url", "ftp://north")
     assert DataNode.objects.count() == 0
+
+
+# --- slice download URLs ------------------------------------------------------------------------------------
+
+
+def test_slice_urls_carry_a_token_each_node_verifies_with_its_own_key(tiny_text, west, frozen_now):
+    # given: west serves tiny-text too, and is offline
+    import time
+    import urllib.parse
+
+    from data_node import tokens
+
+    services.register_dataset(west, "tiny-text", TINY_TEXT_SLICES)
+    DataNode.objects.filter(pk=west.pk).update(online=False)
+    east = DataNode.objects.get(name="data-east")
+
+    # when
+    urls = services.slice_urls(tiny_text, 2, job_id="job-1", peer="rig-a", lifetime=600)
+
+    # then: online nodes first, each token signed with that node's key
+    split = [urllib.parse.urlsplit(url) for url in urls]
+    assert [f"{part.scheme}://{part.netloc}{part.path}" for part in split] == [
+        "https://east.example/datasets/tiny-text/slices/2",
+        "https://west.example/datasets/tiny-text/slices/2",
+    ]
+    east_token, west_token = (urllib.parse.parse_qs(part.query)["token"][0] for part in split)
+    claims = tokens.verify(services.download_key(east).encode(), east_token, dataset="tiny-text", index=2)
+    assert claims["dataset"] == "tiny-text" and claims["slice"] == 2
+    assert (claims["job"], claims["peer"]) == ("job-1", "rig-a")
+    assert time.time() + 590 < claims["exp"] <= time.time() + 600
+    tokens.verify(services.download_key(west).encode(), west_token, dataset="tiny-text", index=2)
+    with pytest.raises(tokens.SliceTokenError) as refused:
+        tokens.verify(services.download_key(west).encode(), east_token, dataset="tiny-text", index=2)
+    assert refused.value.status == 401
+    with pytest.raises(tokens.SliceTokenError) as other_slice:
+        tokens.verify(services.download_key(east).encode(), east_token, dataset="tiny-text", index=1)
+    assert other_slice.value.status == 403
+
+
+def test_download_keys_are_derived_per_node_and_change_with_the_secret_key(east, west, settings):
+    # given
+    key = services.download_key(east)
+
+    # then
+    assert key == services.download_key(DataNode.objects.get(pk=east.pk))  # derived: stable, not stored
+    assert key != services.download_key(west)
+    settings.SECRET_KEY = "another-secret-key-" + "x" * 40
+    assert services.download_key(east) != key

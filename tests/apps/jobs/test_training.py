@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import time
 import uuid
 import zipfile
 from datetime import timedelta
@@ -116,7 +119,7 @@ def test_an_allocated_training_job_dispatches_its_parameter_server_and_trainers(
     assert sorted(config["updates"]["peers"]) == sorted([str(rig_a.pk), str(rig_b.pk)])
     assert config["rounds"] == {"update_rounds": 2, "round_timeout": 30.0, "weighted": True}
     assert config["model"]["source"]["type"] == "config"
-    assert config["eval"] == {
+    assert without_tokens(config["eval"]) == {
         "dataset": "tiny-text",
         "batch_size": 8,
         "slices": [
@@ -309,7 +312,7 @@ def test_trainers_claim_distinct_slices_and_acknowledge_them(running_job, online
 
     first, second, third = fetch(rig_a), fetch(rig_b), fetch(rig_a)
     assert [first.index, second.index, third.index] == [0, 1, 2]
-    assert first.urls == ["http://east.example:8100/datasets/tiny-text/slices/0"]
+    assert untokened(first.urls) == ["http://east.example:8100/datasets/tiny-text/slices/0"]
     assert (first.size, first.sha256) == (1000, "0" * 64)
     # every training slice is assigned (slice 3 is held out): ask again later
     waiting = fetch(rig_b)
@@ -458,6 +461,50 @@ def dispatches_token(job, worker) -> str:
 
 
 @pytest.mark.django_db
+def test_tasks_get_a_fresh_short_lived_token_with_each_renewal_of_their_lease(running_job, online_rigs, sent):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    sent.clear()
+
+    # when: every lease of the job is due for renewal
+    Lease.objects.filter(job=running_job).update(
+        expires_at=timezone.now() + timedelta(seconds=1), renewal_requested_at=None
+    )
+    before = time.time()
+    job_services.tick_leases()
+
+    # then: each daemon is asked to renew, and each task gets a new token for its own lease, expiring soon
+    renewals = {message.lease_id for _, message in sent if isinstance(message, protocol.RenewLease)}
+    tokens = {
+        message.task_id: (worker, message)
+        for worker, message in sent
+        if isinstance(message, protocol.TransferToken)
+    }
+    assert renewals == set(Lease.objects.filter(job=running_job).values_list("pk", flat=True))
+    assert set(tokens) == set(Task.objects.filter(job=running_job).values_list("pk", flat=True))
+    for task_id, (worker, message) in tokens.items():
+        task = Task.objects.select_related("lease").get(pk=task_id)
+        claims = protocol.verify_transfer_token(
+            training.transfer_key(running_job.pk), message.transfer_token, job_id=str(running_job.pk)
+        )
+        assert (str(worker), claims["lease"], claims["peer"], claims["role"]) == (
+            str(task.lease.worker_id),
+            str(task.lease_id),
+            str(task.lease.worker_id),
+            task.role,
+        )
+        assert before + 15 * 60 - 2 <= claims["exp"] <= time.time() + 15 * 60 + 1
+    # and a token past its expiry is refused
+    with pytest.raises(protocol.TransferTokenError, match="expired"):
+        protocol.verify_transfer_token(
+            training.transfer_key(running_job.pk),
+            message.transfer_token,
+            job_id=str(running_job.pk),
+            now=time.time() + 15 * 60 + 5,
+        )
+
+
+@pytest.mark.django_db
 def test_a_failed_trainer_fails_the_job_and_releases_every_lease(running_job, online_rigs):
     rig_a, _rig_b, rig_c = online_rigs
     ready(running_job, rig_c)
@@ -532,7 +579,7 @@ def test_a_lost_trainer_is_replaced_and_the_replacement_joins_with_the_rounds_do
 
 
 @pytest.mark.django_db
-def test_a_lost_parameter_server_fails_the_job(running_job, online_rigs):
+def test_a_parameter_server_lost_before_it_saved_a_round_fails_the_job(running_job, online_rigs):
     rig_c = online_rigs[2]
     ready(running_job, rig_c)
     Lease.objects.filter(job=running_job, worker=rig_c).update(
@@ -544,8 +591,200 @@ def test_a_lost_parameter_server_fails_the_job(running_job, online_rigs):
     running_job.refresh_from_db()
     assert running_job.status == Job.Status.FAILED
     assert running_job.status_reason == (
-        "FAILED: the parameter server lease on rig-c expired while training: not renewed before it ran out"
+        "FAILED: the parameter server lease on rig-c expired while training: not renewed before it ran out; "
+        "it had saved no round to restart from"
     )
+
+
+def save_checkpoint(client, job: Job, token: str, number: int, files: dict[str, bytes]) -> list:
+    """PUT a round's files, the manifest last, as the parameter server does; the responses."""
+    manifest = {"format": 1, "round_number": number, "has_momentum": "momentum.safetensors" in files}
+    manifest["has_result"] = "result.safetensors" in files
+    bodies = {**files, "round.json": json.dumps(manifest).encode()}
+    return [
+        client.put(
+            f"/api/jobs/{job.pk}/checkpoint/{number}/{name}",
+            body,
+            content_type="application/octet-stream",
+            HTTP_AUTHORIZATION=f"Bearer {token}",
+        )
+        for name, body in bodies.items()
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_parameter_server_saves_rounds_with_the_control_plane_and_only_it(
+    running_job, online_rigs, client
+):
+    rig_a, _rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    token = dispatches_token(running_job, rig_c)
+    trainer_token = training.transfer_token(task_of(running_job, rig_a).lease)
+    url = f"/api/jobs/{running_job.pk}/checkpoint"
+
+    # a trainer's token, a forged one or none may not save a round; a file that is not a checkpoint's is a 400
+    for header, expected in ((f"Bearer {trainer_token}", 403), ("Bearer forged.token", 401), ("", 401)):
+        response = client.put(
+            f"{url}/1/weights.safetensors",
+            b"w",
+            content_type="application/octet-stream",
+            HTTP_AUTHORIZATION=header,
+        )
+        assert response.status_code == expected, response.content
+    bad = client.put(
+        f"{url}/1/..evil", b"w", content_type="application/octet-stream", HTTP_AUTHORIZATION=f"Bearer {token}"
+    )
+    assert bad.status_code == 400 and list(bad.json()) == ["filename"]
+
+    # a manifest naming files that were not sent is refused, and nothing is saved
+    missing = save_checkpoint(client, running_job, token, 1, {"weights.safetensors": b"w1"})
+    assert [response.status_code for response in missing] == [201, 201]
+    refused = client.put(
+        f"{url}/2/round.json",
+        json.dumps({"format": 1, "round_number": 2, "has_momentum": True}).encode(),
+        content_type="application/octet-stream",
+        HTTP_AUTHORIZATION=f"Bearer {token}",
+    )
+    assert (
+        refused.status_code == 409
+        and "missing weights.safetensors, momentum.safetensors" in refused.json()["detail"]
+    )
+    running_job.refresh_from_db()
+    assert running_job.checkpoint["round"] == 1
+
+    # when: round 2 is saved, then round 1 comes again late
+    files = {"weights.safetensors": b"w2", "momentum.safetensors": b"m2", "result.safetensors": b"u2"}
+    assert [response.status_code for response in save_checkpoint(client, running_job, token, 2, files)] == [
+        201
+    ] * 4
+    late = client.put(
+        f"{url}/1/weights.safetensors",
+        b"old",
+        content_type="application/octet-stream",
+        HTTP_AUTHORIZATION=f"Bearer {token}",
+    )
+
+    # then: round 2 is the job's checkpoint, the late round is refused, and the server can fetch every file
+    assert (late.status_code, late.json()) == (409, {"detail": "round 1 is older than the saved round 2"})
+    running_job.refresh_from_db()
+    assert running_job.checkpoint["round"] == 2
+    assert running_job.rounds.get(number=2).closed  # a saved round is applied, reported or not
+    assert sorted(running_job.checkpoint["files"]) == sorted([*files, "round.json"])
+    for name, body in files.items():
+        assert running_job.checkpoint["files"][name]["sha256"] == hashlib.sha256(body).hexdigest()
+        fetched = client.get(f"{url}/{name}", HTTP_AUTHORIZATION=f"Bearer {token}")
+        assert (fetched.status_code, b"".join(fetched.streaming_content)) == (200, body)
+    assert (
+        client.get(f"{url}/weights.safetensors", HTTP_AUTHORIZATION=f"Bearer {trainer_token}").status_code
+        == 403
+    )
+    directory = training.checkpoint_directory(running_job.pk)
+    assert sorted(path.name for path in directory.iterdir()) == ["round-2"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_parameter_server_is_replaced_and_resumes_from_the_saved_round(
+    running_job, online_rigs, sent, client
+):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    token = dispatches_token(running_job, rig_c)
+    files = {"weights.safetensors": b"w1", "momentum.safetensors": b"m1", "result.safetensors": b"u1"}
+    save_checkpoint(client, running_job, token, 1, files)
+    status(rig_c, task_of(running_job, rig_c), {"round": {"round": 1, "participants": [str(rig_a.pk)]}})
+    first_server_peer = str(rig_c.pk)
+
+    # when: rig-c's lease runs out (its daemon died)
+    Lease.objects.filter(job=running_job, worker=rig_c).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    job_services.tick_leases()
+
+    # then: the job goes on, rig-c's task is over, and a parameter server is advertised again
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.RUNNING
+    assert running_job.status_reason == (
+        "RUNNING: the parameter server lease on rig-c expired while training: not renewed before it ran out; "
+        "a new one is advertised to resume after round 1"
+    )
+    assert task_of(running_job, rig_c).status == Task.Status.CANCELLED
+    wanted = advert(running_job, PARAMETER_SERVER)
+    assert (wanted.status, wanted.wanted) == ("open", 1)
+    # the lost server's token saves no more rounds
+    assert save_checkpoint(client, running_job, token, 2, files)[0].status_code == 403
+
+    # when: a spare worker takes it
+    spare = _registered("rig-d")
+    connect(spare)
+    sent.clear()
+    job_services.offer_made(worker=spare, message=offer_on(wanted, price=100.0))
+
+    # then: a server is dispatched to it, naming the saved round and the trainers, with a token of its own
+    dispatch = dispatches(sent)[PARAMETER_SERVER]
+    config = dispatch.spec["executor"]["config"]
+    assert config["checkpoint"] == {
+        "round": 1,
+        "uri": f"/api/jobs/{running_job.pk}/checkpoint/",
+        "files": running_job.checkpoint["files"],
+    }
+    assert sorted(config["updates"]["peers"]) == sorted([str(rig_a.pk), str(rig_b.pk)])
+    running_job.refresh_from_db()
+    assert running_job.status_reason == (
+        "RUNNING: parameter server dispatched to rig-d, resuming after round 1; waiting for it to listen"
+    )
+    new_token = dispatch.transfer_token
+    fetched = client.get(
+        f"/api/jobs/{running_job.pk}/checkpoint/round.json", HTTP_AUTHORIZATION=f"Bearer {new_token}"
+    )
+    assert fetched.status_code == 200
+
+    # when: it listens
+    sent.clear()
+    status(spare, task_of(running_job, spare), {"ready": {"url": "http://10.0.0.4:7070", "round": 1}})
+
+    # then: the trainers are told its address under the peer id their specs name
+    told = [message for _, message in sent if isinstance(message, protocol.DispatchJob)]
+    assert sorted(message.lease_id for message in told) == sorted(
+        task_of(running_job, rig).lease_id for rig in (rig_a, rig_b)
+    )
+    assert {tuple(message.peers.items()) for message in told} == {
+        ((first_server_peer, "http://10.0.0.4:7070"),)
+    }
+    # and when it is done, the job completes on its exit, not on the lost one's
+    for number in (1, 2):
+        status(spare, task_of(running_job, spare), {"round": {"round": number, "participants": []}})
+    running_job.model_files = {"model.safetensors": {"size": 1, "sha256": "0" * 64}}
+    running_job.save()
+    for worker in (spare, rig_a, rig_b):
+        job_services.task_exited(
+            worker=worker, message=protocol.JobExited(task_id=task_of(running_job, worker).pk, exit_code=0)
+        )
+    running_job.refresh_from_db()
+    assert running_job.status == Job.Status.COMPLETED
+    assert list(running_job.rounds.values_list("number", flat=True)) == [1, 2]
+
+
+@pytest.mark.django_db
+def test_a_parameter_server_lost_after_it_stored_the_model_completes_the_job(running_job, online_rigs):
+    rig_c = online_rigs[2]
+    ready(running_job, rig_c)
+    Round.objects.create(job=running_job, number=1, closed=True)
+    Round.objects.create(job=running_job, number=2, closed=True)
+    Job.objects.filter(pk=running_job.pk).update(
+        model_files={"model.safetensors": {"size": 1, "sha256": "0" * 64}},
+        checkpoint={"round": 2, "files": {}},
+    )
+
+    # when: its lease runs out while it waits for the trainers' last fetches
+    Lease.objects.filter(job=running_job, worker=rig_c).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    job_services.tick_leases()
+
+    # then: nothing is left to do: the job completes and nobody is advertised
+    running_job.refresh_from_db()
+    assert (running_job.status, running_job.status_reason) == (Job.Status.COMPLETED, "COMPLETED: 2 rounds")
+    assert not running_job.advertisements.filter(status="open").exists()
 
 
 @pytest.mark.django_db
@@ -609,3 +848,72 @@ def test_a_reconnecting_daemon_is_sent_the_dispatches_of_its_live_tasks_again(ru
         worker=rig_a, message=protocol.JobExited(task_id=task_of(running_job, rig_a).pk, exit_code=0)
     )
     assert job_services.pending_dispatches(worker=rig_a) == []
+
+
+# --- slice download tokens --------------------------------------------------------------------------------------
+
+
+def untokened(urls: list[str]) -> list[str]:
+    """``urls`` without their query (the download token, which differs with the clock)."""
+    return [url.partition("?")[0] for url in urls]
+
+
+def without_tokens(evaluation: dict) -> dict:
+    return {
+        **evaluation,
+        "slices": [{**entry, "urls": untokened(entry["urls"])} for entry in evaluation["slices"]],
+    }
+
+
+def token_claims(url: str, *, dataset: str, index: int) -> dict:
+    """The claims of ``url``'s download token, verified with the key of the data node it points at."""
+    import urllib.parse
+
+    from apps.datasets.models import DataNode
+    from data_node import tokens
+
+    split = urllib.parse.urlsplit(url)
+    node = DataNode.objects.get(url__startswith=f"{split.scheme}://{split.netloc}")
+    (token,) = urllib.parse.parse_qs(split.query)["token"]
+    return tokens.verify(dataset_services.download_key(node).encode(), token, dataset=dataset, index=index)
+
+
+@pytest.mark.django_db
+def test_a_claimed_slice_url_carries_a_token_for_that_slice_job_and_worker(running_job, online_rigs):
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+
+    # when
+    assigned = job_services.slice_requested(
+        worker=rig_b,
+        message=protocol.FetchSlice(
+            request_id=uuid.uuid4(), task_id=task_of(running_job, rig_b).pk, dataset="tiny-text"
+        ),
+    )
+
+    # then: the data node would serve it (its key verifies the token), to rig-b of this job, for 30 minutes
+    (url,) = assigned.urls
+    claims = token_claims(url, dataset="tiny-text", index=assigned.index)
+    assert (claims["job"], claims["peer"], claims["slice"]) == (str(running_job.pk), str(rig_b.pk), 0)
+    assert time.time() + 29 * 60 < claims["exp"] <= time.time() + 30 * 60
+    # and nothing else: another slice's URL with this token is refused
+    from data_node import tokens
+
+    with pytest.raises(tokens.SliceTokenError) as refused:
+        token_claims(url.replace("/slices/0?", "/slices/1?"), dataset="tiny-text", index=1)
+    assert refused.value.status == 403
+
+
+@pytest.mark.django_db
+def test_eval_slice_urls_carry_long_lived_tokens_for_the_parameter_server(running_job, sent):
+    # given
+    config = dispatches(sent)[PARAMETER_SERVER].spec["executor"]["config"]
+
+    # when
+    ((url,),) = [entry["urls"] for entry in config["eval"]["slices"]]
+    claims = token_claims(url, dataset="tiny-text", index=3)
+
+    # then: named for this job's parameter server; valid long enough for it to download them at round 1 or
+    # after its daemon restarted it from the stored dispatch
+    assert (claims["job"], claims["peer"], claims["slice"]) == (str(running_job.pk), "parameter_server", 3)
+    assert claims["exp"] >= time.time() + dataset_services.EVAL_SLICE_TOKEN_LIFETIME - 60

@@ -18,11 +18,11 @@ from django.utils import timezone
 from apps.jobs import services as job_services
 from apps.jobs.models import TRAINER, Job
 from apps.leases import services as lease_services
-from apps.leases.models import Lease, LeaseEvent
+from apps.leases.models import Lease, LeaseClock, LeaseEvent
 from apps.market import services as market
 from apps.market.exceptions import OfferRefused
 from apps.market.models import Advertisement, Offer
-from tests.apps.conftest import CAPACITY, REQUIREMENTS, offer_on
+from tests.apps.conftest import CAPACITY, REQUIREMENTS, connect, offer_on
 from tests.apps.races import RACE_TEST_MARKS, run_together
 
 ITERATIONS = 20
@@ -191,3 +191,35 @@ def test_release_and_expiry_together_end_the_lease_once(job, online_rigs):
         kinds = list(LeaseEvent.objects.filter(lease=lease).values_list("kind", flat=True))
         assert lease.status in (Lease.Status.RELEASED, Lease.Status.EXPIRED)
         assert kinds == ["created", "activated", lease.status]
+
+
+def test_two_ticks_and_a_reconnect_after_a_restart_resume_the_clock_once(job, online_rigs):
+    # given
+    rig_a = online_rigs[0]
+
+    for iteration in range(ITERATIONS):
+        lease = active_lease_of(rig_a, job)
+        # The control plane stood still for 30 s (its clock last ran then) and the lease ran out meanwhile.
+        now = timezone.now()
+        LeaseClock.objects.update_or_create(
+            pk=LeaseClock.SINGLETON, defaults={"ticked_at": now - timedelta(seconds=30)}
+        )
+        Lease.objects.filter(pk=lease.pk).update(expires_at=now - timedelta(seconds=1))
+
+        # when: two Celery workers' ticks and the daemon's hello, at the same instant
+        first, second, welcome = run_together(
+            job_services.tick_leases,
+            job_services.tick_leases,
+            partial(connect, rig_a, channel_name=f"test.rig-a.{iteration}", leases=(lease.pk,)),
+        )
+
+        # then: nothing raised; one resume extended the lease once; nothing expired; the daemon keeps it
+        for result in (first, second, welcome):
+            assert not isinstance(result, Exception), result
+        assert (first.expired, second.expired) == (0, 0)
+        lease.refresh_from_db()
+        kinds = list(LeaseEvent.objects.filter(lease=lease).values_list("kind", flat=True))
+        assert (lease.status, kinds) == (Lease.Status.ACTIVE, ["created", "activated", "extended"])
+        assert LeaseClock.objects.get().resumptions == iteration + 1
+        assert [info.lease_id for info in welcome.leases] == [lease.pk]
+        free(rig_a)

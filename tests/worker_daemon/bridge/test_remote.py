@@ -366,6 +366,69 @@ async def test_a_refused_update_is_logged_and_not_retried(backend, peer, work, c
     assert "refused the round 1 update (HTTP 422): refused: status 422 for this test" in caplog.text
 
 
+async def test_an_update_waits_for_a_lost_parameter_server_and_goes_to_its_replacement(
+    backend, answerer, peer, work
+):
+    # given: the parameter server is gone (nothing listens at its address any more)
+    from tests.worker_daemon.conftest import FakePeer
+
+    dead = peer.url
+    await peer.stop()
+    (work / "delta").write_bytes(b"pseudo-gradient")
+    sending = asyncio.create_task(backend.send(reference=TO_PS, path=work / "delta"))
+
+    # when: after a few failed attempts the control plane names the new parameter server's address
+    def logs() -> list[protocol.TaskLog]:
+        return [m for m in [*answerer.sent, *answerer.link.queued] if isinstance(m, protocol.TaskLog)]
+
+    await wait_until(lambda: len(logs()) >= 1)
+    replacement = FakePeer()
+    await replacement.start()
+    try:
+        backend.update_peers({PS: replacement.url})
+        await asyncio.wait_for(sending, 5)
+
+        # then: the update went there, and the wait was said on the job's page
+        assert replacement.paths("PUT") == [f"/jobs/{JOB}/rounds/1/update"]
+        (log, *_) = logs()
+        assert log.lines[0].startswith(f"waiting for the parameter server: round 1 update from {dead} failed")
+    finally:
+        await replacement.stop()
+
+
+async def test_an_update_sent_to_a_server_that_was_lost_is_sent_again_to_the_one_that_resumed(
+    backend, peer, work
+):
+    from tests.worker_daemon.conftest import FakePeer
+
+    # given: round 1's update reached the parameter server, which was lost before it closed the round
+    (work / "delta").write_bytes(b"round one")
+    await backend.send(reference=TO_PS, path=work / "delta")
+    (work / "delta").write_bytes(b"overwritten by the executor")
+    incoming = work / "incoming"
+    incoming.mkdir()
+    replacement = FakePeer()
+    await replacement.start()
+    try:
+        # when: a new server resumes elsewhere, and the trainer waits for round 1's result
+        backend.update_peers({PS: replacement.url})
+        replacement.add_result(1, b"u1")
+        stream = backend.receive(reference=TO_PS, directory=incoming)
+        assert await asyncio.wait_for(anext(stream), 5) == (PS, 2, PS)
+        await stream.aclose()
+
+        # then: the new server got the update as it was sent, before the result was asked for
+        assert [(method, path) for method, path, _, _ in replacement.requests][:2] == [
+            ("PUT", f"/jobs/{JOB}/rounds/1/update"),
+            ("GET", f"/jobs/{JOB}/rounds/1/result?wait=0.2"),
+        ]
+        assert replacement.requests[0][3] == b"round one"
+        assert list((work / ".sent").iterdir()) == []  # the kept copy is gone once the result arrived
+        assert peer.paths("PUT") == [f"/jobs/{JOB}/rounds/1/update"]  # sent once to the lost one
+    finally:
+        await replacement.stop()
+
+
 async def test_results_are_long_polled_round_by_round(backend, peer, work):
     # given the model said one round was completed
     peer.model = {"m": b"w"}
@@ -422,3 +485,73 @@ async def test_the_bridge_accepts_parameter_server_references(backend, peer, sho
                 assert (await response.json())["detail"] == "parameter-server filenames must not be empty"
     finally:
         await bridge.close()
+
+
+# --- slice download tokens --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def data_node(tmp_path: Path):
+    """A real data node (``data_node.server``) serving dataset "stdlib" (slices 0 and 1) with download key
+    ``"k" * 64``; yields its base URL."""
+    from aiohttp.test_utils import TestServer
+
+    from data_node.server import ServedDataset, build_app
+    from data_node.slices import scan
+
+    directory = tmp_path / "stdlib"
+    directory.mkdir()
+    (directory / "00000.safetensors").write_bytes(b"slice zero")
+    (directory / "00001.safetensors").write_bytes(b"slice one!")
+    app = build_app(ServedDataset(name="stdlib", slices=scan(directory)), download_key="k" * 64)
+    server = TestServer(app)
+    await server.start_server(access_log=None)  # as hypha-data-node runs it: URLs hold tokens
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+def tokened_answer(base: str, index: int, data: bytes, *, expires_in: float = 600) -> dict:
+    import time
+
+    from data_node import tokens
+
+    token = tokens.sign(
+        "k" * 64, dataset="stdlib", index=index, job=JOB, peer="rig-a", expires=int(time.time() + expires_in)
+    )
+    return {
+        "index": index,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "urls": [f"{base}/datasets/stdlib/slices/{index}?token={token}"],
+    }
+
+
+async def test_a_slice_url_with_its_token_downloads_from_a_real_data_node(backend, answerer, data_node, work):
+    answerer.slice_answers = [tokened_answer(data_node, 1, b"slice one!")]
+
+    files = await backend.fetch(reference=DATA, artifacts_dir=work / "artifacts")
+
+    assert files == [("1", 10)]
+    assert (work / "artifacts" / "1").read_bytes() == b"slice one!"
+    assert acks(answerer) == [1]
+
+
+async def test_a_refused_token_fails_the_fetch_at_once_and_is_never_logged(
+    backend, answerer, data_node, work, caplog
+):
+    # given: an expired token (a 401 is no data node being down: waiting would not help)
+    answer = tokened_answer(data_node, 0, b"slice zero", expires_in=-5)
+    token = answer["urls"][0].partition("token=")[2]
+    answerer.slice_answers = [answer]
+    caplog.set_level(logging.DEBUG)
+
+    # when
+    with pytest.raises(ConnectorError) as refused:
+        await asyncio.wait_for(backend.fetch(reference=DATA, artifacts_dir=work / "artifacts"), 10)
+
+    # then: the reason is the node's, and the token is in no message, log record or task log line
+    assert "answered 401: unauthorized: the slice token expired" in str(refused.value)
+    assert token not in str(refused.value)
+    assert token not in caplog.text
+    assert all(token not in line for line in task_log_lines(answerer))
+    assert acks(answerer) == []
