@@ -106,6 +106,20 @@ def _isolated_transports(settings):
 
 
 @pytest.fixture
+def sent(monkeypatch) -> list[tuple[uuid.UUID, protocol._Message]]:
+    """Every message the control plane sends to a daemon, in order (still delivered as usual)."""
+    messages: list = []
+    original = worker_services.send_to_worker
+
+    def record(worker_id, message):
+        messages.append((worker_id, message))
+        original(worker_id, message)
+
+    monkeypatch.setattr(worker_services, "send_to_worker", record)
+    return messages
+
+
+@pytest.fixture
 def job_owner(db):
     return get_user_model().objects.create_user(username="ada", password=None)
 

@@ -38,6 +38,21 @@ TRAIN = {"class": "train", "name": "diloco-transformer"}
 CAPACITY_RESOURCES = protocol.Resources(**CAPACITY)
 
 
+class FakeClock:
+    """A monotonic clock the test moves by hand (``clock.now += 5``)."""
+
+    def __init__(self, now: float = 500.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
 @pytest.fixture
 def worker_config(tmp_path: Path) -> WorkerConfig:
     """Whole strategy, price 120, floor 100, the default executors."""

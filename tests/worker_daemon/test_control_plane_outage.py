@@ -19,19 +19,6 @@ LEASE = uuid.UUID(int=1)
 JOB = uuid.UUID(int=2)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
 @pytest.fixture
 def session(worker_config, clock) -> WorkerSession:
     return WorkerSession(

@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 
+from tests.worker_daemon.conftest import FakeClock
 from worker_daemon.leases import Lease, LeaseBook, Reservation
 from worker_daemon.protocol import ZERO, Resources
 
@@ -13,17 +14,9 @@ CAPACITY = Resources(cpu=8, memory=32, storage=100, gpu=24)
 TRAINER = Resources(cpu=2, memory=8, gpu=10)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(now=1000.0)
 
 
 @pytest.fixture

@@ -15,19 +15,6 @@ CAPACITY = protocol.Resources(cpu=8, memory=32, storage=100, gpu=24)
 CAPACITY_FRAME = {"cpu": 8.0, "memory": 32.0, "storage": 100.0, "gpu": 24.0}
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
 @pytest.fixture
 def session(worker_config, clock) -> WorkerSession:
     return WorkerSession(config=worker_config, daemon_version="9.9", clock=clock)

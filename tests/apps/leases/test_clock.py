@@ -17,7 +17,6 @@ from apps.jobs import services as job_services
 from apps.jobs.models import TRAINER
 from apps.leases import services as lease_services
 from apps.leases.models import Lease, LeaseClock, LeaseEvent
-from apps.workers import services as worker_services
 from tests.apps.conftest import CAPACITY, connect
 
 TTL = timedelta(seconds=10)
@@ -40,20 +39,6 @@ def clock(monkeypatch, settings) -> FakeClock:
     fake = FakeClock(now=timezone.now().replace(microsecond=0))
     monkeypatch.setattr(timezone, "now", lambda: fake.now)
     return fake
-
-
-@pytest.fixture
-def sent(monkeypatch) -> list:
-    """Every message the control plane sends to a daemon (still delivered as usual)."""
-    messages: list = []
-    original = worker_services.send_to_worker
-
-    def record(worker_id, message):
-        messages.append((worker_id, message))
-        original(worker_id, message)
-
-    monkeypatch.setattr(worker_services, "send_to_worker", record)
-    return messages
 
 
 def active_lease(worker, job) -> Lease:

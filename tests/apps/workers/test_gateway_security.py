@@ -25,6 +25,7 @@ from apps.market.models import Offer
 from apps.workers.models import Worker
 from hypha_site.asgi import router
 from tests.apps.conftest import advert, connect, market_rows, offer_on
+from tests.apps.jobs.test_training import SPEC as TRAINING_SPEC
 from tests.apps.workers.test_consumers import TIMEOUT, as_frame, closed_with, eventually, greet, receive
 from worker_daemon import protocol
 
@@ -231,27 +232,8 @@ async def test_a_worker_whose_token_was_rotated_meanwhile_is_not_revoked_again(
 
 # --- a worker answers only for itself ----------------------------------------------------------------------------
 
-SPEC = {
-    "model": {
-        "source": {
-            "type": "config",
-            "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2},
-        },
-        "type": "causal-lm",
-        "input_names": ["input_ids", "labels"],
-    },
-    "dataset": {"name": "tiny-text"},
-    "inner_optimizer": {"learning_rate": 0.001},
-    "outer_optimizer": {"learning_rate": 0.7, "momentum": 0.9},
-    "rounds": {"update_rounds": 2, "inner_steps": 3, "round_timeout": 30.0},
-    "batch_size": 4,
-    "num_trainers": 2,
-    "trainer": {
-        "resources": {"cpu": 4, "memory": 16, "storage": 50, "gpu": 16},
-        "price": {"bid": 100, "max": 130},
-    },
-    "parameter_server": {"resources": {"cpu": 2, "memory": 8, "storage": 20, "gpu": 0}},
-}
+#: The training tests' job, without held-out evaluation slices.
+SPEC = {key: value for key, value in TRAINING_SPEC.items() if key != "evaluation"}
 
 
 @pytest.fixture
