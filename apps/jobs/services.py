@@ -186,6 +186,8 @@ def _end_job(job: Job, status: str, *, reason: str) -> None:
     training.cancel_tasks(job, reason=ending)
     for lease in job.leases.filter(status__in=Lease.LIVE).select_related("worker"):
         _end_lease(lease, reason=ending, notify_job=False)
+    # Nothing will resume from the saved round now: its files go once the job's end is committed.
+    transaction.on_commit(lambda job_id=job.pk: training.discard_checkpoint(job_id))
 
 
 # --- the gateway: what daemons say -------------------------------------------------------------------------

@@ -1147,6 +1147,11 @@ def store_checkpoint_file(
     return entry
 
 
+def discard_checkpoint(job_id) -> None:
+    """Remove an ended job's saved round (its files; the job keeps the record of what it was)."""
+    shutil.rmtree(checkpoint_directory(job_id), ignore_errors=True)
+
+
 def checkpoint_file(job: Job, filename: str, token: str | None) -> Path:
     """The path of a file of the job's saved round, for its live parameter server (a restarted one)."""
     _server_task(job, token, action="fetches checkpoints")

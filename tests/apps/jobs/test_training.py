@@ -74,8 +74,11 @@ def create_running_job(spec: dict, job_owner, online_rigs, capture) -> Job:
 
 
 @pytest.fixture
-def running_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks) -> Job:
+def running_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks, settings) -> Job:
     """A DiLoCo job on :data:`SPEC` (fixed H = 3) whose leases are all ACTIVE."""
+    # Enough offers settle an advert at once; a long window only keeps a slow machine from closing it between
+    # the advert and the offers.
+    settings.HYPHA_OFFER_WINDOW = 60.0
     return create_running_job(SPEC, job_owner, online_rigs, django_capture_on_commit_callbacks)
 
 
@@ -762,6 +765,7 @@ def test_a_lost_parameter_server_is_replaced_and_resumes_from_the_saved_round(
     running_job.refresh_from_db()
     assert running_job.status == Job.Status.COMPLETED
     assert list(running_job.rounds.values_list("number", flat=True)) == [1, 2]
+    assert not training.checkpoint_directory(running_job.pk).exists()  # nothing resumes from it any more
 
 
 @pytest.mark.django_db
