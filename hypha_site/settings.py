@@ -144,6 +144,10 @@ if REDIS_URL:
 EMBEDDED_TRANSPORTS = not REDIS_URL
 
 HYPHA_DATA_DIR = Path(env_str("HYPHA_DATA_DIR", str(Path.cwd() / ".hypha"))).expanduser().resolve()
+try:  # the SQLite database, uploads, models and checkpoints live here, whatever else is configured
+    HYPHA_DATA_DIR.mkdir(parents=True, exist_ok=True)
+except OSError as error:
+    raise ImproperlyConfigured(f"HYPHA_DATA_DIR={str(HYPHA_DATA_DIR)!r} cannot be created: {error}") from None
 
 DEBUG = env_bool("DEBUG", default=False)
 
@@ -314,7 +318,9 @@ else:
                 # redis-py 8 reads with a 5 s socket timeout by default, which cuts channels_redis's 5 s
                 # blocking receive (BZPOPMIN) short: every idle websocket consumer would die within 5 s.
                 # Longer than that receive, so a dead Redis is still noticed.
-                "hosts": [{"address": REDIS_URL, "socket_timeout": 15}],
+                # redis-py's asyncio pool allows 100 connections by default: a few hundred daemons
+                # connecting at once (each joining its groups) ran out (MaxConnectionsError on hello).
+                "hosts": [{"address": REDIS_URL, "socket_timeout": 15, "max_connections": 2000}],
                 "capacity": 1000,
                 "expiry": 30,
             },

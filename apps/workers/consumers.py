@@ -40,6 +40,11 @@ from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
 
+#: Adverts whose offer windows a connection remembers (the oldest are forgotten first).
+MAX_KNOWN_WINDOWS = 1000
+#: An offer is declined by the gateway itself only this many seconds after its window closed by the gateway's
+#: clock (the market's own check, on the database's clock, decides the close calls).
+WINDOW_SLACK = 0.25
 #: Seconds between ``last_seen_at`` writes for a busy connection.
 TOUCH_INTERVAL = 5.0
 #: channels_redis forgets group members after a day (its ``group_expiry``); a daemon connected for weeks
@@ -54,6 +59,8 @@ INSTANCE_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     worker = None
     greeted = False
+    #: Set once the connection started joining its channel-layer groups (left again on disconnect).
+    joined = False
     #: Set once the gateway closed the connection itself: frames still in flight are ignored.
     closing = False
     #: Set when the connection is closed because the worker's token was revoked.
@@ -62,6 +69,8 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     instance = ""
 
     async def connect(self) -> None:
+        #: advert id → (attempt, when its offer window closes, Unix time): see :meth:`_late`.
+        self.windows: dict[str, tuple[int, float]] = {}
         await self.accept()
         self.instance = self._instance()
         try:
@@ -82,12 +91,15 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         )
 
     async def disconnect(self, code) -> None:
-        if self.worker is None or not self.greeted:
+        if self.worker is None:
             return
-        await self.channel_layer.group_discard(worker_services.WORKERS_GROUP, self.channel_name)
-        await self.channel_layer.group_discard(
-            worker_services.worker_group(self.worker.pk), self.channel_name
-        )
+        if self.joined:  # also after a hello that failed half-way through joining
+            await self.channel_layer.group_discard(worker_services.WORKERS_GROUP, self.channel_name)
+            await self.channel_layer.group_discard(
+                worker_services.worker_group(self.worker.pk), self.channel_name
+            )
+        if not self.greeted:
+            return
         if self.revoked:
             await database_sync_to_async(_end_leases_of_revoked)(self.worker)
         await database_sync_to_async(job_services.worker_disconnected)(
@@ -147,6 +159,13 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                     protocol.ErrorCode.REFUSED, "already greeted on this connection", ref="hello"
                 )
             case protocol.Offer():
+                late = self._late(message)
+                if late is not None:
+                    # Most offers of a large fleet come after their advert filled: keep them off the
+                    # database thread, which the renewals and the winning offers need.
+                    decline = protocol.OfferDeclined(advertisement_id=message.advertisement_id, reason=late)
+                    await self.send(text_data=protocol.encode(decline))
+                    return
                 try:
                     reply = await database_sync_to_async(job_services.offer_made)(
                         worker=self.worker, message=message
@@ -220,6 +239,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             )
             return
         # Join the groups first, so no advert or lease message falls between the welcome and the join.
+        self.joined = True
         await self._join_groups()
         self.greeted = True
         info = {
@@ -242,7 +262,28 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     async def gateway_frame(self, event: dict) -> None:
         if self.closing:
             return  # the error frame before the close is the last thing a closed connection is told
+        self._note_window(event)
         await self.send(text_data=event["text"])
+
+    def _note_window(self, event: dict) -> None:
+        """Remember when the offer windows of the adverts this connection was told about close."""
+        window, closed = event.get("window"), event.get("closed")
+        if window is not None:
+            self.windows[window["id"]] = (window["attempt"], window["closes_at"])
+        elif closed is not None and closed in self.windows:
+            self.windows[closed] = (self.windows[closed][0], 0.0)
+        else:
+            return
+        while len(self.windows) > MAX_KNOWN_WINDOWS:
+            self.windows.pop(next(iter(self.windows)))
+
+    def _late(self, offer: protocol.Offer) -> str | None:
+        """Why ``offer`` is declined without asking the database — it answers an advert attempt whose window
+        this connection knows has closed — or None (the market decides)."""
+        known = self.windows.get(str(offer.advertisement_id))
+        if known is None or known[0] != offer.attempt or time.time() < known[1] + WINDOW_SLACK:
+            return None
+        return f"the offer window of attempt {offer.attempt} is closed"
 
     async def gateway_close(self, event: dict) -> None:
         if event.get("keep_channel") == self.channel_name or self.closing:

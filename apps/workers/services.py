@@ -7,6 +7,7 @@ there) and its own :func:`worker_group` (leases, renewals, closes). All sends ha
 from __future__ import annotations
 
 import logging
+import time
 
 from django.db import transaction
 
@@ -170,9 +171,21 @@ def send_to_worker(worker_id, message: protocol._Message) -> None:
 
 
 def broadcast(message: protocol._Message) -> None:
-    """Send ``message`` to every connected daemon after commit."""
-    frame = protocol.encode(message)
-    send_on_commit(lambda: group_send(WORKERS_GROUP, {"type": "gateway.frame", "text": frame}))
+    """Send ``message`` to every connected daemon after commit.
+
+    An advert's frame also tells the gateway when its offer window closes (``window``), and a closing one which
+    advert it closes (``closed``): each connection then declines an offer that comes too late without a
+    database call (most offers of a large fleet do; see the consumer)."""
+    event: dict = {"type": "gateway.frame", "text": protocol.encode(message)}
+    if isinstance(message, protocol.Advertisement) and message.window_closes_in is not None:
+        event["window"] = {
+            "id": str(message.advertisement_id),
+            "attempt": message.attempt,
+            "closes_at": time.time() + message.window_closes_in,
+        }
+    elif isinstance(message, protocol.AdvertisementClosed):
+        event["closed"] = str(message.advertisement_id)
+    send_on_commit(lambda: group_send(WORKERS_GROUP, event))
 
 
 def close_connections(worker_id, *, code: int, message: str, keep_channel: str | None = None) -> None:

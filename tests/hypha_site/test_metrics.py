@@ -34,7 +34,7 @@ _isolated_transports = app_fixtures._isolated_transports
 job_owner = app_fixtures.job_owner
 rig_a, rig_b, rig_c = app_fixtures.rig_a, app_fixtures.rig_b, app_fixtures.rig_c
 online_rigs = app_fixtures.online_rigs
-sent = job_fixtures.sent
+sent = app_fixtures.sent
 data_node = job_fixtures.data_node
 running_job = test_training.running_job
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from datetime import timedelta
 
@@ -464,6 +465,51 @@ def serving_rig_a(job, rig_a) -> Lease:
     lease = Lease.objects.get(worker=rig_a)  # the settle task ran after the offer's commit
     assert lease.status == Lease.Status.ACTIVE
     return lease
+
+
+async def test_an_offer_after_its_window_is_declined_by_the_gateway_without_the_database(
+    gateway, job_owner, rig_a, monkeypatch
+):
+    # given: rig-a heard a trainer advert
+    daemon = await gateway(rig_a.token)
+    await greet(daemon)
+    job = await database_sync_to_async(job_services.create_job)(
+        owner=job_owner, name="tiny-gpt", num_trainers=2, requirements=REQUIREMENTS
+    )
+    trainer_ad = await database_sync_to_async(advert)(job, TRAINER)
+    heard = await receive(daemon, 2)
+    assert {frame["advertisement_id"] for frame in heard} >= {str(trainer_ad.pk)}
+    asked = []
+    original = job_services.offer_made
+
+    def counting(**kwargs):
+        asked.append(kwargs["message"].advertisement_id)
+        return original(**kwargs)
+
+    monkeypatch.setattr(job_services, "offer_made", counting)
+
+    # when: it offers after the window closed by the gateway's clock (the advert is still open in the database)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 5.0)
+    await daemon.send_to(text_data=protocol.encode(offer_on(trainer_ad, price=120.0)))
+
+    # then: declined at once, saying why, and the market was not asked; nothing was stored
+    [declined] = await receive(daemon)
+    assert declined == {
+        "type": "offer_declined",
+        "advertisement_id": str(trainer_ad.pk),
+        "lease_id": None,
+        "reason": "the offer window of attempt 0 is closed",
+    }
+    assert asked == []
+    assert not await database_sync_to_async(Offer.objects.filter(advertisement=trainer_ad).exists)()
+
+    # when: it offers within the window, the market decides (and holds it)
+    monkeypatch.setattr(time, "time", real_time)
+    await daemon.send_to(text_data=protocol.encode(offer_on(trainer_ad, price=120.0)))
+    [received] = await receive(daemon)
+    assert received["type"] == "offer_received" and asked == [trainer_ad.pk]
+    await daemon.disconnect()
 
 
 async def test_a_renewal_round_trip_extends_the_lease(gateway, rig_a, serving_rig_a):
