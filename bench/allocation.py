@@ -49,16 +49,10 @@ from pathlib import Path
 
 import harness
 import httpx
+from simulated import SimulatedDaemon, markdown, milliseconds, percentile, wait_for
 
 from worker_daemon import protocol
-from worker_daemon.config import WorkerConfig
-from worker_daemon.connection import WorkerDaemon
 
-#: The daemons' shape: each can hold exactly one role of a default job (1 cpu, 1 GB), like the e2e test's.
-DAEMON_CONFIG = {
-    "resources": {"cpu": 2, "memory": 4, "storage": 10, "gpu": 0},
-    "offer": {"price": 100, "floor": 50},
-}
 JOB = {"num_trainers": 2}
 LEASES_PER_JOB = 3
 #: Seconds to wait for one job's three grants before counting it as not allocated.
@@ -180,71 +174,6 @@ class Recorder:
         return self.first_advert[job_id] - since, max(trainers) - since, max(servers) - since
 
 
-class SimulatedDaemon:
-    """A real :class:`WorkerDaemon` whose session reports what it receives and sends to a recorder."""
-
-    def __init__(self, *, name: str, token: str, server_url: str, work_dir: Path, recorder: Recorder) -> None:
-        config = WorkerConfig.model_validate({**DAEMON_CONFIG, "work_dir": str(work_dir)})
-        self.name = name
-        self.daemon = WorkerDaemon(config=config, server_url=server_url, token=token)
-        self.task: asyncio.Task[int] | None = None
-        # Listen in on the session, the daemon's protocol state machine: every received message goes
-        # through handle(), every reply comes out of it, and every offer comes out of evaluate().
-        session = self.daemon.session
-        handle, evaluate = session.handle, session.evaluate
-
-        def listening_handle(message: protocol.ServerMessage):
-            recorder.received(message)
-            outcome = handle(message)
-            for reply in outcome.replies:
-                recorder.sent(reply)
-            return outcome
-
-        def listening_evaluate():
-            offers = evaluate()
-            for offer in offers:
-                recorder.sent(offer)
-            return offers
-
-        session.handle = listening_handle
-        session.evaluate = listening_evaluate
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.daemon.run(), name=f"daemon-{self.name}")
-
-    @property
-    def welcomed(self) -> bool:
-        return self.daemon.session.welcomed
-
-    @property
-    def free(self) -> bool:
-        book = self.daemon.session.book
-        return not book.leases and not book.reservations
-
-    @property
-    def holds_lease(self) -> bool:
-        return bool(self.daemon.session.book.leases)
-
-    async def stop(self) -> int | None:
-        self.daemon.request_shutdown(reason="benchmark finished")
-        if self.task is None:
-            return None
-        try:
-            return await asyncio.wait_for(self.task, 10.0)
-        except TimeoutError:
-            self.task.cancel()
-            return None
-
-
-async def wait_for(predicate, *, timeout: float, interval: float = 0.005) -> bool:
-    deadline = time.perf_counter() + timeout
-    while not predicate():
-        if time.perf_counter() > deadline:
-            return False
-        await asyncio.sleep(interval)
-    return True
-
-
 # --- one fleet size ----------------------------------------------------------------------------------------
 
 
@@ -358,27 +287,6 @@ async def renewal_counters(api: httpx.AsyncClient, jobs: list[str]) -> dict[str,
 
 
 # --- the report --------------------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """The ``fraction`` quantile by linear interpolation (``statistics.quantiles``' inclusive method)."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    position = (len(ordered) - 1) * fraction
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def milliseconds(value: float) -> str:
-    return f"{value * 1000:.0f}"
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def per_second(count: int, seconds: float) -> str:
