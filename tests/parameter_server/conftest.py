@@ -43,8 +43,9 @@ TINY_GPT2 = {
 
 
 def token(
-    peer: str, *, role: str = "trainer", job: str = JOB_ID, key: str = TRANSFER_KEY, ttl: float = 600
+    peer: str, *, role: str = "trainer", job: str = JOB_ID, key: str = TRANSFER_KEY, ttl: float = 86_400
 ) -> str:
+    # A day: tokens built when the tests are collected (parametrize) must outlive the whole test run.
     return sign_transfer_token(key, {"job": job, "peer": peer, "role": role, "exp": int(time.time() + ttl)})
 
 
