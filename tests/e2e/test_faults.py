@@ -38,8 +38,9 @@ ROUNDS = 4
 
 @contextlib.contextmanager
 def fault_cluster(tmp_path: Path, *, parameter_servers: int, trainers: int) -> Iterator[tuple[Any, dict]]:
-    """A cluster (lease TTL 3 s) of daemons that run only parameter servers, then trainer daemons; and the
-    spec of a job of two trainers and :data:`ROUNDS` rounds."""
+    """A cluster of daemons that run only parameter servers, then trainer daemons; and the spec of a job of
+    two trainers and :data:`ROUNDS` rounds. Lease TTL 5 s: short, so that a death is noticed soon, yet long
+    enough for renewals to come in time on a loaded 2-core machine."""
     from bench.cluster import training_cluster, worker_toml
 
     dataset, spec = small_training_job(
@@ -55,7 +56,7 @@ def fault_cluster(tmp_path: Path, *, parameter_servers: int, trainers: int) -> I
         dataset_dir=dataset,
         workers=parameter_servers + trainers,
         mode="services" if services_mode() else "embedded",
-        settings={"HYPHA_LEASE_TTL": "3"},
+        settings={"HYPHA_LEASE_TTL": "5"},
         worker_tomls=[worker_toml(parameter_server_only=True, benchmark=False)] * parameter_servers
         + [worker_toml(benchmark=False)] * trainers,
     ) as cluster:
