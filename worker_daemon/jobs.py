@@ -261,10 +261,12 @@ class JobManager:
             if dispatch.peers != existing.dispatch.peers:
                 logger.info("task %s: peers now %s", dispatch.task_id, dispatch.peers)
                 existing.dispatch = existing.dispatch.model_copy(update={"peers": dispatch.peers})
-                if existing.backend is not None:
-                    existing.backend.update_peers(dispatch.peers)
             else:
-                logger.info("task %s is already running; dispatch ignored", dispatch.task_id)
+                logger.info("task %s is already running; its peers told again", dispatch.task_id)
+            if existing.backend is not None and dispatch.peers:
+                # Even at the same address, a parameter server may have been restarted: the bridge sends
+                # it an update it may have lost.
+                existing.backend.update_peers(dispatch.peers)
             if existing.started:
                 self.link.post(protocol.JobStarted(task_id=dispatch.task_id))
             return None

@@ -19,8 +19,9 @@ parameter server and data nodes (plain HTTP with timeouts). See ``docs/training.
   server is restarted elsewhere); a 4xx is logged with the parameter server's reason and not retried. A copy
   waits in ``.sent/`` until the round's result arrives.
 * ``receive``: long-polls ``GET <peer>/jobs/<job>/rounds/<r>/result?wait=…`` for r = rounds completed + 1, …,
-  saving each result as ``<directory>/<peer id>``. If the parameter server moved while round r was open, the
-  kept update is sent to the new one first (it resumed from the last saved round and never saw it).
+  saving each result as ``<directory>/<peer id>``. If the control plane gave the parameter server's address
+  again while round r was open (a new server resumed from the last saved round, elsewhere or at the same
+  address), the kept update is sent again first (a server that has it answers 409).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class _InFlight:
     path: Path
     samples: int
     base: str
+    #: The peers' addresses as they were told when it went out (:attr:`RemoteBackend.peers_told`).
+    told: int
 
 
 class RemoteBackend:
@@ -157,6 +160,8 @@ class RemoteBackend:
         self.peer_wait = peer_wait
         self.data_wait = data_wait
         self._peers_changed = asyncio.Event()
+        #: How many times the control plane has told this task its peers' addresses since it started.
+        self.peers_told = 0
         #: Samples reported in ``status`` values since the last ``send`` (its ``X-Samples``).
         self.samples = 0
         #: Step reports the control plane allowed this daemon to answer ``Continue`` itself (its last
@@ -251,7 +256,7 @@ class RemoteBackend:
         for peer in peers:
             base = await self._send_update(peer, round_number=round_number, path=path, samples=samples)
             if sent is not None:
-                self._in_flight = _InFlight(round_number, peer, sent, samples, base)
+                self._in_flight = _InFlight(round_number, peer, sent, samples, base, self.peers_told)
 
     async def receive(
         self, *, reference: PeersReference, directory: Path
@@ -584,18 +589,22 @@ class RemoteBackend:
                     raise HttpStatusError(url, response.status, await _detail(response))
 
     async def _resend_if_moved(self, round_number: int, base: str) -> None:
-        """The update for ``round_number`` went to a parameter server that is no longer at ``base``'s place
-        (it was lost and a new one resumed from the last saved round): send it again to the new one."""
+        """The control plane told this task its parameter server's address again since the update for
+        ``round_number`` went out: a new server may have resumed from the last saved round — elsewhere, or at
+        the same address (its daemon restarted) — and never seen it. Send it again (a server that has it
+        answers 409, and nothing changes)."""
         sent = self._in_flight
-        if sent is None or sent.round_number != round_number or sent.base == base:
+        if sent is None or sent.round_number != round_number or sent.told == self.peers_told:
             return
         logger.warning(
-            "task %s: the parameter server moved from %s to %s; sending the round %d update again",
+            "task %s: the parameter server's address was given again (%s, was %s); sending the round %d "
+            "update again",
             self.task_id,
-            sent.base,
             base,
+            sent.base,
             round_number,
         )
+        sent.told = self.peers_told
         sent.base = await self._send_update(
             sent.peer, round_number=round_number, path=sent.path, samples=sent.samples
         )
@@ -627,6 +636,7 @@ class RemoteBackend:
     def update_peers(self, peers: Mapping[str, str]) -> None:
         """New addresses of peers (a repeated ``dispatch_job``: the parameter server listens now, or moved)."""
         self.peers.update({peer: url.rstrip("/") for peer, url in peers.items()})
+        self.peers_told += 1
         self._peers_changed.set()
 
     async def _wait_for_peers(self, timeout: float) -> None:

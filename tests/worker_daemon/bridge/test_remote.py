@@ -429,6 +429,36 @@ async def test_an_update_sent_to_a_server_that_was_lost_is_sent_again_to_the_one
         await replacement.stop()
 
 
+async def test_an_update_is_sent_again_when_the_address_is_given_again_even_unchanged(backend, peer, work):
+    # given: round 1's update went out, and no result came yet
+    (work / "delta").write_bytes(b"round one")
+    await backend.send(reference=TO_PS, path=work / "delta")
+    incoming = work / "incoming"
+    incoming.mkdir()
+
+    # when: the control plane gives the same address again (the server's daemon restarted on its fixed port)
+    backend.update_peers({PS: peer.url})
+    peer.add_result(1, b"u1")
+    stream = backend.receive(reference=TO_PS, directory=incoming)
+    assert await asyncio.wait_for(anext(stream), 5) == (PS, 2, PS)
+
+    # then: the update went again before the result was asked for, once
+    assert [path for method, path, _, _ in peer.requests] == [
+        f"/jobs/{JOB}/rounds/1/update",
+        f"/jobs/{JOB}/rounds/1/update",
+        f"/jobs/{JOB}/rounds/1/result?wait=0.2",
+    ]
+
+    # and a 409 from a server that already has it changes nothing (round 2: sent, told again, refused, fine)
+    await backend.send(reference=TO_PS, path=work / "delta")
+    backend.update_peers({PS: peer.url})
+    peer.update_statuses = [409]
+    peer.add_result(2, b"u2")
+    assert await asyncio.wait_for(anext(stream), 5) == (PS, 2, PS)
+    await stream.aclose()
+    assert peer.paths("PUT")[-2:] == [f"/jobs/{JOB}/rounds/2/update"] * 2
+
+
 async def test_results_are_long_polled_round_by_round(backend, peer, work):
     # given the model said one round was completed
     peer.model = {"m": b"w"}
