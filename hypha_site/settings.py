@@ -379,6 +379,11 @@ HYPHA_OFFER_WINDOW = env_float("HYPHA_OFFER_WINDOW", 1.0, minimum=0.05, maximum=
 #: Bounded exponential backoff between re-advertisements: first and maximum delay in seconds.
 HYPHA_READVERTISE_BASE = env_float("HYPHA_READVERTISE_BASE", 1.0, minimum=0.05, maximum=600.0)
 HYPHA_READVERTISE_MAX = env_float("HYPHA_READVERTISE_MAX", 30.0, minimum=0.05, maximum=3600.0)
+#: How many daemons an advertisement attempt is sent to: HYPHA_ADVERT_FANOUT per wanted worker, at least
+#: HYPHA_ADVERT_MIN_TARGETS, chosen among the connected workers that could take it, best price per capacity
+#: first (apps/market/targeting.py). 0 sends each attempt to every worker that could take it.
+HYPHA_ADVERT_FANOUT = env_int("HYPHA_ADVERT_FANOUT", 4, minimum=0, maximum=10_000)
+HYPHA_ADVERT_MIN_TARGETS = env_int("HYPHA_ADVERT_MIN_TARGETS", 8, minimum=1, maximum=100_000)
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
 #: The largest file of a final model the parameter server may upload (bytes).

@@ -325,8 +325,9 @@ class WorkerSession:
 
     def prune(self) -> bool:
         """Drop reservations and leases whose local expiry passed (leases: plus the grace, while cut off
-        from the control plane); True if anything was freed."""
+        from the control plane), and forget adverts whose offer window passed; True if anything was freed."""
         grace = self.disconnected_lease_grace if self.cut_off else 0.0
+        self._forget_past_windows()
         reservations, leases = self.book.prune(lease_grace=grace)
         for reservation in reservations:
             logger.debug("reservation for advertisement %s expired", reservation.advertisement_id)
@@ -479,6 +480,14 @@ class WorkerSession:
                 self._clock() + advertisement.window_closes_in
             )
         return True
+
+    def _forget_past_windows(self) -> None:
+        """Forget adverts whose offer window has passed: no offer can be made on them any more (a later attempt
+        arrives as a new advert), and the control plane tells only the daemons it sent an attempt to when the
+        attempt closes — not one that heard of the advert in its welcome."""
+        now = self._clock()
+        for advertisement_id in [key for key, deadline in self._window_deadlines.items() if deadline <= now]:
+            self._forget(advertisement_id)
 
     def _forget(self, advertisement_id: uuid.UUID) -> None:
         self._advertisements.pop(advertisement_id, None)

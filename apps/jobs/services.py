@@ -224,7 +224,7 @@ def worker_connected(
             lease_ttl=lease_services.lease_ttl().total_seconds(),
             offer_ttl=lease_services.offer_ttl().total_seconds(),
             leases=kept,
-            advertisements=market.open_advertisements(),
+            advertisements=market.open_advertisements(worker),
         )
 
 
@@ -439,15 +439,15 @@ def tick_leases() -> LeaseTick:
                 pass  # renewed or released concurrently: nothing to do
     expires_in = lease_services.lease_ttl().total_seconds()
     due = lease_services.claim_due_renewals()
-    for lease in due:
-        worker_services.send_to_worker(
-            lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in)
-        )
-        result.renewals_requested += 1
+    requests: list[tuple[object, protocol._Message]] = [
+        (lease.worker_id, protocol.RenewLease(lease_id=lease.id, expires_in=expires_in)) for lease in due
+    ]
+    result.renewals_requested = len(requests)
     # Transfer tokens are short-lived: each live task gets a fresh one with its lease's renewal.
     workers = {lease.pk: lease.worker_id for lease in due}
-    for message in training.fresh_tokens(due):
-        worker_services.send_to_worker(workers[message.lease_id], message.token)
+    requests += [(workers[message.lease_id], message.token) for message in training.fresh_tokens(due)]
+    # One batch: a tick may ask a large fleet for dozens of renewals at once (docs/benchmarks.md, "Fleet").
+    worker_services.send_to_workers(requests)
     return result
 
 

@@ -44,6 +44,17 @@ class Advertisement(ResourceColumns):
     attempt = models.PositiveIntegerField(default=0)
     window_closes_at = models.DateTimeField(help_text="When the current attempt stops collecting offers.")
     next_attempt_at = models.DateTimeField(null=True, blank=True, help_text="When to re-advertise, if short.")
+    targets = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Ids of the workers the current attempt was sent to (those that could offer, best first; "
+        "see apps.market.targeting); its close goes to them.",
+    )
+    asked = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Worker id → how many attempts were sent to it; the least asked are asked first.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     closed_at = models.DateTimeField(null=True, blank=True)
 

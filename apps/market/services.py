@@ -19,11 +19,13 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from apps.leases import services as lease_services
 from apps.leases.exceptions import CapacityExceeded, LeaseTransitionRefused
 from apps.leases.models import Lease
+from apps.market import targeting
 from apps.market.exceptions import AdvertisementClosed, OfferRefused, UnknownAdvertisement
 from apps.market.models import Advertisement, Offer
 from apps.workers import services as worker_services
@@ -69,9 +71,9 @@ def advertise(
     bid: float,
     max_price: float,
 ) -> Advertisement:
-    """Open an advertisement for ``wanted`` workers of ``role`` and broadcast it to connected daemons."""
+    """Open an advertisement for ``wanted`` workers of ``role`` and send it to the daemons that could take it."""
     now = timezone.now()
-    ad = Advertisement.objects.create(
+    ad = Advertisement(
         job=job,
         role=role,
         wanted=wanted,
@@ -81,15 +83,92 @@ def advertise(
         max_price=max_price,
         window_closes_at=now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW),
     )
-    worker_services.broadcast(advertisement_message(ad))
+    _choose_targets(ad, now=now)
+    ad.save(force_insert=True)
+    _send_attempt(ad)
     return ad
 
 
-def open_advertisements() -> list[protocol.Advertisement]:
-    """Adverts currently collecting offers, for a daemon that just connected."""
+def _choose_targets(ad: Advertisement, *, now, exclude: frozenset = frozenset()) -> None:
+    """Choose the connected workers (but ``exclude``) the advert's current attempt goes to
+    (:mod:`apps.market.targeting`), and count them as asked; the caller saves ``targets`` and ``asked``."""
+    targets = targeting.choose_targets(
+        (candidate for candidate in connected_candidates(now=now) if candidate.worker_id not in exclude),
+        resources=ad.resources,
+        executors=[descriptor.key() for descriptor in ad.executor_descriptors],
+        bid=ad.bid,
+        limit=targeting.fanout(
+            wanted=ad.wanted,
+            factor=settings.HYPHA_ADVERT_FANOUT,
+            minimum=settings.HYPHA_ADVERT_MIN_TARGETS,
+        ),
+        asked=ad.asked,
+    )
+    ad.targets = [str(worker_id) for worker_id in targets]
+    ad.asked = targeting.count_asked(ad.asked, targets)
+
+
+def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidate]:
+    """Every connected worker with a valid token (or only ``worker_id``), with what its live leases leave free
+    (two queries)."""
+    now = now or timezone.now()
+    workers = Worker.objects.filter(status=Worker.Status.ONLINE, token_revoked_at__isnull=True)
+    if worker_id is not None:
+        workers = workers.filter(pk=worker_id)
+    used = {
+        row["worker_id"]: protocol.Resources(
+            cpu=row["cpu"] or 0.0,
+            memory=row["memory"] or 0.0,
+            storage=row["storage"] or 0.0,
+            gpu=row["gpu"] or 0.0,
+        )
+        for row in Lease.objects.filter(status__in=Lease.LIVE, expires_at__gt=now, worker__in=workers)
+        .values("worker_id")
+        .annotate(cpu=Sum("cpu"), memory=Sum("memory"), storage=Sum("storage"), gpu=Sum("gpu"))
+    }
+    return [
+        targeting.Candidate(
+            worker_id=worker.pk,
+            capacity=worker.capacity,
+            free=worker.capacity - used[worker.pk] if worker.pk in used else worker.capacity,
+            executors=frozenset(worker.executor_keys()),
+            price_floor=worker.price_floor,
+            strategy=worker.strategy,
+        )
+        for worker in workers.only(
+            "id", "cpu", "memory", "storage", "gpu", "executors", "price_floor", "strategy"
+        )
+    ]
+
+
+def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
+    """Adverts currently collecting offers that ``worker`` could take, for its daemon that just connected.
+
+    Sent in the welcome, not recorded among the adverts' targets: the daemon forgets an advert once its window
+    has passed, so a close it does not hear of costs nothing.
+    """
     now = timezone.now()
-    ads = Advertisement.objects.filter(status=Advertisement.Status.OPEN, window_closes_at__gt=now)
-    return [advertisement_message(ad) for ad in ads.order_by("created_at")[:200]]
+    ads = list(
+        Advertisement.objects.filter(
+            status=Advertisement.Status.OPEN, next_attempt_at__isnull=True, window_closes_at__gt=now
+        ).order_by("created_at")[:200]
+    )
+    if not ads:
+        return []
+    found = connected_candidates(now=now, worker_id=worker.pk)
+    if not found:
+        return []
+    candidate = found[0]
+    return [
+        advertisement_message(ad)
+        for ad in ads
+        if targeting.could_offer(
+            candidate,
+            resources=ad.resources,
+            executors=[descriptor.key() for descriptor in ad.executor_descriptors],
+            bid=ad.bid,
+        )
+    ]
 
 
 def set_wanted(ad: Advertisement, wanted: int) -> None:
@@ -236,44 +315,40 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
                 result.accepted.append(offer)
             else:
                 result.declined.append(offer)
-        for offer in result.declined:
-            _decline_and_release(offer, "another offer won", now)
+        _decline_and_release(result.declined, "another offer won", now)
         set_wanted(ad, ad.wanted - len(result.accepted))
         if ad.wanted == 0:
             _close(ad, Advertisement.Status.FILLED, "filled", now)
             result.filled = True
         elif closing:
             # Anything still open lost its window; free those workers and try again later.
-            for offer in ad.offers.filter(status=Offer.Status.OPEN).select_related("lease"):
-                _decline_and_release(offer, "the offer window closed", now)
-                result.declined.append(offer)
+            late = list(ad.offers.filter(status=Offer.Status.OPEN).select_related("lease"))
+            _decline_and_release(late, "the offer window closed", now)
+            result.declined.extend(late)
             delay = readvertise_delay(ad.attempt)
             ad.next_attempt_at = now + timedelta(seconds=delay)
             ad.save(update_fields=["next_attempt_at"])
             result.readvertise_in = delay
             # Daemons forget the attempt (an offer on it would only be declined); the next one is advertised.
-            worker_services.broadcast(
-                protocol.AdvertisementClosed(
-                    advertisement_id=ad.id, reason=f"offer window closed short; next attempt in {delay:g} s"
-                )
-            )
+            _send_close(ad, f"offer window closed short; next attempt in {delay:g} s")
         # Measured from now, not from the settlement's start: activate() set expires_at a little later, and a
         # daemon must never believe its lease lasts longer than the control plane does.
         granted_at = timezone.now()
-        for offer in result.accepted:
-            lease = offer.lease
-            worker_services.send_to_worker(
+        worker_services.send_to_workers(
+            (
                 offer.worker_id,
                 protocol.LeaseGranted(
-                    lease_id=lease.id,
+                    lease_id=offer.lease.id,
                     advertisement_id=ad.id,
                     job_id=ad.job_id,
                     role=ad.role,
-                    resources=lease.resources,
-                    price=lease.price,
-                    expires_in=(lease.expires_at - granted_at).total_seconds(),
+                    resources=offer.lease.resources,
+                    price=offer.lease.price,
+                    expires_in=(offer.lease.expires_at - granted_at).total_seconds(),
                 ),
             )
+            for offer in result.accepted
+        )
     return result
 
 
@@ -289,9 +364,27 @@ def readvertise(advertisement_id) -> Advertisement | None:
         ad.attempt += 1
         ad.next_attempt_at = None
         ad.window_closes_at = now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW)
-        ad.save(update_fields=["attempt", "next_attempt_at", "window_closes_at"])
-        worker_services.broadcast(advertisement_message(ad))
+        # Chosen afresh from who is free now; a worker holding a lease of this advert serves the role once.
+        holding = frozenset(
+            ad.offers.filter(lease__status__in=Lease.LIVE, lease__expires_at__gt=now).values_list(
+                "worker_id", flat=True
+            )
+        )
+        _choose_targets(ad, now=now, exclude=holding)
+        ad.save(update_fields=["attempt", "next_attempt_at", "window_closes_at", "targets", "asked"])
+        _send_attempt(ad)
     return ad
+
+
+def _send_attempt(ad: Advertisement) -> None:
+    message = advertisement_message(ad)
+    worker_services.send_to_workers((worker_id, message) for worker_id in ad.targets)
+
+
+def _send_close(ad: Advertisement, reason: str) -> None:
+    """Tell the daemons the current attempt went to that it takes no more offers."""
+    message = protocol.AdvertisementClosed(advertisement_id=ad.id, reason=reason)
+    worker_services.send_to_workers((worker_id, message) for worker_id in ad.targets)
 
 
 def cancel(ad: Advertisement, *, reason: str) -> None:
@@ -301,8 +394,9 @@ def cancel(ad: Advertisement, *, reason: str) -> None:
         if ad.status != Advertisement.Status.OPEN:
             return
         now = timezone.now()
-        for offer in ad.offers.filter(status=Offer.Status.OPEN).select_related("lease"):
-            _decline_and_release(offer, reason, now)
+        _decline_and_release(
+            list(ad.offers.filter(status=Offer.Status.OPEN).select_related("lease")), reason, now
+        )
         _close(ad, Advertisement.Status.CANCELLED, reason, now)
 
 
@@ -339,23 +433,28 @@ def _decide(offer: Offer, status: str, reason: str, now) -> None:
     offer.save(update_fields=["status", "reason", "decided_at"])
 
 
-def _decline_and_release(offer: Offer, reason: str, now) -> None:
-    _decide(offer, Offer.Status.DECLINED, reason, now)
-    lease = offer.lease
-    if lease is not None and lease.is_live:
-        try:
-            lease.release(reason=f"offer declined: {reason}")
-        except LeaseTransitionRefused:
-            pass  # it expired in the meantime: the worker is free either way
-    worker_services.send_to_worker(
-        offer.worker_id,
-        protocol.OfferDeclined(
-            advertisement_id=offer.advertisement_id, lease_id=offer.lease_id, reason=reason
-        ),
+def _decline_and_release(offers: list[Offer], reason: str, now) -> None:
+    """Decline ``offers``, free their workers, and tell their daemons (one batch of frames after commit)."""
+    for offer in offers:
+        _decide(offer, Offer.Status.DECLINED, reason, now)
+        lease = offer.lease
+        if lease is not None and lease.is_live:
+            try:
+                lease.release(reason=f"offer declined: {reason}")
+            except LeaseTransitionRefused:
+                pass  # it expired in the meantime: the worker is free either way
+    worker_services.send_to_workers(
+        (
+            offer.worker_id,
+            protocol.OfferDeclined(
+                advertisement_id=offer.advertisement_id, lease_id=offer.lease_id, reason=reason
+            ),
+        )
+        for offer in offers
     )
 
 
 def _close(ad: Advertisement, status: str, reason: str, now) -> None:
     ad.status, ad.closed_at = status, now
     ad.save(update_fields=["status", "closed_at"])
-    worker_services.broadcast(protocol.AdvertisementClosed(advertisement_id=ad.id, reason=reason))
+    _send_close(ad, reason)

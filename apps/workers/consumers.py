@@ -48,7 +48,7 @@ WINDOW_SLACK = 0.25
 #: Seconds between ``last_seen_at`` writes for a busy connection.
 TOUCH_INTERVAL = 5.0
 #: channels_redis forgets group members after a day (its ``group_expiry``); a daemon connected for weeks
-#: re-joins its groups well before that.
+#: re-joins its group well before that.
 GROUP_REFRESH_INTERVAL = 3600.0
 #: The handshake header naming the daemon process (``worker_daemon.connection.INSTANCE_HEADER``), and what
 #: a value must look like to be kept (the daemon sends 32 hex digits; anything else is ignored).
@@ -59,7 +59,7 @@ INSTANCE_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     worker = None
     greeted = False
-    #: Set once the connection started joining its channel-layer groups (left again on disconnect).
+    #: Set once the connection started joining its channel-layer group (left again on disconnect).
     joined = False
     #: Set once the gateway closed the connection itself: frames still in flight are ignored.
     closing = False
@@ -94,7 +94,6 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         if self.worker is None:
             return
         if self.joined:  # also after a hello that failed half-way through joining
-            await self.channel_layer.group_discard(worker_services.WORKERS_GROUP, self.channel_name)
             await self.channel_layer.group_discard(
                 worker_services.worker_group(self.worker.pk), self.channel_name
             )
@@ -238,9 +237,9 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                 f"this control plane speaks {sorted(protocol.SUPPORTED_VERSIONS)}",
             )
             return
-        # Join the groups first, so no advert or lease message falls between the welcome and the join.
+        # Join the worker's group first, so no advert or lease message falls between the welcome and the join.
         self.joined = True
-        await self._join_groups()
+        await self._join_group()
         self.greeted = True
         info = {
             "peer": self._peer(),
@@ -252,6 +251,8 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             worker=self.worker, channel_name=self.channel_name, hello=hello, info=info
         )
         logger.info("worker %s connected from %s", self.worker.name, info["peer"])
+        for advertisement in welcome.advertisements:
+            self._note_window(worker_services.window_note(advertisement))
         await self.send(text_data=protocol.encode(welcome))
         # After the welcome: the daemon may have missed a dispatch while it was away.
         for dispatch in await database_sync_to_async(job_services.pending_dispatches)(worker=self.worker):
@@ -300,9 +301,8 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
 
     # --- helpers ------------------------------------------------------------------------------------------
 
-    async def _join_groups(self) -> None:
+    async def _join_group(self) -> None:
         self.last_group_join = time.monotonic()
-        await self.channel_layer.group_add(worker_services.WORKERS_GROUP, self.channel_name)
         await self.channel_layer.group_add(worker_services.worker_group(self.worker.pk), self.channel_name)
 
     async def _touch(self) -> None:
@@ -311,7 +311,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             self.last_touch = now
             await database_sync_to_async(self.worker.touch)()
         if now - self.last_group_join >= GROUP_REFRESH_INTERVAL:
-            await self._join_groups()
+            await self._join_group()
 
     async def _rate_limited(self) -> None:
         limit = self.rate_limit

@@ -1,24 +1,25 @@
 """Worker identity, presence and the outbound half of the gateway (messages to connected daemons).
 
-Channel-layer groups: every connected daemon joins :data:`WORKERS_GROUP` (advertisements are broadcast
-there) and its own :func:`worker_group` (leases, renewals, closes). All sends happen after commit.
+Channel-layer groups: every connected daemon joins its own :func:`worker_group`, where everything for it
+arrives — the advertisements it could take (the market sends each to the workers that fit it, not to all:
+:mod:`apps.market.targeting`), leases, renewal requests, closes. All sends happen after commit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 from django.db import transaction
 
 from apps.workers.exceptions import AuthenticationFailed, WorkerOffline
 from apps.workers.models import Worker, hash_token
-from hypha_site.runtime import group_send, send_on_commit
+from hypha_site.runtime import group_send, group_send_many, send_on_commit
 from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
 
-WORKERS_GROUP = "workers"
 #: ``Worker.connection_info`` key listing the daemon processes (their handshake instance ids) that a newer
 #: daemon of the worker superseded, and which are refused (4009) when they come back.
 SUPERSEDED_KEY = "superseded_instances"
@@ -166,26 +167,41 @@ def rotate_token(worker: Worker) -> str:
 
 def send_to_worker(worker_id, message: protocol._Message) -> None:
     """Send ``message`` to the worker's daemon after commit (dropped if it is not connected)."""
-    frame = protocol.encode(message)
-    send_on_commit(lambda: group_send(worker_group(worker_id), {"type": "gateway.frame", "text": frame}))
+    send_to_workers([(worker_id, message)])
 
 
-def broadcast(message: protocol._Message) -> None:
-    """Send ``message`` to every connected daemon after commit.
+def send_to_workers(messages: Iterable[tuple[object, protocol._Message]]) -> None:
+    """Send each ``(worker id, message)`` to its daemon after commit, in one trip to the channel layer.
 
-    An advert's frame also tells the gateway when its offer window closes (``window``), and a closing one which
-    advert it closes (``closed``): each connection then declines an offer that comes too late without a
-    database call (most offers of a large fleet do; see the consumer)."""
-    event: dict = {"type": "gateway.frame", "text": protocol.encode(message)}
+    The one way frames reach daemons (:func:`send_to_worker` is this with one message). An advertisement's
+    frame also tells the gateway when its offer window closes (``window``), and a closing one which advert
+    it closes (``closed``): each connection then declines an offer that comes too late without a database
+    call (see the consumer).
+    """
+    sends = [(worker_group(worker_id), frame_event(message)) for worker_id, message in messages]
+    if sends:
+        send_on_commit(lambda: group_send_many(sends))
+
+
+def frame_event(message: protocol._Message) -> dict:
+    """The channel-layer event that carries ``message`` to a daemon's connection."""
+    return {"type": "gateway.frame", "text": protocol.encode(message), **window_note(message)}
+
+
+def window_note(message: protocol._Message) -> dict:
+    """What the gateway connection notes of ``message`` (:meth:`WorkerGatewayConsumer._note_window`): when an
+    advert attempt's offer window closes (``window``), or which advert a close closes (``closed``)."""
     if isinstance(message, protocol.Advertisement) and message.window_closes_in is not None:
-        event["window"] = {
-            "id": str(message.advertisement_id),
-            "attempt": message.attempt,
-            "closes_at": time.time() + message.window_closes_in,
+        return {
+            "window": {
+                "id": str(message.advertisement_id),
+                "attempt": message.attempt,
+                "closes_at": time.time() + message.window_closes_in,
+            }
         }
-    elif isinstance(message, protocol.AdvertisementClosed):
-        event["closed"] = str(message.advertisement_id)
-    send_on_commit(lambda: group_send(WORKERS_GROUP, event))
+    if isinstance(message, protocol.AdvertisementClosed):
+        return {"closed": str(message.advertisement_id)}
+    return {}
 
 
 def close_connections(worker_id, *, code: int, message: str, keep_channel: str | None = None) -> None:

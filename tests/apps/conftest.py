@@ -109,13 +109,14 @@ def _isolated_transports(settings):
 def sent(monkeypatch) -> list[tuple[uuid.UUID, protocol._Message]]:
     """Every message the control plane sends to a daemon, in order (still delivered as usual)."""
     messages: list = []
-    original = worker_services.send_to_worker
+    original = worker_services.send_to_workers
 
-    def record(worker_id, message):
-        messages.append((worker_id, message))
-        original(worker_id, message)
+    def record(pairs):
+        pairs = list(pairs)
+        messages.extend(pairs)
+        original(pairs)
 
-    monkeypatch.setattr(worker_services, "send_to_worker", record)
+    monkeypatch.setattr(worker_services, "send_to_workers", record)
     return messages
 
 

@@ -348,3 +348,26 @@ def test_a_new_attempt_of_the_advert_opens_a_new_window(session, make, clock):
     # then the daemon offers on it
     [offer] = session.evaluate()
     assert (offer.advertisement_id, offer.attempt) == (first.advertisement_id, 1)
+
+
+def test_prune_forgets_adverts_whose_window_has_passed_but_keeps_their_reservations(session, make, clock):
+    # given: adverts whose windows close in 0.5 s and 5 s, one without a window; an offer on one of them
+    session.handle(make.welcome())
+    short = make.advertisement().model_copy(update={"window_closes_in": 0.5})
+    later = make.advertisement().model_copy(update={"window_closes_in": 5.0})
+    unbounded = make.advertisement().model_copy(update={"window_closes_in": None})
+    for advertisement in (short, later, unbounded):
+        session.handle(advertisement)
+    [offer] = session.evaluate()
+
+    # when: the first window has passed (the control plane tells only the daemons it sent an attempt to
+    # when it closes, so a daemon must not keep adverts it heard of in its welcome forever)
+    clock.now += 0.6
+    session.prune()
+
+    # then
+    assert {advertisement.advertisement_id for advertisement in session.open_advertisements} == {
+        later.advertisement_id,
+        unbounded.advertisement_id,
+    }
+    assert session.book.reservation(offer.advertisement_id) is not None

@@ -18,7 +18,6 @@ from apps.jobs.exceptions import JobNotCancellable
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, JobEvent
 from apps.leases import services as lease_services
 from apps.leases.models import Lease, LeaseEvent
-from apps.market import services as market
 from apps.market.models import Advertisement, Offer
 from apps.workers import services as worker_services
 from apps.workers.exceptions import AuthenticationFailed
@@ -541,10 +540,8 @@ def test_reconnecting_keeps_the_active_leases_both_sides_hold_and_ends_the_rest(
                 expires_in=10.0,
             )
         ],
-        advertisements=[
-            market.advertisement_message(advert(job, TRAINER)),
-            market.advertisement_message(advert(job, PARAMETER_SERVER)),
-        ],
+        # The job's adverts are open, but rig-a offers its whole capacity and holds a lease: it cannot take them.
+        advertisements=[],
     )
     reason = "the worker's daemon no longer holds it (reconnected without it)"
     assert {lease.pk: (lease.status, lease.status_reason) for lease in Lease.objects.all()} == {

@@ -236,7 +236,8 @@ def test_request_benchmark_refuses_an_offline_worker(rig_a):
 def _sent_frames(monkeypatch) -> list[dict]:
     sent: list[dict] = []
     monkeypatch.setattr(
-        "apps.workers.services.group_send", lambda group, event: sent.append({"group": group, **event})
+        "apps.workers.services.group_send_many",
+        lambda sends: sent.extend({"group": group, **event} for group, event in sends),
     )
     return sent
 

@@ -1,0 +1,121 @@
+"""Which daemons an advertisement is sent to. Pure functions; the market's services feed them from the database.
+
+Sending every advert attempt (and its close) to every connected daemon made each free daemon offer on each
+attempt: with 200 daemons that was ≈ 400 frames per attempt, hundreds of offers per job almost all declined,
+and the renewal requests queued behind them until leases expired under live daemons (docs/benchmarks.md,
+"Fleet"). The control plane knows what a daemon would do with an advert — its hello declared its executors,
+capacity, price floor and strategy, and its leases say what is free — so an attempt goes only to daemons
+that would offer, and to at most :func:`fanout` of them, the ones that can offer the best price per
+capacity first:
+
+1. **Could offer** (:func:`could_offer`): the daemon's own filter (``worker_daemon.arbiter.rejection_reason``:
+   every executor configured, ``bid >= floor``, the advert's resources within its capacity) and the rule
+   the market checks when the offer arrives (``apps.market.services.record_offer``): what it would offer —
+   its whole capacity under strategy ``whole``, the advert's resources under ``flexible`` — is free, i.e. not
+   held by its live leases, TEMPORARY ones (open offers elsewhere) included.
+2. **Rank**: first the daemons asked least often by the advert's earlier attempts — so an attempt that
+   closed short asks others next instead of the same few again (the best-ranked daemons may be the ones
+   that never win: their asking price above the job's maximum, or busy elsewhere by the time the advert
+   arrives) — then by :func:`best_score`, the lowest score the daemon can offer, ``bid / weighted(offered)``
+   (its price is at least the bid under either strategy; its own asking price is not known here); equal
+   ranks in random order, so that concurrent adverts spread over equal daemons instead of all asking the
+   same few.
+3. **Cap** (:func:`fanout`): ``max(HYPHA_ADVERT_MIN_TARGETS, HYPHA_ADVERT_FANOUT × wanted)`` daemons;
+   ``HYPHA_ADVERT_FANOUT = 0`` sends to every daemon that could offer.
+
+A daemon left out of one attempt is not left out of the market: an attempt that closes short is advertised
+again, chosen afresh from who is free then.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from worker_daemon.protocol import Resources
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A connected worker as the market sees it: what its daemon declared and what its leases leave free."""
+
+    worker_id: uuid.UUID
+    capacity: Resources
+    free: Resources
+    executors: frozenset[tuple[str, str]]
+    price_floor: float
+    strategy: str
+
+
+def offered_resources(candidate: Candidate, *, resources: Resources) -> Resources:
+    """What the worker's daemon would offer on an advert for ``resources`` (``worker_daemon.arbiter.offer_terms``)."""
+    return candidate.capacity if candidate.strategy == "whole" else resources
+
+
+def could_offer(
+    candidate: Candidate, *, resources: Resources, executors: Iterable[tuple[str, str]], bid: float
+) -> bool:
+    """Whether the worker's daemon would offer on the advert, and the market would take the offer."""
+    if not set(executors) <= candidate.executors:
+        return False
+    if bid < candidate.price_floor or not resources.fits_within(candidate.capacity):
+        return False
+    return offered_resources(candidate, resources=resources).fits_within(candidate.free)
+
+
+def best_score(candidate: Candidate, *, resources: Resources, bid: float) -> float:
+    """The lowest price per weighted capacity the worker can offer (lower wins the market)."""
+    weighted = offered_resources(candidate, resources=resources).weighted()
+    return bid / weighted if weighted > 0 else math.inf
+
+
+def fanout(*, wanted: int, factor: int, minimum: int) -> int | None:
+    """How many daemons an attempt for ``wanted`` workers is sent to; None when unlimited (``factor`` 0)."""
+    if factor <= 0:
+        return None
+    return max(minimum, factor * max(wanted, 1))
+
+
+def choose_targets(
+    candidates: Iterable[Candidate],
+    *,
+    resources: Resources,
+    executors: Iterable[tuple[str, str]],
+    bid: float,
+    limit: int | None,
+    asked: Mapping[str, int] | None = None,
+    rng: random.Random | None = None,
+) -> list[uuid.UUID]:
+    """The workers to send an advert attempt to, best rank first (see the module docstring).
+
+    ``asked`` counts how many earlier attempts of the advert each worker (by ``str`` of its id) was sent.
+    """
+    rng = rng or random.Random()
+    asked = asked or {}
+    executors = set(executors)
+    ranked = sorted(
+        (
+            (
+                asked.get(str(candidate.worker_id), 0),
+                best_score(candidate, resources=resources, bid=bid),
+                rng.random(),
+                candidate,
+            )
+            for candidate in candidates
+            if could_offer(candidate, resources=resources, executors=executors, bid=bid)
+        ),
+        key=lambda item: item[:3],
+    )
+    chosen = ranked if limit is None else ranked[:limit]
+    return [candidate.worker_id for *_, candidate in chosen]
+
+
+def count_asked(asked: Mapping[str, int], targets: Iterable[uuid.UUID | str]) -> dict[str, int]:
+    """``asked`` after one more attempt was sent to ``targets``."""
+    counted = dict(asked)
+    for worker_id in targets:
+        counted[str(worker_id)] = counted.get(str(worker_id), 0) + 1
+    return counted
