@@ -500,12 +500,16 @@ def _waiting_note(job: Job) -> str:
         label = ROLE_LABELS.get(ad.role, (ad.role, ad.role))[1 if ad.wanted != 1 else 0]
         if ad.next_attempt_at is not None:
             # An absolute time keeps the reason stable between refreshes (one JobEvent per attempt).
+            nobody = " (no connected worker could take it)" if not ad.targets else ""
             notes.append(
-                f"not enough offers for {ad.wanted} {label} after attempt {ad.attempt + 1}; "
+                f"not enough offers for {ad.wanted} {label} after attempt {ad.attempt + 1}{nobody}; "
                 f"re-advertising at {ad.next_attempt_at:%H:%M:%S} UTC"
             )
         else:
-            notes.append(f"advertising {ad.wanted} {label} (attempt {ad.attempt + 1})")
+            # The attempt went to no daemon: none connected has the executor, a floor within the bid and the
+            # free resources (apps.market.targeting) — the owner should know it waits for workers, not offers.
+            nobody = "; no connected worker can take it" if not ad.targets else ""
+            notes.append(f"advertising {ad.wanted} {label} (attempt {ad.attempt + 1}{nobody})")
     return "; ".join(notes)
 
 

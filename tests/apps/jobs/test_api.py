@@ -74,7 +74,8 @@ def test_submitting_a_job_creates_it_and_advertises_every_role(alice):
     assert job.status == Job.Status.ALLOCATING
     assert job.status_reason == (
         "ALLOCATING: 0 of 2 trainers, 0 of 1 parameter server leased; "
-        "advertising 1 parameter server (attempt 1); advertising 2 trainers (attempt 1)"
+        "advertising 1 parameter server (attempt 1; no connected worker can take it); "
+        "advertising 2 trainers (attempt 1; no connected worker can take it)"
     )
     assert job.requirements == {
         "trainer": {
@@ -404,7 +405,8 @@ def test_the_detail_shows_leases_and_events(alice, leased_job):
         ("allocating", "allocating"),
     ]
     assert body["status_reason"] == (
-        "ALLOCATING: 1 of 1 trainer, 0 of 1 parameter server leased; advertising 1 parameter server (attempt 1)"
+        "ALLOCATING: 1 of 1 trainer, 0 of 1 parameter server leased; "
+        "advertising 1 parameter server (attempt 1; no connected worker can take it)"
     )
 
 

@@ -90,7 +90,8 @@ def test_create_job_advertises_both_roles_after_commit(
     assert (job.status, job.status_reason) == (
         Job.Status.ALLOCATING,
         "ALLOCATING: 0 of 3 trainers, 0 of 1 parameter server leased; "
-        "advertising 1 parameter server (attempt 1); advertising 3 trainers (attempt 1)",
+        "advertising 1 parameter server (attempt 1; no connected worker can take it); "
+        "advertising 3 trainers (attempt 1; no connected worker can take it)",
     )
     ads = {
         ad["role"]: ad
@@ -383,8 +384,10 @@ def test_tick_market_settles_closed_windows_and_readvertises_after_the_backoff(j
     again_at = (frozen_now + timedelta(seconds=1)).strftime("%H:%M:%S")
     assert job.status_reason == (
         "ALLOCATING: 1 of 2 trainers, 0 of 1 parameter server leased; "
-        f"not enough offers for 1 parameter server after attempt 1; re-advertising at {again_at} UTC; "
-        f"not enough offers for 1 trainer after attempt 1; re-advertising at {again_at} UTC"
+        f"not enough offers for 1 parameter server after attempt 1 (no connected worker could take it); "
+        f"re-advertising at {again_at} UTC; "
+        f"not enough offers for 1 trainer after attempt 1 (no connected worker could take it); "
+        f"re-advertising at {again_at} UTC"
     )
     assert Lease.objects.get().status == Lease.Status.ACTIVE
 
@@ -392,11 +395,12 @@ def test_tick_market_settles_closed_windows_and_readvertises_after_the_backoff(j
     Advertisement.objects.update(next_attempt_at=frozen_now)
     job_services.tick_market()
 
-    # then
+    # then: rig-a, the only worker, holds its trainer lease
     job.refresh_from_db()
     assert job.status_reason == (
         "ALLOCATING: 1 of 2 trainers, 0 of 1 parameter server leased; "
-        "advertising 1 parameter server (attempt 2); advertising 1 trainer (attempt 2)"
+        "advertising 1 parameter server (attempt 2; no connected worker can take it); "
+        "advertising 1 trainer (attempt 2; no connected worker can take it)"
     )
     assert sorted(Advertisement.objects.values_list("role", "attempt", "wanted", "next_attempt_at")) == [
         (PARAMETER_SERVER, 1, 1, None),
