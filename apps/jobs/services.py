@@ -199,8 +199,11 @@ def worker_connected(
     """Record a (re)connection and reconcile leases: keep what both sides hold, end the rest.
 
     Lock order is job → advert → worker → lease everywhere (see ``_lock_job``), so the leases the daemon no
-    longer holds are ended (locking their jobs) before the worker row is locked to mark it online.
+    longer holds are ended (locking their jobs) before the worker row is locked to mark it online. A stopped
+    lease clock is resumed first, in a transaction of its own: the resume locks lease rows, which must not
+    be held while the jobs of the leases ended below are locked.
     """
+    lease_services.resume_clock_if_stopped()
     with transaction.atomic():
         claimed = set(hello.leases)
         now = timezone.now()
