@@ -72,8 +72,9 @@ def group_send_many(sends: list[tuple[str, dict]]) -> None:
 
     From a thread without an event loop (a Celery task, a service) every ``async_to_sync`` call runs a new
     event loop, and channels_redis opens a new Redis connection for each loop: sent one call at a time, a
-    lease tick's renewal requests or a settlement's declines cost ≈ 3 ms each, in one call ≈ 1 ms (measured:
-    docs/benchmarks.md, "Fleet"). Every send is attempted; the first failure is raised after the others.
+    lease tick's renewal requests or a settlement's declines cost ≈ 3 ms each; 200 in one call ≈ 0.25 ms
+    each (``bench/channel_sends.py``; docs/benchmarks.md, "Fleet"). Every send is attempted; the first
+    failure is raised after the others.
     """
     if not sends:
         return
