@@ -54,12 +54,27 @@ def live_leases(worker_id, *, now: datetime | None = None):
     return Lease.objects.filter(worker_id=worker_id, status__in=Lease.LIVE, expires_at__gt=now)
 
 
+_USAGE = {"cpu": Sum("cpu"), "memory": Sum("memory"), "storage": Sum("storage"), "gpu": Sum("gpu")}
+
+
+def _resources(totals: dict) -> Resources:
+    return Resources(**{name: totals[name] or 0.0 for name in _USAGE})
+
+
 def live_usage(worker_id, *, now: datetime | None = None) -> Resources:
     """The resources held by the worker's live leases."""
-    totals = live_leases(worker_id, now=now).aggregate(
-        cpu=Sum("cpu"), memory=Sum("memory"), storage=Sum("storage"), gpu=Sum("gpu")
+    return _resources(live_leases(worker_id, now=now).aggregate(**_USAGE))
+
+
+def live_usage_by_worker(workers, *, now: datetime) -> dict:
+    """Worker id → the resources held by its live leases, for the workers of the queryset ``workers`` that
+    hold any (one query; unlike :func:`live_usage` it does not resume a stopped lease clock)."""
+    rows = (
+        Lease.objects.filter(status__in=Lease.LIVE, expires_at__gt=now, worker__in=workers)
+        .values("worker_id")
+        .annotate(**_USAGE)
     )
-    return Resources(**{name: value or 0.0 for name, value in totals.items()})
+    return {row["worker_id"]: _resources(row) for row in rows}
 
 
 def reserve(*, worker_id, job, role: str, resources: Resources, price: float) -> Lease:

@@ -69,6 +69,10 @@ class Advertisement(ResourceColumns):
     def executor_descriptors(self) -> list[ExecutorDescriptor]:
         return [ExecutorDescriptor.model_validate(item) for item in self.executors]
 
+    def executor_keys(self) -> set[tuple[str, str]]:
+        """The ``(class, name)`` of every executor the role needs (as ``Worker.executor_keys``)."""
+        return {descriptor.key() for descriptor in self.executor_descriptors}
+
 
 class Offer(ResourceColumns):
     class Status(models.TextChoices):

@@ -19,7 +19,6 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Sum
 from django.utils import timezone
 
 from apps.leases import services as lease_services
@@ -95,7 +94,7 @@ def _choose_targets(ad: Advertisement, *, now, exclude: frozenset = frozenset())
     targets = targeting.choose_targets(
         (candidate for candidate in connected_candidates(now=now) if candidate.worker_id not in exclude),
         resources=ad.resources,
-        executors=[descriptor.key() for descriptor in ad.executor_descriptors],
+        executors=ad.executor_keys(),
         bid=ad.bid,
         limit=targeting.fanout(
             wanted=ad.wanted,
@@ -115,22 +114,12 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
     workers = Worker.objects.filter(status=Worker.Status.ONLINE, token_revoked_at__isnull=True)
     if worker_id is not None:
         workers = workers.filter(pk=worker_id)
-    used = {
-        row["worker_id"]: protocol.Resources(
-            cpu=row["cpu"] or 0.0,
-            memory=row["memory"] or 0.0,
-            storage=row["storage"] or 0.0,
-            gpu=row["gpu"] or 0.0,
-        )
-        for row in Lease.objects.filter(status__in=Lease.LIVE, expires_at__gt=now, worker__in=workers)
-        .values("worker_id")
-        .annotate(cpu=Sum("cpu"), memory=Sum("memory"), storage=Sum("storage"), gpu=Sum("gpu"))
-    }
+    used = lease_services.live_usage_by_worker(workers, now=now)
     return [
         targeting.Candidate(
             worker_id=worker.pk,
             capacity=worker.capacity,
-            free=worker.capacity - used[worker.pk] if worker.pk in used else worker.capacity,
+            free=worker.capacity - used.get(worker.pk, protocol.ZERO),
             executors=frozenset(worker.executor_keys()),
             price_floor=worker.price_floor,
             strategy=worker.strategy,
@@ -165,7 +154,7 @@ def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
         if targeting.could_offer(
             candidate,
             resources=ad.resources,
-            executors=[descriptor.key() for descriptor in ad.executor_descriptors],
+            executors=ad.executor_keys(),
             bid=ad.bid,
         )
     ]
@@ -198,7 +187,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             .first()
         )
         _check_open(ad, message)
-        missing = {tuple(d.key()) for d in ad.executor_descriptors} - worker.executor_keys()
+        missing = ad.executor_keys() - worker.executor_keys()
         if missing:
             raise OfferRefused(f"worker does not offer executor(s) {sorted(missing)}")
         if not ad.resources.fits_within(message.resources):
