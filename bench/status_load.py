@@ -4,7 +4,7 @@ answers per second, and how fast, with 16 and 64 trainers reporting at once.
 Every optimizer step of every trainer is one round trip: the executor's ``/status/send`` becomes a ``status``
 frame on its daemon's websocket (``{"status": {"batch_size": 8, "loss": …}}``), and the control plane answers
 ``status_reply`` (``Continue``, or ``ScheduleUpdate`` when a round's steps are done) after updating the task's
-row (apps/jobs/training.py ``handle_status``). This is the control plane's hottest path during training.
+row (apps/jobs/training/status.py ``handle_status``). This is the control plane's hottest path during training.
 
 Starts a real control plane (``--mode auto``: services when DATABASE_URL and REDIS_URL are set, embedded
 otherwise; see bench/harness.py), registers a real prepared dataset (the standard library's sources,

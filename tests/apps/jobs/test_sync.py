@@ -182,7 +182,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(training, "sync_clock", fake)
+    monkeypatch.setattr(training.status, "sync_clock", fake)
     return fake
 
 
@@ -352,7 +352,7 @@ def test_with_a_sample_target_the_grant_shrinks_to_nothing_near_the_end(adaptive
     spec = dict(job.spec)
     spec["rounds"] = {**spec["rounds"], "avg_samples_between_updates": 400}
     type(job).objects.filter(pk=job.pk).update(spec=spec)
-    training._plans.clear()
+    training.plans._plans.clear()
     ready(job, rig_c)
     fast, slow = task_of(job, rig_a), task_of(job, rig_b)
     start = clock.now

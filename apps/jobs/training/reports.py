@@ -1,0 +1,82 @@
+"""What daemons report about their tasks: ownership, exits and output."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from apps.jobs import observers
+from apps.jobs.exceptions import TaskRefused
+from apps.jobs.models import PARAMETER_SERVER, Job, Task
+from worker_daemon import protocol
+
+# --- what daemons report about their tasks ----------------------------------------------------------------------
+
+
+def own_task(worker, task_id, *, lock: bool = False) -> Task:
+    """The task ``task_id`` if it runs on ``worker``'s lease; :class:`TaskRefused` otherwise."""
+    tasks = Task.objects.select_related("job", "lease")
+    if lock:
+        tasks = tasks.select_for_update(of=("self",))
+    task = tasks.filter(pk=task_id, lease__worker_id=worker.pk).first()
+    if task is None:
+        raise TaskRefused(f"task {task_id} is not a task of this worker")
+    return task
+
+
+def task_role(worker, task_id) -> tuple[str, object]:
+    """(role, job id) of the task ``task_id`` if it runs on ``worker``'s lease (one light query, no lock);
+    :class:`TaskRefused` otherwise."""
+    found = Task.objects.filter(pk=task_id, lease__worker_id=worker.pk).values_list("role", "job_id").first()
+    if found is None:
+        raise TaskRefused(f"task {task_id} is not a task of this worker")
+    return found
+
+
+def record_exit(worker, message: protocol.JobExited) -> Task | None:
+    """End the task as the daemon reports; returns it if this report ended it (``None`` for a repeat)."""
+    task = own_task(worker, message.task_id)
+    if message.cancelled:
+        status = Task.Status.CANCELLED
+    elif message.exit_code == 0:
+        status = Task.Status.EXITED
+    else:
+        status = Task.Status.FAILED
+    ended = task.finish(
+        status,
+        exit_code=message.exit_code,
+        signal=message.signal,
+        reason=message.reason[:2000],
+        log_tail=message.log_tail,
+    )
+    return task if ended else None
+
+
+#: Lines of a task's output the control plane keeps (``Task.log_tail``).
+LOG_TAIL_LINES = 100
+
+
+def append_output(worker, task_id, lines: list[str]) -> None:
+    """Add a running task's new output lines to its log tail (the last :data:`LOG_TAIL_LINES` are kept)."""
+    with transaction.atomic():
+        task = own_task(worker, task_id, lock=True)
+        if not task.is_live or not lines:
+            return
+        kept = (task.log_tail.splitlines() + list(lines))[-LOG_TAIL_LINES:]
+        task.log_tail = "\n".join(kept)
+        Task.objects.filter(pk=task.pk).update(log_tail=task.log_tail)
+        observers.job_changed(task.job)
+
+
+def describe_exit(task: Task) -> str:
+    how = f"exit code {task.exit_code}" if task.exit_code is not None else f"signal {task.signal}"
+    label = "parameter server" if task.role == PARAMETER_SERVER else "trainer"
+    detail = f": {task.reason}" if task.reason else ""
+    last_line = next((line for line in reversed(task.log_tail.splitlines()) if line.strip()), "")
+    tail = f" — last output: {last_line[:200]}" if last_line else ""
+    return f"the {label} on {task.lease.worker.name} failed with {how}{detail}{tail}"
+
+
+def cancel_tasks(job: Job, *, reason: str) -> None:
+    """Mark every live task of the job cancelled (their daemons stop them when their leases end)."""
+    for task in job.tasks.filter(status__in=Task.LIVE):
+        task.finish(Task.Status.CANCELLED, reason=reason[:2000])

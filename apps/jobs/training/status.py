@@ -1,0 +1,432 @@
+"""The sync protocol: trainers' and the parameter server's status reports and their replies."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Sum
+from django.utils import timezone
+
+from apps.jobs import observers, sync
+from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
+from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
+from apps.jobs.training.plans import plan
+from apps.jobs.training.reports import own_task
+from worker_daemon import protocol
+
+#: At most this many of a trainer's step reports are answered by its daemon without asking ...
+MAX_CONTINUE_GRANT = 10_000
+#: ... and, with a sample target, at most about this many seconds of its steps (so the control plane's
+#: view of a round, and the job page, is never older than that).
+MAX_CONTINUE_SECONDS = 2.0
+#: The clock of performance-aware sync (Unix seconds; a module attribute so tests can drive it).
+sync_clock = time.time
+
+OK = {"type": "Ok"}
+CONTINUE = {"type": "Continue"}
+DONE = {"type": "Done"}
+ERROR = {"type": "Error"}
+
+
+def task_started(worker, task_id) -> None:
+    task = own_task(worker, task_id)
+    # The start is the trainer's first "round start": its first step report is timed from it.
+    Task.objects.filter(pk=task.pk, status=Task.Status.DISPATCHED, started_at__isnull=True).update(
+        started_at=timezone.now(), last_status_at=sync_clock()
+    )
+
+
+# --- status: the sync protocol ------------------------------------------------------------------------------
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _kind(progress: dict | str) -> str:
+    if isinstance(progress, str):
+        return progress
+    if len(progress) == 1:
+        return next(iter(progress))
+    return ""
+
+
+def handle_status(worker, message: protocol.StatusReport) -> tuple[dict, int]:
+    """The reply to one progress value a task's bridge forwarded (``{"type": "Error"}`` when refused), and how
+    many of the trainer's next step reports its daemon may answer ``Continue`` itself (``continue_for``)."""
+    with transaction.atomic():
+        task = own_task(worker, message.task_id, lock=True)
+        if task.last_status_request == message.request_id:
+            return task.last_status_reply, 0  # a repeat after a reconnect: already counted
+        job = task.job
+        changes: dict[str, Any] = {}
+        if not task.is_live or job.status != Job.Status.RUNNING:
+            reply = ERROR
+        elif task.role == PARAMETER_SERVER:
+            reply = _server_status(task, message.progress)
+        else:
+            reply, changes = _trainer_status(task, message.progress)
+        # One UPDATE per report: the trainer's progress and the reply kept for a repeat of this request.
+        Task.objects.filter(pk=task.pk).update(
+            **changes, last_status_request=message.request_id, last_status_reply=reply
+        )
+        if changes:
+            for field, value in changes.items():
+                setattr(task, field, value)
+            observers.task_progress(task)
+        return reply, changes.get("continue_granted", 0)
+
+
+def _covered(body: dict, task: Task, batch_size: int) -> tuple[int, int]:
+    """(steps, samples) a step report stands for: itself, plus the steps its daemon answered locally since
+    the last report (``covered_steps``/``covered_samples``, at most what was granted; samples at most a
+    full batch per step)."""
+    steps = body.get("covered_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return 1, batch_size
+    steps = min(steps, task.continue_granted + 1)
+    samples = body.get("covered_samples")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        samples = batch_size * steps
+    return steps, min(samples, steps * max(batch_size, task.batch_size, 1))
+
+
+def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, Any]]:
+    """The reply to a trainer's progress value, and the changes to its task row (not yet written)."""
+    kind = _kind(progress)
+    current = plan(task.job)
+    now = timezone.now()
+    changes: dict[str, Any] = {}
+    if task.status == Task.Status.DISPATCHED:
+        changes["status"] = Task.Status.RUNNING
+    if kind == "status":
+        body = progress["status"] if isinstance(progress["status"], dict) else {}
+        batch_size = body.get("batch_size")
+        batch_size = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else 0
+        batch_size = max(0, min(batch_size, 10**9))
+        if task.sync_state not in (Task.Sync.TRAINING, Task.Sync.SCHEDULED):
+            return ERROR, {}
+        covered, samples = _covered(body, task, batch_size)
+        steps = task.steps_in_round + covered
+        clock = sync_clock()
+        interval = task.step_interval
+        if task.last_status_at is not None:
+            interval = sync.next_interval(
+                interval, (clock - task.last_status_at) / covered, first_of_round=task.steps_in_round == 0
+            )
+        changes.update(
+            steps_in_round=steps,
+            samples_in_round=task.samples_in_round + samples,
+            steps_total=task.steps_total + covered,
+            samples_total=task.samples_total + samples,
+            last_status_at=clock,
+            step_interval=interval,
+        )
+        loss = _finite(body.get("loss"))
+        if loss is not None:
+            changes["last_loss"] = loss
+        if task.first_step_at is None:
+            changes["first_step_at"] = now
+        reply = CONTINUE
+        grant = 0
+        if task.sync_state == Task.Sync.SCHEDULED:
+            # Its remaining steps need no answer but the last: that report carries them all.
+            grant = max(0, (task.update_due or 0) - steps - 1)
+        elif current.sample_target is None:
+            # Fixed H: ScheduleUpdate{0} ("stop after this batch") at the H-th step; until then the daemon
+            # answers every step but the H-th itself.
+            if steps >= current.steps_per_round:
+                changes.update(sync_state=Task.Sync.SCHEDULED, update_due=steps)
+                reply = {"type": "ScheduleUpdate", "counter": 0}
+            else:
+                grant = current.steps_per_round - steps - 1
+        else:
+            more, grant = _adaptive_step(task, current.sample_target, samples, interval, clock)
+            if more is not None:
+                changes.update(sync_state=Task.Sync.SCHEDULED, update_due=steps + more)
+                reply = {"type": "ScheduleUpdate", "counter": more}
+                grant = max(0, more - 1)
+        changes["continue_granted"] = min(grant, MAX_CONTINUE_GRANT)
+    elif kind == "update":
+        if task.sync_state == Task.Sync.DONE:
+            return ERROR, {}
+        changes["sync_state"] = Task.Sync.UPDATING
+        reply = OK
+    elif kind == "update-received":
+        if task.sync_state == Task.Sync.DONE:
+            return DONE, {}
+        completed = task.round + 1
+        # Decided by this trainer's own round count, not by the parameter server's report: the trainer may
+        # merge the last update before the control plane hears of the round (Hypha's end-of-training race).
+        done = completed >= current.update_rounds
+        changes.update(
+            round=completed,
+            steps_in_round=0,
+            samples_in_round=0,
+            update_due=None,
+            continue_granted=0,
+            last_status_at=sync_clock(),  # the next round starts now for this trainer
+            sync_state=Task.Sync.DONE if done else Task.Sync.TRAINING,
+        )
+        reply = DONE if done else CONTINUE
+    elif kind == "metrics":
+        _record_trainer_metrics(task, progress["metrics"])
+        reply = OK
+    else:
+        return ERROR, {}
+    return reply, changes
+
+
+def _trainers_in_round(job_id, round_number: int):
+    """The job's live trainers still training in round ``round_number + 1`` (not yet sent their update)."""
+    return Task.objects.filter(
+        job_id=job_id,
+        role=TRAINER,
+        status__in=Task.LIVE,
+        round=round_number,
+        sync_state__in=(Task.Sync.TRAINING, Task.Sync.SCHEDULED),
+    )
+
+
+def _projected(rows: list[dict], *, now: float) -> list[sync.Trainer]:
+    """Trainers for :func:`sync.project` from task rows (``pk``, ``batch_size``, ``last_status_at``,
+    ``step_interval``, ``steps_in_round``, ``score``); unknown intervals seeded from the others' and the
+    benchmark scores."""
+    keys = [str(row["pk"]) for row in rows]
+    intervals = sync.seed_intervals(
+        {key: row["step_interval"] for key, row in zip(keys, rows, strict=True)},
+        scores={key: row["score"] for key, row in zip(keys, rows, strict=True)},
+        batch_sizes={key: max(1, row["batch_size"]) for key, row in zip(keys, rows, strict=True)},
+    )
+    return [
+        sync.Trainer(
+            key=key,
+            batch_size=max(1, row["batch_size"]),
+            # A trainer yet to report a step this round may still be starting or merging: its first step is
+            # not expected before a whole step from now.
+            last_report=now
+            if row["last_status_at"] is None or row["steps_in_round"] == 0
+            else row["last_status_at"],
+            interval=intervals[key],
+        )
+        for key, row in zip(keys, rows, strict=True)
+    ]
+
+
+_ROW_FIELDS = (
+    "pk",
+    "batch_size",
+    "last_status_at",
+    "step_interval",
+    "update_due",
+    "steps_in_round",
+    "samples_in_round",
+    "continue_granted",
+)
+
+
+def _rows(tasks) -> list[dict]:
+    """What the projection needs of ``tasks``, with their workers' benchmark scores as ``score``."""
+    return list(tasks.values(*_ROW_FIELDS, score=F("lease__worker__benchmark_score")))
+
+
+def _adaptive_step(
+    task: Task, target: int, samples: int, interval: float | None, now: float
+) -> tuple[int | None, int]:
+    """Performance-aware sync at a report of ``task`` (still TRAINING): how many more steps it runs this round
+    (``None``: not decided yet), and how many of its next reports its daemon may answer itself.
+
+    The round's samples are those its trainers reported (this report included, and those of trainers that
+    already sent their update); when they reach ``target`` every trainer stops after its current step (``0``). When the rest is within a few steps
+    of every trainer, the coming steps are projected (:func:`sync.project`) and this trainer is told its
+    share once the projection covers the rest within the caps. Further away, the trainer may run on without
+    asking for as many steps as the whole fleet cannot bring the round near its end in (counting the steps
+    other trainers were already allowed to run unreported), and at most :data:`MAX_CONTINUE_SECONDS`.
+    """
+    # The round's samples include those of trainers that have sent their update already (UPDATING): they
+    # count until their update-received, which comes only once the round closed.
+    sent = Task.objects.filter(
+        job_id=task.job_id,
+        role=TRAINER,
+        status__in=Task.LIVE,
+        round=task.round,
+        sync_state=Task.Sync.UPDATING,
+    ).aggregate(samples=Sum("samples_in_round"))["samples"]
+    rows = _rows(_trainers_in_round(task.job_id, task.round).exclude(pk=task.pk))
+    done = (sent or 0) + sum(row["samples_in_round"] for row in rows) + task.samples_in_round + samples
+    to_go = max(0, target - done)
+    if to_go == 0:
+        return 0, 0
+    own_batch = max(1, task.batch_size)
+    rows.append(
+        {
+            "pk": task.pk,
+            "batch_size": own_batch,
+            "last_status_at": now,
+            "step_interval": interval,
+            "update_due": None,
+            "steps_in_round": task.steps_in_round + 1,
+            "samples_in_round": 0,
+            "continue_granted": 0,
+            "score": task.lease.worker.benchmark_score,
+        }
+    )
+    trainers = _projected(rows, now=now)
+    # A projection that succeeds has every trainer at most STEPS_CAP - 1 steps ahead.
+    margin = (sync.STEPS_CAP - 1) * sum(trainer.batch_size for trainer in trainers)
+    if to_go <= margin:
+        projection = sync.project(trainers, to_go=to_go, now=now)
+        return (projection.steps[str(task.pk)] if projection.reaches_target else None), 0
+    unreported = sum(max(1, row["batch_size"]) * row["continue_granted"] for row in rows)
+    return None, sync.steps_before(
+        trainers, key=str(task.pk), slack=to_go - margin - unreported, limit=MAX_CONTINUE_SECONDS
+    )
+
+
+def _record_trainer_metrics(task: Task, body: Any) -> None:
+    if not isinstance(body, dict):
+        return
+    number = body.get("round")
+    metrics = body.get("metrics")
+    if not isinstance(number, int) or isinstance(number, bool) or not isinstance(metrics, dict):
+        return
+    if not 1 <= number <= plan(task.job).update_rounds:
+        return
+    finite = {str(name)[:64]: _finite(value) for name, value in list(metrics.items())[:32]}
+    clean = {name: value for name, value in finite.items() if value is not None}
+    round_ = locked_round(task.job, number)
+    round_.trainer_metrics = {**round_.trainer_metrics, str(task.lease.worker_id): clean}
+    losses = [entry["loss"] for entry in round_.trainer_metrics.values() if "loss" in entry]
+    round_.mean_loss = sum(losses) / len(losses) if losses else None
+    round_.save(update_fields=["trainer_metrics", "mean_loss"])
+    observers.round_recorded(round_)
+    observers.trainer_metrics(task, round_number=number, metrics=clean)
+
+
+def locked_round(job: Job, number: int) -> Round:
+    Round.objects.get_or_create(job=job, number=number)
+    return Round.objects.select_for_update().get(job=job, number=number)
+
+
+def _server_status(task: Task, progress: dict | str) -> dict:
+    kind = _kind(progress)
+    job = task.job
+    if kind == "ready":
+        body = progress["ready"] if isinstance(progress["ready"], dict) else {}
+        url = body.get("url")
+        if not isinstance(url, str) or not re.match(r"^https?://\S+$", url) or len(url) > 500:
+            return ERROR
+        Task.objects.filter(pk=task.pk).update(url=url, status=Task.Status.RUNNING)
+        task.url = url
+        dispatch_trainers(job, task)
+        count = point_trainers(job, task)
+        job.transition(
+            Job.Status.RUNNING,
+            reason=f"RUNNING: parameter server listening at {url}; {count} trainers told",
+        )
+        return OK
+    if kind == "round":
+        return _record_round(task, progress["round"])
+    if kind == "waiting":
+        return _expectation(task, progress["waiting"])
+    if kind in ("metrics", "updated"):
+        return OK
+    return ERROR
+
+
+def _expectation(task: Task, body: Any) -> dict:
+    """The parameter server's round ``body["round"]`` has its first update: whom should it wait for, and
+    when are they due? ``{"type": "Expect", "peers": [worker ids], "due_in": seconds | None}`` — the job's
+    live trainers that have not finished the job, and when the last of them is projected to finish its
+    steps (``None`` when unknown; the parameter server then keeps its ``round_timeout``)."""
+    job = task.job
+    current = plan(job)
+    number = body.get("round") if isinstance(body, dict) else None
+    if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= current.update_rounds:
+        return ERROR
+    live = list(
+        Task.objects.filter(job=job, role=TRAINER, status__in=Task.LIVE)
+        .exclude(sync_state=Task.Sync.DONE)
+        .values("lease__worker_id", "round")
+    )
+    peers = sorted({str(row["lease__worker_id"]) for row in live})
+    now = sync_clock()
+    rows = _rows(_trainers_in_round(job.pk, number - 1))
+    due = None
+    # Only trainers measured in this round are projected; one still starting, merging or a round behind
+    # (left out of the last one) may need long: the parameter server keeps its round_timeout then.
+    settled = all(row["round"] >= number - 1 for row in live) and all(
+        row["steps_in_round"] > 0 and row["step_interval"] is not None for row in rows
+    )
+    if settled:
+        remaining = {
+            str(row["pk"]): (
+                row["update_due"] - row["steps_in_round"]
+                if row["update_due"] is not None
+                else (current.steps_per_round - row["steps_in_round"] if current.steps_per_round else None)
+            )
+            for row in rows
+        }
+        due = sync.due_in(
+            _projected(rows, now=now), remaining_steps=remaining, now=now, default=sync.STEPS_CAP - 1
+        )
+    return {"type": "Expect", "peers": peers, "due_in": None if due is None else round(due, 3)}
+
+
+def _record_round(task: Task, body: Any) -> dict:
+    job = task.job
+    update_rounds = plan(job).update_rounds
+    number = body.get("round") if isinstance(body, dict) else None
+    if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= update_rounds:
+        return ERROR
+
+    def ids(value: Any) -> list[str]:
+        return [str(item)[:64] for item in value[:1024]] if isinstance(value, list) else []
+
+    round_ = locked_round(job, number)
+    round_.closed = True
+    round_.closed_at = timezone.now()
+    round_.participants = ids(body.get("participants"))
+    round_.left_out = ids(body.get("left_out"))
+    arrivals = body.get("arrivals")
+    round_.arrivals = (
+        {
+            str(peer)[:64]: seconds
+            for peer, seconds in ((peer, _finite(value)) for peer, value in list(arrivals.items())[:1024])
+            if seconds is not None and seconds >= 0
+        }
+        if isinstance(arrivals, dict)
+        else {}
+    )
+    refused = body.get("refused")
+    round_.refused = (
+        {str(key)[:64]: str(value)[:500] for key, value in list(refused.items())[:1024]}
+        if isinstance(refused, dict)
+        else {}
+    )
+    for field in ("samples", "bytes_in", "bytes_out"):
+        value = body.get(field)
+        setattr(
+            round_,
+            field,
+            value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0,
+        )
+    round_.duration = _finite(body.get("duration"))
+    round_.eval_loss = _finite(body.get("eval_loss"))
+    round_.save()
+    observers.round_recorded(round_)
+    evaluation = f", eval loss {round_.eval_loss:.4f}" if round_.eval_loss is not None else ""
+    left_out = f", {len(round_.left_out)} left out" if round_.left_out else ""
+    job.transition(
+        Job.Status.RUNNING,
+        reason=f"RUNNING: round {number} of {update_rounds} applied "
+        f"({len(round_.participants)} trainers{left_out}{evaluation})",
+    )
+    return DONE if number >= update_rounds else OK
