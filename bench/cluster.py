@@ -277,9 +277,11 @@ def training_cluster(
     with control_plane(mode=mode, root=root, settings=settings or {}, quiet=quiet) as plane:
         api_token = plane.manage("create_user_token", "cluster-admin", "--staff")
         node_token = plane.manage("create_data_node_token", "data-node-1", "--url", "http://127.0.0.1:1")
+        # Tokens go in files (0600), never on a command line, which every user of the host sees in ps.
         # A fixed port, so that a data node restarted by a test serves at the address trainers were given.
         data_node_argv = [
-            str(BIN_DIR / "hypha-data-node"), "--server", plane.base_url, "--token", node_token,
+            str(BIN_DIR / "hypha-data-node"), "--server", plane.base_url,
+            "--token-file", str(token_file(root / "data-node.token", node_token)),
             "--dataset", str(dataset_dir), "--port", str(free_port()), "--log-level", "WARNING",
         ]  # fmt: skip
         data_node = plane.start("data-node", data_node_argv)
@@ -308,7 +310,8 @@ def training_cluster(
                 cluster.daemons[name] = plane.start(
                     name,
                     [
-                        str(BIN_DIR / "hypha-worker-daemon"), "--server", plane.base_url, "--token", token,
+                        str(BIN_DIR / "hypha-worker-daemon"), "--server", plane.base_url,
+                        "--token-file", str(token_file(root / "workers" / f"{name}.token", token)),
                         "--config", str(config), "--log-level", "INFO",
                     ],
                 )  # fmt: skip
@@ -324,6 +327,14 @@ def training_cluster(
             ]
         )
         yield cluster
+
+
+def token_file(path: Path, token: str) -> Path:
+    """``path`` holding ``token``, readable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(token)
+    return path
 
 
 def summary(job: dict, *, model: Path | None) -> dict:

@@ -695,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
         "HYPHA_OFFER_TTL": "3.0",
         "HYPHA_READVERTISE_BASE": "0.5",
         "HYPHA_READVERTISE_MAX": "2.0",
+        # status_seconds() scrapes /metrics without credentials
+        "HYPHA_METRICS_PUBLIC": "1",
     }
     with (
         harness.run_directory(

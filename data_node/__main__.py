@@ -1,6 +1,10 @@
 """``hypha-data-node``: serve a dataset directory's slices over HTTP and register it with the control plane.
 
-    hypha-data-node --server URL --token TOKEN --dataset DIR [--host 127.0.0.1] [--port 0] [--public-url URL]
+    HYPHA_DATA_NODE_TOKEN=hd_… hypha-data-node --server URL --dataset DIR [--host 127.0.0.1] [--port 0] \
+        [--public-url URL]
+
+The token comes from ``$HYPHA_DATA_NODE_TOKEN``, ``--token-file PATH`` or ``$HYPHA_DATA_NODE_TOKEN_FILE``;
+``--token`` works too but puts it in the process list (``ps``) for every user of the machine to read.
 
 The dataset's name is DIR's basename; its slices are DIR/00000.safetensors, … (see ``hypha-data``). The node
 hashes every slice, starts listening, registers (retrying while the control plane is unreachable), logs one
@@ -43,9 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--server", required=True, help="control plane base URL, e.g. https://hypha.example")
     parser.add_argument(
-        "--token",
-        default=os.environ.get("HYPHA_DATA_NODE_TOKEN"),
-        help="data node token hd_… (default: $HYPHA_DATA_NODE_TOKEN)",
+        "--token", help="data node token hd_…; visible in ps, prefer $HYPHA_DATA_NODE_TOKEN or --token-file"
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        default=os.environ.get("HYPHA_DATA_NODE_TOKEN_FILE"),
+        help="read the data node token from this file (default: $HYPHA_DATA_NODE_TOKEN_FILE)",
     )
     parser.add_argument("--dataset", required=True, type=Path, metavar="DIR", help="dataset directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -111,7 +119,7 @@ async def run(
         try:
             answer = registration.result()
         except TokenRefused as error:
-            log.error("%s: check --token", error)
+            log.error("%s: check the token", error)
             return EXIT_TOKEN_REFUSED
         except RegistrationRefused as error:
             log.error("%s", error)
@@ -137,19 +145,43 @@ async def run(
         await runner.cleanup()
 
 
+def _token(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> str:
+    """The data node token: ``--token`` (with a warning), else ``$HYPHA_DATA_NODE_TOKEN``, else the file of
+    ``--token-file`` / ``$HYPHA_DATA_NODE_TOKEN_FILE``; a usage error (exit 2) when none gives one."""
+    if arguments.token:
+        print(
+            "hypha-data-node: warning: --token puts the token in the process list (ps); "
+            "use --token-file PATH or HYPHA_DATA_NODE_TOKEN instead",
+            file=sys.stderr,
+        )
+        return arguments.token.strip()
+    token = os.environ.get("HYPHA_DATA_NODE_TOKEN", "").strip()
+    if not token and arguments.token_file:
+        try:
+            token = Path(arguments.token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"token file {arguments.token_file} cannot be read: {error}")
+    if not token:
+        parser.error("no token: set HYPHA_DATA_NODE_TOKEN, or pass --token-file PATH (or --token)")
+    return token
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     arguments = parser.parse_args(argv)
-    if not arguments.token:
-        parser.error("--token (or $HYPHA_DATA_NODE_TOKEN) is required")
+    token = _token(parser, arguments)
     import asyncio
     import logging
 
-    logging.basicConfig(level=arguments.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from worker_daemon import redaction
+
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=arguments.log_level, format=log_format)
+    redaction.install(log_format)  # no token in a log line, whatever a library prints at DEBUG
     return asyncio.run(
         run(
             server=arguments.server,
-            token=arguments.token,
+            token=token,
             directory=arguments.dataset,
             host=arguments.host,
             port=arguments.port,

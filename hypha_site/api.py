@@ -14,8 +14,27 @@ from typing import Any
 from django.db import models
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse
-from rest_framework import serializers
+from rest_framework import exceptions, serializers
+from rest_framework.authentication import TokenAuthentication
 from rest_framework.fields import empty
+
+# --- authentication -----------------------------------------------------------------------------------------
+
+
+class UserTokenAuthentication(TokenAuthentication):
+    """``Authorization: Token <key>`` with the key looked up by its hash (:class:`apps.workers.models.UserToken`):
+    DRF's scheme and answers (401 with ``WWW-Authenticate: Token``), none of its plaintext storage."""
+
+    def authenticate_credentials(self, key: str):
+        from apps.workers.models import UserToken
+
+        token = UserToken.authenticate(key)
+        if token is None:
+            raise exceptions.AuthenticationFailed("Invalid token.")
+        if not token.user.is_active:
+            raise exceptions.AuthenticationFailed("User inactive or deleted.")
+        return token.user, token
+
 
 # --- error bodies -------------------------------------------------------------------------------------------
 

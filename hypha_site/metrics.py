@@ -11,8 +11,9 @@ Two kinds of numbers, kept apart on purpose:
   processes of one host (emptied before they start): then each process writes its counters there and any of
   them answers with the sum (prometheus_client's multiprocess mode).
 
-Names and labels are listed in docs/observability.md. The endpoint is outside the login; with
-``HYPHA_METRICS_TOKEN`` set it requires ``Authorization: Bearer <token>``.
+Names and labels are listed in docs/observability.md. The endpoint answers a staff session, or
+``Authorization: Bearer <HYPHA_METRICS_TOKEN>`` when that is set; ``HYPHA_METRICS_PUBLIC=1`` (without a token)
+opens it to anyone.
 """
 
 from __future__ import annotations
@@ -198,20 +199,37 @@ def scrape_registry() -> CollectorRegistry:
     return registry
 
 
-def _authorised(request: HttpRequest) -> bool:
-    token = settings.HYPHA_METRICS_TOKEN
-    if not token:
-        return True
+def _bearer_matches(request: HttpRequest, token: str) -> bool:
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def _refusal(request: HttpRequest) -> HttpResponse | None:
+    """None when ``request`` may scrape: a staff session, the bearer token (when set), or anyone when
+    ``HYPHA_METRICS_PUBLIC`` opened the endpoint and no token is set. Else a 401 (403 for a signed-in user who
+    is not staff). The counts describe every user's jobs and workers, so they are not for everyone."""
+    token = settings.HYPHA_METRICS_TOKEN
+    user = getattr(request, "user", None)
+    if user is not None and user.is_active and user.is_staff:
+        return None
+    if token and _bearer_matches(request, token):
+        return None
+    if not token and settings.HYPHA_METRICS_PUBLIC:
+        return None
+    if user is not None and user.is_authenticated:
+        return HttpResponse("staff only\n", status=403, content_type="text/plain")
+    response = HttpResponse(
+        "a staff session or a valid bearer token is required\n", status=401, content_type="text/plain"
+    )
+    response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+    return response
 
 
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """``GET /metrics``: the exposition (OpenMetrics when the scraper asks for it)."""
-    if not _authorised(request):
-        response = HttpResponse("a valid bearer token is required\n", status=401, content_type="text/plain")
-        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
-        return response
+    refusal = _refusal(request)
+    if refusal is not None:
+        return refusal
     encoder, content_type = exposition.choose_encoder(request.headers.get("Accept", ""))
     return HttpResponse(encoder(scrape_registry()), content_type=content_type)

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Everything the control plane writes (the SQLite database, uploads, models, checkpoints, the beat
+    # schedule) is its own user's only; the components it starts as children inherit the mask.
+    os.umask(0o077)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypha_site.settings")
     os.environ["LOG_LEVEL"] = args.log_level.upper()
     try:
@@ -123,9 +126,10 @@ def _web(args, *, embedded: bool) -> int:
     if not args.no_migrate:
         call_command("migrate", interactive=False, verbosity=0)
     from daphne.endpoints import build_endpoint_description_strings
-    from daphne.server import Server
 
     from hypha_site.asgi import application
+    from hypha_site.http_body import Server  # daphne's, reading request bodies chunk by chunk
+    from hypha_site.http_deadline import with_header_deadline  # slowloris: headers within a deadline
 
     mode = "embedded (SQLite, in-process tasks)" if embedded else "services (PostgreSQL, Redis)"
     if args.endpoint:
@@ -135,7 +139,8 @@ def _web(args, *, embedded: bool) -> int:
         endpoints = build_endpoint_description_strings(host=args.host, port=args.port)
         print(f"hypha-server: control plane on http://{args.host}:{args.port}/ — {mode}", flush=True)
     proxy = args.proxy_headers
-    Server(
+    with_header_deadline(Server)(
+        header_timeout=settings.HYPHA_HTTP_HEADER_TIMEOUT,
         application=application,
         endpoints=endpoints,
         proxy_forwarded_address_header="X-Forwarded-For" if proxy else None,

@@ -145,9 +145,26 @@ EMBEDDED_TRANSPORTS = not REDIS_URL
 
 HYPHA_DATA_DIR = Path(env_str("HYPHA_DATA_DIR", str(Path.cwd() / ".hypha"))).expanduser().resolve()
 try:  # the SQLite database, uploads, models and checkpoints live here, whatever else is configured
-    HYPHA_DATA_DIR.mkdir(parents=True, exist_ok=True)
+    # Its owner's only when we create it (0700): it holds the secret key and the database. A directory the
+    # operator made is left as they made it; the files in it are private anyway (private_file, hypha-server's
+    # umask).
+    HYPHA_DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
 except OSError as error:
     raise ImproperlyConfigured(f"HYPHA_DATA_DIR={str(HYPHA_DATA_DIR)!r} cannot be created: {error}") from None
+
+
+def private_file(path: Path) -> None:
+    """Make ``path`` readable by its owner only: created empty with mode 0600 if missing (never briefly
+    readable by others), else stripped of group and other permission bits (an older install made 0644 ones)."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            path.chmod(mode & 0o700)
+    else:
+        os.close(descriptor)
+
 
 DEBUG = env_bool("DEBUG", default=False)
 
@@ -166,10 +183,10 @@ def _secret_key() -> str:
     # Embedded default: a key generated once and kept beside the SQLite database, so sessions survive restarts.
     key_file = HYPHA_DATA_DIR / "secret_key"
     try:
-        HYPHA_DATA_DIR.mkdir(parents=True, exist_ok=True)
-        if not key_file.exists():
+        HYPHA_DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_file(key_file)
+        if not key_file.read_text().strip():
             key_file.write_text(secrets.token_urlsafe(50))
-            key_file.chmod(0o600)
         return key_file.read_text().strip()
     except OSError as error:
         raise ImproperlyConfigured(
@@ -210,7 +227,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
@@ -266,6 +282,17 @@ else:
             "TEST": {"NAME": HYPHA_DATA_DIR / "test.sqlite3"},
         }
     }
+    # SQLite creates a database (and gives its -wal and -shm files the database's mode) 0644: made here first,
+    # 0600, as it holds password and token hashes and every job's secrets.
+    try:
+        for _suffix in ("", "-wal", "-shm"):
+            _database_file = HYPHA_DATA_DIR / f"hypha.sqlite3{_suffix}"
+            if not _suffix or _database_file.exists():
+                private_file(_database_file)
+    except OSError as error:
+        raise ImproperlyConfigured(
+            f"HYPHA_DATA_DIR={str(HYPHA_DATA_DIR)!r} is not writable: {error}"
+        ) from None
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
@@ -331,13 +358,23 @@ else:
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        # `Authorization: Token <key>`, the key stored hashed (apps.workers.models.UserToken), not DRF's
+        # plaintext authtoken table.
+        "hypha_site.api.UserTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
+    # JSON bounded in nesting and refused strings no database holds; an oversized body a JSON 413
+    # (hypha_site/parsers.py).
+    "DEFAULT_PARSER_CLASSES": [
+        "hypha_site.parsers.BoundedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    "EXCEPTION_HANDLER": "hypha_site.parsers.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Hypha control plane API",
@@ -372,6 +409,22 @@ HYPHA_LEASE_TTL = env_float("HYPHA_LEASE_TTL", 10.0, minimum=1.0, maximum=3600.0
 #: A renewal is requested once this fraction of the TTL is left (the original renews at 2/3 elapsed;
 #: we ask earlier so a lost request has two more chances before expiry).
 HYPHA_RENEW_AT_REMAINING = env_float("HYPHA_RENEW_AT_REMAINING", 0.67, minimum=0.1, maximum=0.95)
+#: Seconds a transfer token lives (at least twice the lease TTL is used). Each live task gets a fresh one
+#: with every renewal of its lease (``transfer_token`` frames), so a token that leaks is soon worthless.
+HYPHA_TRANSFER_TOKEN_LIFETIME = env_float(
+    "HYPHA_TRANSFER_TOKEN_LIFETIME", 15 * 60.0, minimum=2.0, maximum=86400.0
+)
+#: Seconds a trainer's slice download URL stays valid. The bridge downloads right after the claim, but waits
+#: up to its ``data_wait`` (15 min by default) for data nodes that are down, retrying the same URLs: twice that.
+HYPHA_SLICE_TOKEN_LIFETIME = env_float(
+    "HYPHA_SLICE_TOKEN_LIFETIME", 30 * 60.0, minimum=2.0, maximum=7 * 86400.0
+)
+#: Seconds the parameter server's eval slice URLs stay valid. It downloads them when it reports its first
+#: round (which may be long after its dispatch), again each round until that works, and again when its daemon
+#: restarts it; a server the control plane replaces gets new URLs. So they live long by default.
+HYPHA_EVAL_SLICE_TOKEN_LIFETIME = env_float(
+    "HYPHA_EVAL_SLICE_TOKEN_LIFETIME", 7 * 86400.0, minimum=2.0, maximum=30 * 86400.0
+)
 #: Seconds a TEMPORARY (offer) lease holds the worker while the offer is open.
 HYPHA_OFFER_TTL = env_float("HYPHA_OFFER_TTL", 3.0, minimum=0.2, maximum=600.0)
 #: Seconds an advertisement collects offers before it settles for what it has and re-advertises.
@@ -386,8 +439,20 @@ HYPHA_ADVERT_FANOUT = env_int("HYPHA_ADVERT_FANOUT", 4, minimum=0, maximum=10_00
 HYPHA_ADVERT_MIN_TARGETS = env_int("HYPHA_ADVERT_MIN_TARGETS", 8, minimum=1, maximum=100_000)
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
+#: Bounds of the request bodies the API parses (hypha_site/parsers.py): the largest JSON or form body (bytes;
+#: streamed uploads have their own limits below), the largest TOML job (tomllib is pure Python: seconds per
+#: MB), and how deep either may nest (arrays, objects, TOML dotted keys). Beyond them: a JSON 413 or 400.
+HYPHA_MAX_REQUEST_BYTES = env_int("HYPHA_MAX_REQUEST_BYTES", 2_621_440, minimum=64 * 1024, maximum=1 << 30)
+DATA_UPLOAD_MAX_MEMORY_SIZE = HYPHA_MAX_REQUEST_BYTES
+HYPHA_MAX_TOML_BYTES = env_int("HYPHA_MAX_TOML_BYTES", 64 * 1024, minimum=4096, maximum=16 << 20)
+HYPHA_MAX_INPUT_DEPTH = env_int("HYPHA_MAX_INPUT_DEPTH", 32, minimum=8, maximum=256)
 #: The largest file of a final model the parameter server may upload (bytes).
 HYPHA_MAX_MODEL_FILE_BYTES = env_int("HYPHA_MAX_MODEL_FILE_BYTES", 20 << 30, minimum=1 << 20, maximum=1 << 40)
+#: Users' uploads (POST /api/uploads/): the largest file, and each user's quota in bytes and in number of
+#: uploads (a refused upload is a 413 and leaves nothing behind; DELETE /api/uploads/<id>/ frees room).
+HYPHA_MAX_UPLOAD_BYTES = env_int("HYPHA_MAX_UPLOAD_BYTES", 10 << 30, minimum=1 << 20, maximum=1 << 40)
+HYPHA_UPLOAD_QUOTA_BYTES = env_int("HYPHA_UPLOAD_QUOTA_BYTES", 50 << 30, minimum=1 << 20, maximum=1 << 50)
+HYPHA_UPLOAD_QUOTA_COUNT = env_int("HYPHA_UPLOAD_QUOTA_COUNT", 100, minimum=1, maximum=1_000_000)
 #: Largest websocket frame accepted from a daemon (UTF-8 bytes); larger ones get a ``too_large`` error frame.
 HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
 #: Per-connection token bucket of the worker gateway: sustained frames per second and the burst above it.
@@ -398,6 +463,24 @@ HYPHA_WS_RATE = env_float("HYPHA_WS_RATE", 200.0, minimum=0.1, maximum=1e6)
 HYPHA_WS_BURST = env_int("HYPHA_WS_BURST", 10_000, minimum=1, maximum=10_000_000)
 #: Refused (rate-limited) frames within 10 s after which the gateway closes the connection (4008).
 HYPHA_WS_FLOOD_REFUSALS = env_int("HYPHA_WS_FLOOD_REFUSALS", 1000, minimum=1, maximum=10_000_000)
+#: The same bucket in bytes (a text frame counts its characters): a daemon's steady traffic is a few KB/s; the
+#: burst lets a reconnecting daemon flush its outbox. Checked as frames arrive, like the frame bucket.
+HYPHA_WS_BYTES_RATE = env_int("HYPHA_WS_BYTES_RATE", 1 << 20, minimum=1024, maximum=1 << 40)
+HYPHA_WS_BYTES_BURST = env_int("HYPHA_WS_BYTES_BURST", 32 << 20, minimum=1024, maximum=1 << 40)
+#: Frames (and their bytes) one connection may have received but not yet handled; one more closes it (4008).
+#: A connection's frames are handled one at a time, so this bounds the memory and database work a sender
+#: can queue up beyond what the buckets let through. The frame bound matches the burst (a daemon's outbox).
+HYPHA_WS_BACKLOG = env_int("HYPHA_WS_BACKLOG", 10_000, minimum=1, maximum=10_000_000)
+HYPHA_WS_BACKLOG_BYTES = env_int("HYPHA_WS_BACKLOG_BYTES", 32 << 20, minimum=1024, maximum=1 << 40)
+for _name, _value in {
+    "HYPHA_WS_BYTES_BURST": HYPHA_WS_BYTES_BURST,
+    "HYPHA_WS_BACKLOG_BYTES": HYPHA_WS_BACKLOG_BYTES,
+}.items():
+    if _value < HYPHA_WS_MAX_MESSAGE_BYTES:
+        raise ImproperlyConfigured(
+            f"{_name} ({_value}) must be at least HYPHA_WS_MAX_MESSAGE_BYTES "
+            f"({HYPHA_WS_MAX_MESSAGE_BYTES}): a frame of the largest size could never be handled"
+        )
 
 if HYPHA_OFFER_TTL <= HYPHA_OFFER_WINDOW:
     raise ImproperlyConfigured(
@@ -438,10 +521,66 @@ def status_bridge_checked(name: str, value: str | None) -> str | None:
 HYPHA_STATUS_BRIDGE = status_bridge_checked("HYPHA_STATUS_BRIDGE", env_str("HYPHA_STATUS_BRIDGE"))
 #: Seconds one post to the bridge may take (connect and reply) before it counts as failed.
 HYPHA_STATUS_BRIDGE_TIMEOUT = env_float("HYPHA_STATUS_BRIDGE_TIMEOUT", 2.0, minimum=0.1, maximum=60.0)
-#: When set, ``GET /metrics`` requires ``Authorization: Bearer <it>``; unset, the endpoint is open.
+#: ``GET /metrics`` answers a staff session, or ``Authorization: Bearer <HYPHA_METRICS_TOKEN>`` when set;
+#: everyone else gets 401/403 unless HYPHA_METRICS_PUBLIC opens it (ignored when the token is set).
 HYPHA_METRICS_TOKEN = env_str("HYPHA_METRICS_TOKEN")
 if HYPHA_METRICS_TOKEN is not None and len(HYPHA_METRICS_TOKEN) < 16:
     raise ImproperlyConfigured("HYPHA_METRICS_TOKEN must be at least 16 characters long")
+HYPHA_METRICS_PUBLIC = env_bool("HYPHA_METRICS_PUBLIC", False)
+
+# --- hardening (docs/deploy.md "Threat model") -----------------------------------------------------------
+
+
+def private_networks_checked(name: str, value: str | None) -> bool | tuple:
+    """True (every address allowed), or the networks allowed (empty: none) of ``HYPHA_ALLOW_PRIVATE_URLS``:
+    a boolean, or comma-separated addresses/CIDR networks (``10.0.0.0/8,127.0.0.1``)."""
+    import ipaddress
+
+    lowered = (value or "").strip().lower()
+    if lowered in {"", "0", "false", "no", "off"}:
+        return ()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    networks = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"{name}={value!r}: {item!r} is not a boolean, an address or a CIDR network"
+            ) from None
+    return tuple(networks)
+
+
+#: Model URLs at loopback/private/link-local/multicast/reserved addresses are refused at submission unless
+#: allowed here (the parameter server has its own HYPHA_ALLOW_PRIVATE_URLS, in the daemon's environment).
+HYPHA_ALLOW_PRIVATE_URLS = private_networks_checked(
+    "HYPHA_ALLOW_PRIVATE_URLS", env_str("HYPHA_ALLOW_PRIVATE_URLS")
+)
+#: The most parameters a model built from a config may have (whatever the job's roles declare).
+HYPHA_MAX_MODEL_PARAMETERS = env_int(
+    "HYPHA_MAX_MODEL_PARAMETERS", 20_000_000_000, minimum=1_000, maximum=10**15
+)
+#: Login throttling (dashboard and admin): after this many failed logins for one username, or from one client
+#: address, within HYPHA_LOGIN_LOCKOUT_SECONDS, every login of it is refused until the window ends.
+HYPHA_LOGIN_FAILURE_LIMIT = env_int("HYPHA_LOGIN_FAILURE_LIMIT", 10, minimum=1, maximum=10_000)
+HYPHA_LOGIN_ADDRESS_FAILURE_LIMIT = env_int(
+    "HYPHA_LOGIN_ADDRESS_FAILURE_LIMIT", 100, minimum=1, maximum=1_000_000
+)
+HYPHA_LOGIN_LOCKOUT_SECONDS = env_int("HYPHA_LOGIN_LOCKOUT_SECONDS", 900, minimum=1, maximum=7 * 86_400)
+#: Seconds a connection has to send a complete request line and headers (from connecting, or from the end of
+#: its previous response): slowloris clients that trickle or stall are closed with a 408.
+HYPHA_HTTP_HEADER_TIMEOUT = env_float("HYPHA_HTTP_HEADER_TIMEOUT", 30.0, minimum=1.0, maximum=3600.0)
+# The login failures are counted in the cache: Redis when there is one (shared by every daphne process),
+# else this process's memory (the embedded default is one process).
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "hypha",
+        }
+    }
 
 # OpenTelemetry tracing is switched on by the standard OTEL_* variables alone (hypha_site.telemetry); Django
 # calls LOGGING_CONFIG once per process in django.setup(), after the settings and before the apps and the

@@ -6,7 +6,11 @@ from django.urls import include, path
 from django.views.defaults import page_not_found
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.dashboard.login import ThrottledAdminAuthenticationForm
 from hypha_site.metrics import metrics_view
+
+# The admin's password form counts failures and locks out guessers, as the dashboard's does.
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 
 def healthz(request):
@@ -31,7 +35,7 @@ handler404 = not_found
 urlpatterns = [
     path("", include("apps.dashboard.urls")),
     path("healthz", healthz, name="healthz"),
-    # Prometheus scrapes without a session (optionally a bearer token); a plain view, so not in the schema.
+    # Prometheus scrapes with a bearer token (or staff with their session); a plain view, not in the schema.
     path("metrics", metrics_view, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/", include("hypha_site.api_urls")),

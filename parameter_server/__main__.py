@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--socket", required=True, help="the daemon's bridge socket for this job")
     parser.add_argument("--work-dir", required=True, help="the job's work directory (created if missing)")
-    parser.add_argument("--job", required=True, help="the aggregate JOB_JSON, or @FILE to read it from FILE")
+    job = parser.add_mutually_exclusive_group(required=True)
+    # The daemon passes --job-file: the job holds slice URLs with their tokens, which ps shows on a command line.
+    job.add_argument("--job-file", metavar="FILE", help="read the aggregate JOB_JSON from FILE")
+    job.add_argument(
+        "--job", help="the aggregate JOB_JSON inline (visible in ps), or @FILE to read it from FILE"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
     parser.add_argument("--public-url", default=None, help="base URL trainers use (default http://HOST:PORT)")
@@ -64,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         arguments = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits 2 on errors and 0 on --help
         return int(exit_.code or 0)
-    logging.basicConfig(
-        level=arguments.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=arguments.log_level, stream=sys.stderr, format=log_format)
+    from worker_daemon import redaction
+
+    redaction.install(log_format)  # no credential in a log line, whatever a library prints at DEBUG
     if not 0 <= arguments.port <= 65535:
         logger.error("--port must be in 0..65535, got %d", arguments.port)
         return EXIT_BAD_ARGUMENTS
@@ -101,7 +106,9 @@ def _main(arguments: argparse.Namespace) -> int:
 
     text = arguments.job
     try:
-        if text.startswith("@"):
+        if arguments.job_file is not None:
+            text = Path(arguments.job_file).read_text(encoding="utf-8")
+        elif text.startswith("@"):
             text = Path(text[1:]).read_text(encoding="utf-8")
         job = parse_job(text)
     except (OSError, JobConfigError) as error:

@@ -13,6 +13,8 @@ Hierarchy::
     ├── ModelSourceError           the initial model cannot be built or fetched from its source
     ├── EvalDataError              an eval slice cannot be downloaded or does not match its size/SHA-256
     ├── UploadError                the final model could not be uploaded to the control plane
+    ├── UpdateRefused              422: a well-formed update the round will not take (its norm is out of
+    │                              bounds for the round, or its weighted values would overflow the sum)
     └── RoundError                 an update or a result asked of the wrong round (HTTP status in ``status``)
         ├── RoundConflict          409: the round is not open, already closed, or this peer already sent
         ├── RoundPruned            410: the round's result is no longer kept
@@ -72,6 +74,17 @@ class EvalDataError(ParameterServerError):
 
 class UploadError(ParameterServerError):
     """The final model could not be uploaded to the control plane."""
+
+
+class UpdateRefused(ParameterServerError):
+    """A well-formed update the round will not take: ``kind`` is the HTTP error kind (``refused_update``), the
+    message says why. The round is left exactly as it was; the refusal is noted in its report."""
+
+    status = 422
+
+    def __init__(self, detail: str, *, kind: str = "refused_update") -> None:
+        super().__init__(detail)
+        self.kind = kind
 
 
 class RoundError(ParameterServerError):

@@ -4,7 +4,8 @@
 Contract of :func:`parse_job`: it accepts the envelope as a JSON string or an already decoded object and
 either returns a :class:`JobConfig` or raises :class:`~parameter_server.exceptions.JobConfigError` naming
 the first bad key (the process then exits with code 2). Unknown keys are ignored (Hypha's rule). Defaults:
-``rounds.update_rounds`` 1, ``rounds.round_timeout`` 120 s, ``rounds.weighted`` true, ``model.seed`` 0,
+``rounds.update_rounds`` 1, ``rounds.round_timeout`` 120 s, ``rounds.weighted`` true,
+``rounds.max_samples_per_update`` absent (no cap), ``rounds.update_norm_ratio`` 10, ``model.seed`` 0,
 ``model.input-names`` ``[]``, ``eval`` absent. Nothing here imports torch.
 """
 
@@ -83,6 +84,10 @@ class JobConfig:
     weighted: bool
     eval: EvalConfig | None
     resume: ResumeConfig | None = None
+    #: ``rounds.max_samples_per_update``: the most X-Samples one trainer may claim for a round (None: no cap).
+    max_samples_per_update: int | None = None
+    #: ``rounds.update_norm_ratio``: an update's norm may be at most this times the round's reference norm.
+    update_norm_ratio: float = 10.0
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -257,6 +262,12 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
     weighted = rounds.get("weighted", True)
     if not isinstance(weighted, bool):
         raise JobConfigError(f"rounds.weighted must be true or false, got {weighted!r}")
+    max_samples = rounds.get("max_samples_per_update")
+    if max_samples is not None:
+        max_samples = _integer(max_samples, "rounds.max_samples_per_update", minimum=1)
+    norm_ratio = _number(
+        rounds.get("update_norm_ratio", 10.0), "rounds.update_norm_ratio", minimum=1, strict=True
+    )
 
     return JobConfig(
         job_id=job_id,
@@ -275,4 +286,6 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
         weighted=weighted,
         eval=_eval(config.get("eval")),
         resume=_resume(config.get("checkpoint")),
+        max_samples_per_update=max_samples,
+        update_norm_ratio=norm_ratio,
     )

@@ -20,7 +20,8 @@ The mean here is the true (optionally sample-weighted) mean, *not* the original'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -72,6 +73,10 @@ class StreamingMean:
       time and does not reset the accumulator. With nothing added, or all weights zero, ``NoUpdatesError``.
       ``take()`` returns the same once, computed in the accumulator (the parameter server's round close).
     * Inputs are never mutated or retained.
+    * An update whose ``weight × |value|`` could overflow the accumulator's dtype raises ``TensorRefused``
+      (and changes nothing): each accumulator element is at most ``Σ wᵢ·max|xᵢ|`` in magnitude, and that bound
+      is kept per tensor, so finite inputs never make a sum Inf. Honest updates are nowhere near it (float32's
+      largest value is 3.4e38).
 
     Accumulator dtype: float32 for float16, bfloat16 and float32 inputs, float64 for float64 inputs. float32
     accumulates with a relative error of about ``N · 6e-8`` for N updates, far below the float16/bfloat16
@@ -84,6 +89,8 @@ class StreamingMean:
     def __init__(self) -> None:
         self._accumulators: StateDict | None = None
         self._dtypes: dict[str, torch.dtype] = {}
+        #: Σ weight · max|x| per tensor: a bound on the magnitude of every element of its accumulator.
+        self._magnitudes: dict[str, float] = {}
         self._total_weight = 0.0
         self.count = 0
         """How many updates were added (including any with weight 0)."""
@@ -103,11 +110,26 @@ class StreamingMean:
                     name, update[name], accumulator.shape, self._dtypes[name], "this update"
                 )
         assert self._accumulators is not None
+        magnitudes = {}
+        for name, accumulator in self._accumulators.items():
+            peak = largest_magnitude(update[name])
+            # Python floats: weight · peak is Inf rather than an error when it is past float64's range.
+            magnitude = self._magnitudes.get(name, 0.0) + weight * peak
+            if magnitude > torch.finfo(accumulator.dtype).max:
+                if self.count == 0:
+                    self._accumulators = None  # the first update fixes the signature only if it is taken
+                raise TensorRefused(
+                    name,
+                    f"weight {weight:g} × its largest value {peak:g} would overflow the round's "
+                    f"{str(accumulator.dtype).removeprefix('torch.')} sum",
+                )
+            magnitudes[name] = magnitude
         for name, accumulator in self._accumulators.items():
             # add_ with alpha is fused (no w·x temporary); .to() copies only half-precision tensors.
             accumulator.add_(
                 update[name].to(device=accumulator.device, dtype=accumulator.dtype), alpha=weight
             )
+        self._magnitudes.update(magnitudes)
         self._total_weight += weight
         self.count += 1
 
@@ -146,6 +168,7 @@ class StreamingMean:
         assert self._accumulators is not None
         accumulators, self._accumulators = self._accumulators, None
         total, self._total_weight = self._total_weight, 0.0
+        self._magnitudes = {}
         return {name: tensor.div_(total).to(self._dtypes[name]) for name, tensor in accumulators.items()}
 
     def _check_result(self) -> None:
@@ -153,6 +176,60 @@ class StreamingMean:
             raise NoUpdatesError("no update was added")
         if self._total_weight == 0:
             raise NoUpdatesError(f"the {self.count} update(s) added all have weight 0")
+
+
+def largest_magnitude(tensor: torch.Tensor) -> float:
+    """``max|x|`` over ``tensor`` as a Python float (0.0 when empty; NaN when it holds one). One pass with
+    ``aminmax`` and no copy (15x faster than ``vector_norm(ord=inf)`` on CPU, 4 ms for 25M float32 values);
+    float8 is widened to float16, which holds its values exactly."""
+    if tensor.numel() == 0:
+        return 0.0
+    if tensor.element_size() == 1 and tensor.dtype.is_floating_point:
+        tensor = tensor.to(torch.float16)
+    low, high = torch.aminmax(tensor)
+    return max(-float(low), float(high))
+
+
+def update_norm(update: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of all the floating-point tensors of ``update`` taken together (integer tensors are
+    skipped). Summed in float64 and combined with ``math.hypot``: finite for any finite float32, float16 or
+    bfloat16 input (a float32 square is at most ~1.2e77, float64 reaches 1.8e308); ``math.inf`` when a
+    float64 input's squares overflow or a value is Inf, NaN when one is NaN."""
+    total = 0.0
+    for name in sorted(update):
+        tensor = update[name]
+        if not tensor.dtype.is_floating_point or tensor.numel() == 0:
+            continue
+        if tensor.element_size() == 1:
+            tensor = tensor.to(torch.float16)
+        total = math.hypot(total, float(torch.linalg.vector_norm(tensor, dtype=torch.float64)))
+    return total
+
+
+def norm_limit(
+    round_norms: Sequence[float], previous_norms: Sequence[float], *, fallback: float, ratio: float
+) -> float:
+    """The largest update norm a round accepts: ``ratio`` × a reference norm.
+
+    The reference is the larger of the median of ``round_norms`` (the round's updates accepted so far) and
+    the median of ``previous_norms`` (those of the last round that took a step), leaving out an empty or
+    zero median; with neither, ``fallback`` (the parameter server uses the global weights' norm: an update
+    ``ratio`` times larger than the whole model is not a training step), and no bound (``math.inf``) when that
+    is 0 too (nothing to measure against). The larger of the two, so that a
+    round whose first updates are small does not refuse an honest trainer that ran more steps; the median,
+    so that one outlier cannot move it. ``ratio`` must be > 1 and ``fallback`` >= 0, else ``ValueError``.
+
+    Example: round [1, 2, 10] (median 2), previous [3, 4] (median 3.5), ratio 10 → 35.
+    """
+    if not math.isfinite(ratio) or ratio <= 1:
+        raise ValueError(f"ratio must be finite and > 1, got {ratio!r}")
+    if not math.isfinite(fallback) or fallback < 0:
+        raise ValueError(f"fallback must be finite and >= 0, got {fallback!r}")
+    medians = [statistics.median(norms) for norms in (round_norms, previous_norms) if norms]
+    references = [median for median in medians if median > 0]
+    if not references:
+        return ratio * fallback if fallback > 0 else math.inf
+    return ratio * max(references)
 
 
 def mean(updates: Iterable[Mapping[str, torch.Tensor]], weights: Iterable[float] | None = None) -> StateDict:

@@ -13,6 +13,7 @@ Heavy imports (torch, transformers, huggingface_hub) happen inside the functions
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parameter_server import safe_fetch
 from parameter_server import weights as weights_io
 from parameter_server.exceptions import JobConfigError, ModelSourceError, WeightsFileError
 from parameter_server.job import JobConfig, ModelSource
@@ -159,19 +161,21 @@ def _download_uri(url: str, directory: Path, *, control_plane: ControlPlaneAcces
             headers={"Authorization": f"Bearer {control_plane.token}"},
         )
         target = directory / "upload"
+
+        def opened() -> Any:
+            return urllib.request.urlopen(request, timeout=URI_DOWNLOAD_TIMEOUT)
     else:
-        try:
-            request = urllib.request.Request(url)
-        except ValueError as error:
-            raise ModelSourceError(f"cannot download the model from {url}: {error}") from error
+        # A URL the job's owner wrote: it must not reach this worker's own network (safe_fetch).
+        allowance = safe_fetch.allowed_private_networks()
         target = directory / (Path(urllib.parse.urlparse(url).path).name or "model.bin")
+
+        def opened() -> Any:
+            return safe_fetch.open_checked(url, allowance, timeout=URI_DOWNLOAD_TIMEOUT)
+
     try:
-        with (
-            urllib.request.urlopen(request, timeout=URI_DOWNLOAD_TIMEOUT) as response,
-            open(target, "wb") as file,
-        ):
+        with opened() as response, open(target, "wb") as file:
             shutil.copyfileobj(response, file, 1 << 20)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, http.client.HTTPException) as error:
         raise ModelSourceError(f"cannot download the model from {url}: {error}") from error
     if zipfile.is_zipfile(target):
         with zipfile.ZipFile(target) as archive:

@@ -23,6 +23,14 @@ Round rules (docs/training.md, step 7):
   count weighs 1; unweighted means every update weighs 1). Nesterov: ``(u, m) = nesterov_step(g, m)``,
   ``θ_r = θ_{r-1} + u``. If no update with a positive weight was accepted, no step is taken: ``u = 0``, the
   momentum is unchanged, and the result says ``stepped=False``.
+* Bounds on an update (refused with ``UpdateRefused``, 422 ``refused_update``, the round unchanged): its L2
+  norm (float64) must be finite and at most ``update_norm_ratio`` × the larger of the medians of the norms
+  of the round's accepted updates and of the last stepped round's (:func:`~parameter_server.math.norm_limit`;
+  the job's first update, or the first after a restart, is measured against the global weights' norm), and
+  its sample-weighted values must not overflow the round's sum. X-Samples is bounded by the server.
+* A step that is not finite (the mean, ``u``, the new weights or the momentum hold Inf or NaN: a float16
+  model past its range, an absurd learning rate) is *discarded*: ``u = 0``, the weights and the momentum stay
+  as they were, and the result says ``stepped=False`` and ``discarded=<reason>``. A round never ends the job.
 * Only floating-point tensors are averaged and stepped, and ``u`` holds only them: other tensors (integer
   buffers such as step counters) keep their global value, and trainers neither send nor receive them.
 * The results of the last :data:`KEEP_RESULTS` rounds are kept; an older one raises ``RoundPruned`` (410).
@@ -37,16 +45,27 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from parameter_server.exceptions import RoundConflict, RoundPruned, UnknownRound
-from parameter_server.math import StateDict, StreamingMean, nesterov_step
+from parameter_server import weights as weights_io
+from parameter_server.exceptions import (
+    RoundConflict,
+    RoundPruned,
+    TensorRefused,
+    UnknownRound,
+    UpdateRefused,
+)
+from parameter_server.math import StateDict, StreamingMean, nesterov_step, norm_limit, update_norm
 from worker_daemon import telemetry
 
 logger = logging.getLogger("parameter_server")
 
 KEEP_RESULTS = 2
+#: An update may be at most this many times the round's reference norm (docs/training.md). Trainers that ran
+#: 3x more inner steps than the others send updates a few times larger; 1e38 tensors are ~1e37x larger.
+DEFAULT_UPDATE_NORM_RATIO = 10.0
 
 
 @dataclass
@@ -66,6 +85,8 @@ class RoundResult:
     arrivals: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
     eval_loss: float | None = None
+    #: Why the round's step was thrown away (u = 0, weights and momentum kept), or None.
+    discarded: str | None = None
 
 
 @dataclass
@@ -85,6 +106,22 @@ class _OpenRound:
     #: Those it waited for when it opened: one that died meanwhile is reported as left out.
     opened_expecting: tuple[str, ...] = ()
     first_update_at: float | None = None
+    #: The L2 norms of the accepted updates, in arrival order.
+    norms: list[float] = field(default_factory=list)
+    #: Samples the control plane counted for each trainer in this round (its last ``Expect`` that said).
+    counted: dict[str, int] = field(default_factory=dict)
+
+
+class _Step(NamedTuple):
+    """A closed round's outer step: u, the new weights and momentum, the new weights' norm; ``stepped`` False
+    with u = 0 and everything kept when there was nothing to average or the step is ``discarded`` (why)."""
+
+    update: StateDict
+    weights: StateDict
+    momentum: StateDict | None
+    weights_norm: float
+    stepped: bool = False
+    discarded: str | None = None
 
 
 PersistHook = Callable[[RoundResult, StateDict, StateDict | None], Awaitable[None]]
@@ -123,6 +160,7 @@ class RoundCoordinator:
         on_first_update: FirstUpdateHook | None = None,
         last_result: RoundResult | None = None,
         clock: Callable[[], float] = time.monotonic,
+        update_norm_ratio: float = DEFAULT_UPDATE_NORM_RATIO,
     ) -> None:
         self.expected = tuple(expected)
         self._told: tuple[str, ...] = ()
@@ -140,6 +178,13 @@ class RoundCoordinator:
         self._floating = sorted(
             name for name, tensor in self.weights.items() if tensor.dtype.is_floating_point
         )
+        self.update_norm_ratio = update_norm_ratio
+        #: The accepted norms of the last round that took a step (the next round's reference, with its own).
+        self._previous_norms: list[float] = []
+        #: The global weights' norm: the reference of an update when no round gives one.
+        self._weights_norm = update_norm({name: self.weights[name] for name in self._floating})
+        #: Whether the control plane's ``Expect`` replies count samples: None until one arrived.
+        self.counts_reported: bool | None = None
         self._results: dict[int, RoundResult] = {}
         self._fetched: dict[int, set[str]] = {}
         if last_result is not None and last_result.round_number == rounds_completed:
@@ -174,6 +219,12 @@ class RoundCoordinator:
 
     def result(self, round_number: int) -> RoundResult | None:
         return self._results.get(round_number)
+
+    def counted(self, round_number: int, peer: str) -> int | None:
+        """The samples the control plane counted for ``peer`` in open round ``round_number``, if it said."""
+        if self._round is None or self._round.number != round_number:
+            return None
+        return self._round.counted.get(peer)
 
     def _new_round(self, number: int) -> _OpenRound:
         # The control plane's latest word on who trains, else everyone the job started with.
@@ -216,8 +267,9 @@ class RoundCoordinator:
         """Add ``peer``'s update (already validated against the global signature) to the open round.
 
         Raises ``RoundConflict``/``UnknownRound`` like :meth:`check_can_submit` (also when the round closed
-        while the update was being read); ``TensorRefused`` if it does not match the first update (it cannot,
-        once validated). Closing the round, if this was the last expected update, runs in the background.
+        while the update was being read); ``UpdateRefused`` (noted in the round's ``refused``, the round
+        unchanged) if its norm is out of bounds or its weighted values would overflow the round's sum (see the
+        module docstring). Closing the round, if this was the last expected update, runs in the background.
         """
         async with self._lock:
             self.check_can_submit(peer, round_number)
@@ -225,8 +277,14 @@ class RoundCoordinator:
             assert current is not None
             weight = float(samples if samples is not None else 1) if self.weighted else 1.0
             floating = {name: update[name] for name in self._floating}
-            # A thread: adding a large model's tensors would stall every other request.
-            await asyncio.to_thread(current.mean.add, floating, weight)
+            try:
+                # A thread: measuring and adding a large model's tensors would stall every other request.
+                norm = await asyncio.to_thread(self._measure_and_add, current, floating, weight)
+            except UpdateRefused as refusal:
+                current.refused[peer] = str(refusal)
+                logger.warning("round %d: update from %s refused: %s", round_number, peer, refusal)
+                raise
+            current.norms.append(norm)
             current.participants.append(peer)
             current.accepted_at[peer] = self._clock()
             current.refused.pop(peer, None)
@@ -252,14 +310,42 @@ class RoundCoordinator:
                 if self._on_first_update is not None:
                     self._on_first_update(current.number, peer)
 
-    def expect(self, round_number: int, peers: list[str] | tuple[str, ...], timeout: float | None) -> None:
+    def _measure_and_add(self, current: _OpenRound, update: StateDict, weight: float) -> float:
+        """Check ``update``'s norm against the round's bound and add it to the round's mean; its norm.
+        ``UpdateRefused`` (nothing added) if it is out of bounds. Runs in a thread, under the lock."""
+        norm = update_norm(update)
+        limit = norm_limit(
+            current.norms, self._previous_norms, fallback=self._weights_norm, ratio=self.update_norm_ratio
+        )
+        if not norm <= limit:  # also NaN
+            raise UpdateRefused(
+                f"the update's L2 norm {norm:.6g} is over this round's bound {limit:.6g} "
+                f"({self.update_norm_ratio:g}x the reference norm)"
+            )
+        try:
+            current.mean.add(update, weight)
+        except TensorRefused as error:
+            raise UpdateRefused(str(error)) from None
+        return norm
+
+    def expect(
+        self,
+        round_number: int,
+        peers: list[str] | tuple[str, ...],
+        timeout: float | None,
+        samples: Mapping[str, int] | None = None,
+    ) -> None:
         """The control plane's word on the open round: wait only for ``peers`` (the job's trainers still
         training: one that died is dropped, a replacement added — it may send from now on), and close at most
-        ``timeout`` seconds from now (never later than ``round_timeout`` after the first update). Ignored unless
-        round ``round_number`` is open."""
+        ``timeout`` seconds from now (never later than ``round_timeout`` after the first update). ``samples``,
+        when the control plane counts them: the samples each trainer reported for this round so far (the most
+        its X-Samples may claim). Ignored unless round ``round_number`` is open."""
+        self.counts_reported = samples is not None
         current = self._round
         if current is None or current.number != round_number or current.closing:
             return
+        if samples is not None:
+            current.counted = dict(samples)
         told = tuple(dict.fromkeys(peers))
         if told != current.expected:
             logger.info("round %d: the control plane expects %s", round_number, list(told))
@@ -295,11 +381,12 @@ class RoundCoordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _step(self, current: _OpenRound) -> tuple[StateDict, StateDict, StateDict | None, bool]:
-        """(u, θ_new, m_new, stepped) for the closed round; runs in a thread."""
+    def _step(self, current: _OpenRound) -> _Step:
+        """The closed round's outer step (or none: u = 0, weights and momentum kept); runs in a thread."""
+        zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
+        kept = _Step(zeros, self.weights, self.momentum, self._weights_norm)
         if current.mean.count == 0 or current.mean.total_weight == 0:
-            zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
-            return zeros, self.weights, self.momentum, False
+            return kept
         gradient = current.mean.take()  # the round is over: no copy
         update, momentum = nesterov_step(
             gradient=gradient,
@@ -310,7 +397,18 @@ class RoundCoordinator:
         new_weights = {
             name: tensor + update[name] if name in update else tensor for name, tensor in self.weights.items()
         }
-        return update, new_weights, momentum, True
+        # Checked here rather than when saving: a step that is not finite is thrown away, the job goes on.
+        for what, tensors in (
+            ("the outer step is", update),
+            ("the new weights are", {name: new_weights[name] for name in self._floating}),
+            ("the new momentum is", momentum),
+        ):
+            try:
+                weights_io.validate(tensors)
+            except TensorRefused as error:
+                return kept._replace(discarded=f"{what} not finite ({error.name!r} {error.reason})")
+        norm = update_norm({name: new_weights[name] for name in self._floating})
+        return _Step(update, new_weights, momentum, norm, stepped=True)
 
     async def _close(self, current: _OpenRound) -> None:
         # One span per round: its step and checkpoint, with what the round was (duration: open → close).
@@ -330,6 +428,7 @@ class RoundCoordinator:
                         "hypha.bytes_in": closed.bytes_in,
                         "hypha.duration_s": closed.duration,
                         "hypha.stepped": closed.stepped,
+                        "hypha.discarded": closed.discarded,
                     },
                 )
         if closed is not None:
@@ -340,10 +439,10 @@ class RoundCoordinator:
         """Step, persist and publish the round; its result, or None if that failed (:attr:`failure` set)."""
         try:
             async with self._lock:
-                update, new_weights, new_momentum, stepped = await asyncio.to_thread(self._step, current)
+                step = await asyncio.to_thread(self._step, current)
                 result = RoundResult(
                     round_number=current.number,
-                    update=update,
+                    update=step.update,
                     participants=tuple(current.participants),
                     left_out=tuple(
                         peer
@@ -354,14 +453,19 @@ class RoundCoordinator:
                     samples=current.samples,
                     duration=round(self._clock() - current.opened_at, 3),
                     bytes_in=current.bytes_in,
-                    stepped=stepped,
+                    stepped=step.stepped,
                     arrivals=_relative(current.accepted_at),
+                    discarded=step.discarded,
                 )
-                if not stepped:
+                if step.discarded is not None:
+                    logger.error("round %d: its step is discarded, u = 0: %s", current.number, step.discarded)
+                elif not step.stepped:
                     logger.warning("round %d closed without a usable update: u = 0", current.number)
                 if self._persist is not None:
-                    await self._persist(result, new_weights, new_momentum)
-                self.weights, self.momentum = new_weights, new_momentum
+                    await self._persist(result, step.weights, step.momentum)
+                self.weights, self.momentum = step.weights, step.momentum
+                if step.stepped:
+                    self._weights_norm, self._previous_norms = step.weights_norm, list(current.norms)
                 self._publish(result)
         except Exception as error:
             logger.exception("closing round %d failed", current.number)

@@ -18,8 +18,12 @@ another job is 404.
 
 Every error is JSON ``{"error": <kind>, "detail": <message>}``. Update refusals: 409 ``round_conflict``,
 404 ``unknown_round``, 413 ``too_large`` (body over 2x the global weights' size + 1 MiB), 422
-``not_safetensors`` or ``refused_tensor`` (names, shapes, dtypes, NaN/Inf), 400 ``bad_request`` (X-Samples).
-A refused update does not change the round; the refusal is noted in the round report's ``refused``.
+``not_safetensors`` or ``refused_tensor`` (names, shapes, dtypes, NaN/Inf), 422 ``refused_samples``
+(X-Samples over the job's ``max_samples_per_update``, or over what the control plane counted for the trainer
+in the round — asked again before refusing; checked before the body is read), 422 ``refused_update`` (norm
+out of bounds for the round, see :mod:`parameter_server.rounds`), 400 ``bad_request`` (X-Samples not an
+integer of at most 18 digits). A refused update does not change the round; the refusal is noted in the
+round report's ``refused``, and the trainer may send again. A model file name with a NUL is 404.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ import torch
 from aiohttp import web
 
 from parameter_server import weights as weights_io
-from parameter_server.exceptions import RoundError, TensorRefused, WeightsFileError
+from parameter_server.exceptions import RoundError, TensorRefused, UpdateRefused, WeightsFileError
 from parameter_server.rounds import RoundCoordinator
 from worker_daemon import telemetry
 from worker_daemon.protocol import TransferTokenError, verify_transfer_token
@@ -48,6 +53,8 @@ logger = logging.getLogger("parameter_server")
 MAX_WAIT = 60.0
 TRAINER_ROLE = "trainer"
 _CHUNK = 1 << 20
+# ASCII digits only (str.isdigit also takes '²', which int() refuses), and few enough for int() to parse.
+_SAMPLES = re.compile(r"[0-9]{1,18}")
 
 
 def error_response(status: int, kind: str, detail: str, **headers: str) -> web.Response:
@@ -90,6 +97,8 @@ class ParameterServerApp:
         canonicalize: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda update: update,
         max_update_bytes: int | None = None,
         admit: Callable[[str], Awaitable[bool]] | None = None,
+        max_samples_per_update: int | None = None,
+        count_samples: Callable[[str, int], Awaitable[int | None]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.transfer_key = transfer_key
@@ -106,6 +115,11 @@ class ParameterServerApp:
         if max_update_bytes is None:
             max_update_bytes = 2 * files.weights_path.stat().st_size + (1 << 20)
         self.max_update_bytes = max_update_bytes
+        #: The most samples one trainer can train on in a round (the job's cap; None: no cap).
+        self.max_samples_per_update = max_samples_per_update
+        #: Asked (peer, round) when X-Samples is over the control plane's last count for that trainer: the
+        #: control plane's count now, or None if it does not count.
+        self.count_samples = count_samples
         self.bytes_out = 0
         """Bytes of model files and results sent; the service reads and resets it for each round report."""
 
@@ -131,7 +145,7 @@ class ParameterServerApp:
             return await handler(request)
         except _HTTPFailure as failure:
             return failure.response
-        except RoundError as error:
+        except (RoundError, UpdateRefused) as error:
             return error_response(error.status, error.kind, str(error))
         except web.HTTPException as error:
             if error.status >= 400:
@@ -187,6 +201,8 @@ class ParameterServerApp:
         files = self.files
         if filename == files.weights_filename:
             path, rounds_completed = files.weights_path, files.rounds_completed
+        elif "\0" in filename:  # the operating system refuses the path outright (ValueError, not OSError)
+            raise _HTTPFailure(404, "not_found", "the model has no file whose name holds a NUL")
         else:
             path, rounds_completed = (files.files_dir / filename).resolve(), files.rounds_completed
             if not path.is_relative_to(files.files_dir.resolve()) or not path.is_file():
@@ -215,9 +231,39 @@ class ParameterServerApp:
         text = request.headers.get("X-Samples")
         if text is None or not text.strip():
             return None
-        if not text.strip().isdigit():
-            raise _HTTPFailure(400, "bad_request", f"X-Samples must be an integer >= 0, got {text!r}")
+        if not _SAMPLES.fullmatch(text.strip()):
+            raise _HTTPFailure(
+                400,
+                "bad_request",
+                f"X-Samples must be an integer >= 0 of at most 18 digits, got {text[:40]!r}",
+            )
         return int(text.strip())
+
+    async def _check_samples(self, peer: str, round_number: int, samples: int | None) -> None:
+        """422 ``refused_samples`` (noted in the round) if ``samples`` is more than ``peer`` can have trained
+        on in the round: the job's cap, then the control plane's count for it (asked again when the last one
+        it gave is lower, or none was given; not asked once it answered without counts)."""
+        if samples is None:
+            return
+        cap = self.max_samples_per_update
+        detail = None
+        if cap is not None and samples > cap:
+            detail = (
+                f"X-Samples {samples} is more than a trainer can have trained on in a round "
+                f"(at most {cap} in this job)"
+            )
+        elif self.count_samples is not None and self.coordinator.counts_reported is not False:
+            counted = self.coordinator.counted(round_number, peer)
+            if counted is None or samples > counted:
+                counted = await self.count_samples(peer, round_number)
+            if counted is not None and samples > counted:
+                detail = (
+                    f"X-Samples {samples} is more than the control plane counted for this trainer in "
+                    f"round {round_number} ({counted})"
+                )
+        if detail is not None:
+            self.coordinator.record_refusal(peer, round_number, detail)
+            raise _HTTPFailure(422, "refused_samples", detail)
 
     async def _receive_body(self, request: web.Request, peer: str, round_number: int) -> Path:
         """The body in a temporary file (the caller deletes it); 413 past ``max_update_bytes``."""
@@ -270,7 +316,7 @@ class ParameterServerApp:
                     },
                 )
                 raise
-            except RoundError as error:
+            except (RoundError, UpdateRefused) as error:
                 telemetry.annotate(
                     current,
                     **{
@@ -296,6 +342,7 @@ class ParameterServerApp:
         samples = self._samples(request)
         # Before reading the body: a late or duplicate update is refused without receiving megabytes.
         self.coordinator.check_can_submit(peer, round_number)
+        await self._check_samples(peer, round_number, samples)
         path = await self._receive_body(request, peer, round_number)
         try:
             try:

@@ -11,8 +11,10 @@
    then report ``{"round": {...}}``. When a round accepts its first update, report ``{"waiting": {"round"}}``
    in the background, and again every ``EXPECT_REFRESH`` seconds while the round waits; an ``Expect`` reply
    says whom the round waits for (a dead trainer dropped, a replacement added) and for how long
-   (:meth:`RoundCoordinator.expect`). An update from a trainer the round does not expect (a replacement) is
-   accepted if the control plane, asked at once, names it. The round is finished when the reply is ``{"type": "Done"}`` or
+   (:meth:`RoundCoordinator.expect`), and, if it counts them, how many samples each trainer reported in the
+   round (``"samples": {peer: n}``: the most its X-Samples may claim; asked again when an update claims
+   more). An update from a trainer the round does not expect (a replacement) is accepted if the control
+   plane, asked at once, names it. The round is finished when the reply is ``{"type": "Done"}`` or
    ``update_rounds`` rounds are done.
 4. Upload ``config.json`` and ``model.safetensors`` to the control plane, keep serving until every
    participant of the last round fetched its result (or ``final_wait`` seconds pass), return 0.
@@ -209,6 +211,7 @@ class ParameterServer:
             persist=self._persist,
             on_first_update=self._first_update,
             last_result=last_result,
+            update_norm_ratio=self.job.update_norm_ratio,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -221,6 +224,8 @@ class ParameterServer:
             incoming_dir=self.work_dir / "incoming",
             canonicalize=initial.canonicalize,
             admit=self._admit,
+            max_samples_per_update=self.job.max_samples_per_update,
+            count_samples=self._count_samples,
         )
         self._runner, port = await start_http(
             self.app.make_app(), host=self.settings.host, port=self.settings.port
@@ -351,8 +356,9 @@ class ParameterServer:
 
     async def _expect(self, round_number: int) -> bool:
         """Ask the control plane whom round ``round_number`` should wait for, and for how long: it answers
-        ``{"type": "Expect", "peers": [...], "due_in": seconds | null}`` (any other answer, e.g. a scheduler
-        that does not know the question, leaves the round as it is). False once the round is no longer open."""
+        ``{"type": "Expect", "peers": [...], "due_in": seconds | null, "samples": {peer: n}}`` (``samples``
+        optional; any other answer, e.g. a scheduler that does not know the question, leaves the round as it
+        is). False once the round is no longer open."""
         coordinator = self.coordinator
         if coordinator is None or coordinator.open_round != round_number:
             return False
@@ -367,8 +373,26 @@ class ParameterServer:
         timeout = None
         if isinstance(due, int | float) and not isinstance(due, bool) and math.isfinite(due) and due >= 0:
             timeout = EXPECT_FACTOR * float(due) + EXPECT_GRACE
-        coordinator.expect(round_number, [str(peer) for peer in reply["peers"]], timeout)
+        counted = reply.get("samples")
+        samples = None
+        if isinstance(counted, dict):
+            # A count that is not a non-negative integer is no count: that trainer is bounded by the cap only.
+            samples = {
+                str(peer): count
+                for peer, count in counted.items()
+                if isinstance(count, int) and not isinstance(count, bool) and count >= 0
+            }
+        coordinator.expect(round_number, [str(peer) for peer in reply["peers"]], timeout, samples)
         return coordinator.open_round == round_number
+
+    async def _count_samples(self, peer: str, round_number: int) -> int | None:
+        """The samples the control plane counted for ``peer`` in round ``round_number``, asked now; None if it
+        does not say."""
+        coordinator = self.coordinator
+        if coordinator is None:
+            return None
+        await self._expect(round_number)
+        return coordinator.counted(round_number, peer)
 
     async def _admit(self, peer: str) -> bool:
         """A trainer token of this job for a peer the round does not expect (a replacement that joined): ask
@@ -395,6 +419,7 @@ class ParameterServer:
             "bytes_in": result.bytes_in,
             "bytes_out": self.app.take_bytes_out(),
             "eval_loss": result.eval_loss,
+            "discarded": result.discarded,
         }
         logger.info("round %d report: %s", result.round_number, body)
         return await self.reporter.send({"round": body})

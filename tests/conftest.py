@@ -42,14 +42,15 @@ class Persona:
 
 def _persona(username: str, *, staff: bool = False) -> Persona:
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
     from rest_framework.test import APIClient
+
+    from apps.workers.models import UserToken
 
     # No password (hashing one takes a noticeable fraction of a second); the admin tests use force_login.
     user = get_user_model().objects.create_user(
         username=username, password=None, is_staff=staff, is_superuser=staff
     )
-    token = Token.objects.create(user=user).key
+    _, token = UserToken.issue(user)
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
     return Persona(user=user, token=token, client=client)

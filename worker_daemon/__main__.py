@@ -35,12 +35,13 @@ exit codes:
   Network failures are not fatal: the daemon reconnects with exponential backoff.
 
 environment:
-  HYPHA_SERVER       default for --server
-  HYPHA_TOKEN        default for --token
-  HYPHA_TOKEN_FILE   a file holding the token, used when neither --token nor HYPHA_TOKEN is set
-  HYPHA_WORK_DIR     overrides work_dir from the config file (--work-dir overrides both)
-  HYPHA_LOG_LEVEL    default for --log-level
-  OTEL_*             OpenTelemetry tracing, off unless e.g. OTEL_EXPORTER_OTLP_ENDPOINT is set
+  HYPHA_SERVER             default for --server
+  HYPHA_WORKER_TOKEN       the worker token (HYPHA_TOKEN, its older name, is read too)
+  HYPHA_WORKER_TOKEN_FILE  a file holding the token, when no token is set (or HYPHA_TOKEN_FILE)
+  HYPHA_WORK_DIR           overrides work_dir from the config file (--work-dir overrides both)
+  HYPHA_LOG_LEVEL          default for --log-level
+  OTEL_*                   OpenTelemetry tracing, off unless e.g. OTEL_EXPORTER_OTLP_ENDPOINT is set
+  Pass the token by file or environment: --token puts it in the process list (ps) for every user to see.
 
 config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
 [offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured.
@@ -89,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the control plane, http(s)://host:port[/prefix] or its ws(s)://…/ws/worker/ URL "
         "(default: $HYPHA_SERVER)",
     )
-    parser.add_argument("--token", help="the worker token (default: $HYPHA_TOKEN, or $HYPHA_TOKEN_FILE)")
+    parser.add_argument(
+        "--token",
+        help="the worker token; visible in ps, prefer --token-file or $HYPHA_WORKER_TOKEN "
+        "(default: $HYPHA_WORKER_TOKEN, or the file $HYPHA_WORKER_TOKEN_FILE names)",
+    )
     parser.add_argument("--token-file", metavar="PATH", help="read the worker token from this file")
     parser.add_argument("--config", metavar="FILE", help="worker config TOML (default: none, all defaults)")
     parser.add_argument(
@@ -183,22 +188,34 @@ def benchmark_main(argv: Sequence[str]) -> int:
     return ExitCode.OK
 
 
+#: Where the worker token may come from besides the flags, in order: the environment variables holding it, and
+#: those naming a file that holds it (the ``HYPHA_TOKEN*`` names are the older ones, still read).
+TOKEN_VARIABLES = ("HYPHA_WORKER_TOKEN", "HYPHA_TOKEN")
+TOKEN_FILE_VARIABLES = ("HYPHA_WORKER_TOKEN_FILE", "HYPHA_TOKEN_FILE")
+TOKEN_FLAG_WARNING = (
+    "warning: --token puts the worker token in the process list (ps); "
+    "use --token-file PATH or HYPHA_WORKER_TOKEN instead"
+)
+
+
 def resolve_token(*, token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
-    """The worker token: ``--token``, then ``--token-file``, then ``HYPHA_TOKEN``, then the file named by
-    ``HYPHA_TOKEN_FILE`` (contents stripped). Raises :class:`ConfigError` when none is set, the file cannot
-    be read, or the token is empty."""
+    """The worker token: ``--token``, then ``--token-file``, then ``HYPHA_WORKER_TOKEN`` (or ``HYPHA_TOKEN``),
+    then the file named by ``HYPHA_WORKER_TOKEN_FILE`` (or ``HYPHA_TOKEN_FILE``), contents stripped. Raises
+    :class:`ConfigError` when none is set, the file cannot be read, or the token is empty."""
+    variable = next((name for name in TOKEN_VARIABLES if environ.get(name)), None)
+    file_variable = next((name for name in TOKEN_FILE_VARIABLES if environ.get(name)), None)
     if token is not None:
         source, value = "--token", token
     elif token_file is not None:
         source, value = f"--token-file {token_file}", _read_token_file(token_file, source="--token-file")
-    elif environ.get("HYPHA_TOKEN"):
-        source, value = "HYPHA_TOKEN", environ["HYPHA_TOKEN"]
-    elif environ.get("HYPHA_TOKEN_FILE"):
-        path = environ["HYPHA_TOKEN_FILE"]
-        source, value = f"HYPHA_TOKEN_FILE {path}", _read_token_file(path, source="HYPHA_TOKEN_FILE")
+    elif variable is not None:
+        source, value = variable, environ[variable]
+    elif file_variable is not None:
+        path = environ[file_variable]
+        source, value = f"{file_variable} {path}", _read_token_file(path, source=file_variable)
     else:
         raise ConfigError(
-            "no worker token: pass --token or --token-file, or set HYPHA_TOKEN or HYPHA_TOKEN_FILE"
+            "no worker token: pass --token-file PATH, or set HYPHA_WORKER_TOKEN or HYPHA_WORKER_TOKEN_FILE"
         )
     value = value.strip()
     if not value:
@@ -216,14 +233,16 @@ def _read_token_file(path: str, *, source: str) -> str:
         raise ConfigError(f"{source}: token file {path} cannot be read: {error}") from None
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
 def configure_logging(level: str) -> None:
-    """Timestamped lines on stderr, one per event, so an operator can follow the daemon."""
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=level,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        force=True,
-    )
+    """Timestamped lines on stderr, one per event, so an operator can follow the daemon. Credentials are
+    masked in every line (websockets logs the handshake's ``Authorization`` header at DEBUG)."""
+    from worker_daemon import redaction
+
+    logging.basicConfig(stream=sys.stderr, level=level, format=LOG_FORMAT, force=True)
+    redaction.install(LOG_FORMAT)
     if level != "DEBUG":
         # websockets reports every handshake and keepalive detail at INFO; we log what matters ourselves.
         logging.getLogger("websockets").setLevel(logging.WARNING)
@@ -247,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = resolve_token(token=args.token, token_file=args.token_file, environ=environ)
     except ConfigError as error:
         parser.error(str(error))
+    if args.token is not None:
+        print(f"{PROG}: {TOKEN_FLAG_WARNING}", file=sys.stderr)
     configure_logging(log_level)
     # Light (opentelemetry itself is imported only when tracing is on), but not needed by --help.
     from worker_daemon import telemetry

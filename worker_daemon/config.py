@@ -100,10 +100,30 @@ class ResourcesConfig(_ConfigModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    cpu: float | None = Field(default=None, **_NUMBER, description="CPU cores.")
-    memory: float | None = Field(default=None, **_NUMBER, description="Memory, GB.")
-    storage: float | None = Field(default=None, **_NUMBER, description="Storage, GB.")
-    gpu: float | None = Field(default=None, **_NUMBER, description="GPU memory (VRAM), GB.")
+    cpu: float | None = Field(
+        default=None,
+        **_NUMBER,
+        le=protocol.MAX_DECLARED["cpu"],
+        description="CPU cores. At most what a hello may declare.",
+    )
+    memory: float | None = Field(
+        default=None,
+        **_NUMBER,
+        le=protocol.MAX_DECLARED["memory"],
+        description="Memory, GB. At most what a hello may declare.",
+    )
+    storage: float | None = Field(
+        default=None,
+        **_NUMBER,
+        le=protocol.MAX_DECLARED["storage"],
+        description="Storage, GB. At most what a hello may declare.",
+    )
+    gpu: float | None = Field(
+        default=None,
+        **_NUMBER,
+        le=protocol.MAX_DECLARED["gpu"],
+        description="GPU memory (VRAM), GB. At most what a hello may declare.",
+    )
 
 
 class StrategyConfig(_ConfigModel):
@@ -179,7 +199,8 @@ class ParameterServerConfig(_ConfigModel):
 
 def default_executors() -> list[ExecutorConfig]:
     """The executors of a daemon that configures none: the built-in trainer (under ``accelerate launch``,
-    one process) and the parameter server."""
+    one process) and the parameter server. The trainer reads its job from ``$JOB_JSON``, not from a
+    ``{JOB_JSON}`` argument: a command line is visible to every user in ``ps``, a process's environment is not."""
     return [
         ExecutorConfig(
             executor_class="train",
@@ -197,8 +218,6 @@ def default_executors() -> list[ExecutorConfig]:
                 "{SOCKET_PATH}",
                 "--work-dir",
                 "{WORK_DIR}",
-                "--job",
-                "{JOB_JSON}",
             ],
         ),
         ExecutorConfig(executor_class="aggregate", name="parameter-server", runtime="parameter-server"),
@@ -265,9 +284,10 @@ class WorkerConfig(_ConfigModel):
             update={
                 "cpu": resources.cpu if resources.cpu is not None else float(os.cpu_count() or 1),
                 "memory": resources.memory if resources.memory is not None else total_memory_gb(),
+                # Measured free disk may exceed what a hello may declare: offer at most that.
                 "storage": resources.storage
                 if resources.storage is not None
-                else free_disk_gb(self.work_dir),
+                else min(free_disk_gb(self.work_dir), protocol.MAX_DECLARED["storage"]),
                 "gpu": resources.gpu if resources.gpu is not None else 0.0,
             }
         )

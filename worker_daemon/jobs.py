@@ -11,8 +11,9 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
 
    * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
      (compact JSON of the spec) replaced in every argument;
-   * runtime ``parameter-server``: ``python -m parameter_server --socket … --work-dir … --job … --host …
-     --port … [--public-url …]`` with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN``,
+   * runtime ``parameter-server``: ``python -m parameter_server --socket … --work-dir … --job-file … --host …
+     --port … [--public-url …]`` (the job JSON in ``<work dir>/.job.json``, 0600: it holds slice tokens, which
+     ``ps`` would show to every user on a command line) with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN``,
      ``HYPHA_TRANSFER_TOKEN_FILE`` (``<work dir>/.transfer-token``, rewritten with each fresh token the
      control plane sends in a ``transfer_token`` frame) and ``HYPHA_SERVER_URL`` (the control plane's HTTP
      base URL) in its environment;
@@ -48,6 +49,7 @@ from typing import Any
 
 from worker_daemon import protocol, telemetry
 from worker_daemon.bridge import BridgeServer, serve_bridge
+from worker_daemon.bridge.authorisation import DEFAULT_GRACE as DEFAULT_AUTH_GRACE
 from worker_daemon.bridge.remote import RemoteBackend
 from worker_daemon.config import ExecutorConfig, WorkerConfig, http_base_url
 from worker_daemon.leases import LeaseBook
@@ -73,7 +75,7 @@ MAX_SOCKET_PATH = 107
 #: How long to wait for the output of a process that has exited (its children may hold the pipes).
 OUTPUT_DRAIN_TIMEOUT = 2.0
 #: Environment variables of the daemon that its tasks must not inherit: the worker's own credentials.
-PRIVATE_ENVIRONMENT = ("HYPHA_TOKEN", "HYPHA_TOKEN_FILE")
+PRIVATE_ENVIRONMENT = ("HYPHA_WORKER_TOKEN", "HYPHA_WORKER_TOKEN_FILE", "HYPHA_TOKEN", "HYPHA_TOKEN_FILE")
 SHUTDOWN_REASON = "daemon shutting down"
 
 _PLACEHOLDER = re.compile(r"\{(SOCKET_PATH|WORK_DIR|JOB_JSON)\}")
@@ -136,6 +138,8 @@ class Task:
     #: Output lines not yet forwarded to the control plane in a ``task_log`` frame.
     unsent: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_BATCH_LINES))
     cancel_reason: str | None = None
+    #: Why the daemon stopped the task as failed (e.g. its authorisation was lost): reported as a failure.
+    failure_reason: str | None = None
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
     runner: asyncio.Task[protocol.JobExited] | None = None
@@ -152,12 +156,30 @@ class Task:
         return "\n".join(self.output)[-LOG_TAIL_CHARS:]
 
 
+def auth_grace(environment: Mapping[str, str] = os.environ) -> float:
+    """Seconds a task's transfer token may be refused before the task is failed (``HYPHA_AUTH_GRACE``;
+    :mod:`worker_daemon.bridge.authorisation`); the default when unset or not a number in [1, 86400]."""
+    text = environment.get("HYPHA_AUTH_GRACE")
+    try:
+        value = float(text) if text else DEFAULT_AUTH_GRACE
+    except ValueError:
+        value = DEFAULT_AUTH_GRACE
+    if not 1.0 <= value <= 86400.0:
+        logger.warning("HYPHA_AUTH_GRACE=%r is not within 1..86400 s; using %g", text, DEFAULT_AUTH_GRACE)
+        return DEFAULT_AUTH_GRACE
+    return value
+
+
 #: A parameter server's current transfer token, in its work dir (``HYPHA_TRANSFER_TOKEN_FILE``).
 TOKEN_FILE = ".transfer-token"
+#: A parameter server's job JSON, in its work dir (``--job-file``): it holds the eval slices' URLs with their
+#: tokens, which on the command line every user of the machine would read in ``ps``.
+JOB_FILE = ".job.json"
 
 
 def write_token_file(path: Path, token: str) -> None:
-    """Replace ``path``'s content with ``token`` at once (readable by this user only)."""
+    """Replace ``path``'s content with ``token`` (or any ASCII secret: a job JSON) at once (readable by this
+    user only)."""
     partial = path.with_name(f".{path.name}.part")
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(descriptor, "w", encoding="ascii") as file:
@@ -288,6 +310,17 @@ class JobManager:
             dispatch.lease_id,
         )
         return task
+
+    def fail(self, task_id: uuid.UUID, *, reason: str) -> bool:
+        """Stop a task that cannot go on and report it failed with ``reason`` (not cancelled: the control
+        plane fails its job with the reason); False if it is not running here or already being stopped."""
+        task = self.tasks.get(task_id)
+        if task is None or task.cancel_reason is not None or task.failure_reason is not None:
+            return False
+        task.failure_reason = reason
+        logger.error("task %s failed: %s", task_id, reason)
+        task.cancel_requested.set()
+        return True
 
     def cancel(self, task_id: uuid.UUID, *, reason: str) -> bool:
         """Stop a task (SIGTERM, SIGKILL after the grace); False if it is not running here."""
@@ -434,7 +467,11 @@ class JobManager:
                 "task %s: work dir path too long for a socket; socket at %s", task.task_id, socket_path
             )
         task.socket_path = socket_path
-        backend_options = {"request_timeout": self.request_timeout, **self.backend_options}
+        backend_options = {
+            "request_timeout": self.request_timeout,
+            "auth_grace": auth_grace(),
+            **self.backend_options,
+        }
         task.backend = RemoteBackend(
             task_id=dispatch.task_id,
             job_id=str(dispatch.job_id),
@@ -442,6 +479,7 @@ class JobManager:
             work_dir=work_dir,
             peers=dispatch.peers,
             transfer_token=dispatch.transfer_token,
+            on_authorisation_lost=lambda reason: self.fail(dispatch.task_id, reason=reason),
             **backend_options,
         )
         bridge_options = {"status_timeout": backend_options["request_timeout"] + 1.0, **self.bridge_options}
@@ -487,6 +525,8 @@ class JobManager:
             assert executor.cmd is not None
             return [executor.cmd, *(substitute(argument, values) for argument in executor.args)], environment
         settings = self.config.parameter_server
+        job_file = task.work_dir / JOB_FILE
+        write_token_file(job_file, values["JOB_JSON"])
         argv = [
             sys.executable,
             "-m",
@@ -495,8 +535,8 @@ class JobManager:
             values["SOCKET_PATH"],
             "--work-dir",
             values["WORK_DIR"],
-            "--job",
-            values["JOB_JSON"],
+            "--job-file",
+            str(job_file),
             "--host",
             settings.host,
             "--port",
@@ -561,6 +601,8 @@ class JobManager:
         cancelled = task.cancel_reason is not None
         if cancelled:
             reason = task.cancel_reason or ""
+        elif task.failure_reason is not None:
+            reason = task.failure_reason
         elif signal_number is not None:
             reason = f"killed by signal {signal_number}"
         else:

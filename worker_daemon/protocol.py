@@ -47,11 +47,21 @@ This module must stay importable without Django: the daemon runs on GPU hosts wi
 from __future__ import annotations
 
 import enum
+import typing
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -134,6 +144,27 @@ class Resources(_Message):
 
 ZERO = Resources()
 
+#: The most a worker may declare of each resource (``hello``, ``offer``): far above any one host (4096 cores,
+#: 16 TiB of memory, 10 PB of storage, 64 GPUs of 1 TB of VRAM), so that more can only be a bug or a lie. A
+#: ``hello`` of 1e300 cores was welcomed once, and would win every ranking by price per capacity.
+MAX_DECLARED = {"cpu": 4096.0, "memory": 16384.0, "storage": 10_000_000.0, "gpu": 65536.0}
+
+
+def _declarable(resources: Resources) -> Resources:
+    for name, maximum in MAX_DECLARED.items():
+        if getattr(resources, name) > maximum:
+            raise PydanticCustomError(
+                "declared_too_large",
+                "{name} of {value} is more than a worker may declare ({maximum})",
+                {"name": name, "value": f"{getattr(resources, name):.15g}", "maximum": f"{maximum:.15g}"},
+            )
+    return resources
+
+
+#: Resources a daemon declares: each at most :data:`MAX_DECLARED` (a plain :class:`Resources` once parsed;
+#: sums and stored rows are not bounded, only what a daemon says).
+DeclaredResources = Annotated[Resources, AfterValidator(_declarable)]
+
 
 class ExecutorDescriptor(_Message):
     """An executor a worker offers or a job requires: its class (``train``, ``aggregate``) and name."""
@@ -184,7 +215,7 @@ class Hello(_Message):
     type: Literal["hello"] = "hello"
     protocol_version: int
     daemon_version: str = Field(default="", max_length=64)
-    resources: Resources
+    resources: DeclaredResources
     executors: list[ExecutorDescriptor] = Field(max_length=64)
     price_floor: float = Field(default=0.0, ge=0)
     strategy: Literal["whole", "flexible"] = "whole"
@@ -199,7 +230,7 @@ class Offer(_Message):
     advertisement_id: uuid.UUID
     attempt: int = Field(ge=0)
     price: float = Field(ge=0)
-    resources: Resources
+    resources: DeclaredResources
     benchmark_score: float | None = Field(
         default=None, gt=0, le=MAX_BENCHMARK_SCORE, description="The worker's benchmark score, if known."
     )
@@ -483,40 +514,16 @@ ServerMessage = Annotated[
 _daemon_adapter: TypeAdapter[DaemonMessage] = TypeAdapter(DaemonMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
 
-DAEMON_MESSAGE_TYPES = frozenset(
-    {
-        "hello",
-        "offer",
-        "lease_renewed",
-        "renew_refused",
-        "release_lease",
-        "job_started",
-        "job_exited",
-        "task_log",
-        "status",
-        "fetch_slice",
-        "slice_ack",
-        "benchmark_result",
-    }
-)
-SERVER_MESSAGE_TYPES = frozenset(
-    {
-        "welcome",
-        "advertisement",
-        "advertisement_closed",
-        "offer_received",
-        "offer_declined",
-        "lease_granted",
-        "renew_lease",
-        "lease_ended",
-        "dispatch_job",
-        "cancel_job",
-        "status_reply",
-        "slice_assigned",
-        "run_benchmark",
-        "error",
-    }
-)
+
+def _message_types(union: Any) -> frozenset[str]:
+    """The ``type`` values of a discriminated union's classes: the parse gate knows exactly what the schemas
+    define (a hand-kept list once left out ``transfer_token``, and daemons dropped every fresh token)."""
+    members = typing.get_args(typing.get_args(union)[0])
+    return frozenset(member.model_fields["type"].default for member in members)
+
+
+DAEMON_MESSAGE_TYPES = _message_types(DaemonMessage)
+SERVER_MESSAGE_TYPES = _message_types(ServerMessage)
 
 
 class ProtocolError(ValueError):
@@ -610,34 +617,75 @@ def sign_transfer_token(key: str, claims: dict[str, Any]) -> str:
     return f"{body}.{_b64encode(signature)}"
 
 
+#: The longest transfer token read: the control plane's are about 350 characters.
+_MAX_TRANSFER_TOKEN_CHARS = 4096
+
+
 def verify_transfer_token(key: str, token: str, *, job_id: str, now: float | None = None) -> dict[str, Any]:
     """The claims of ``token`` if it is signed with ``key``, names job ``job_id`` and has not expired;
-    :class:`TransferTokenError` saying why otherwise."""
+    :class:`TransferTokenError` saying why otherwise.
+
+    The returned claims are well formed (callers use them in lookups without further checks): a flat object
+    whose ``job``, ``peer`` and ``role`` are strings, ``lease`` (optional) a UUID string, ``exp`` a number,
+    and no string holds NUL or a lone surrogate. The signature is checked before the claims are parsed, so
+    nobody without the key gets the parser to read anything; a key holder (the job's parameter server) whose
+    claims have another shape gets "malformed transfer token", never an exception of another kind."""
     import binascii
     import hashlib
     import hmac
-    import json
     import time
 
+    from worker_daemon import bounded_json
+
     body, separator, signature = token.partition(".")
-    if not separator or not body or not signature:
+    if (
+        not separator
+        or not body
+        or not signature
+        or len(token) > _MAX_TRANSFER_TOKEN_CHARS
+        or not token.isascii()
+    ):
         raise TransferTokenError("malformed transfer token")
-    expected = hmac.new(key.encode(), body.encode(), hashlib.sha256).digest()
     try:
         given = _b64decode(signature)
-        claims = json.loads(_b64decode(body))
     except (binascii.Error, ValueError):
         raise TransferTokenError("malformed transfer token") from None
+    expected = hmac.new(key.encode(), body.encode(), hashlib.sha256).digest()
     if not hmac.compare_digest(expected, given):
         raise TransferTokenError("transfer token signature does not match")
-    if not isinstance(claims, dict):
+    try:
+        claims = bounded_json.loads(_b64decode(body), max_depth=1)
+    except (binascii.Error, ValueError):  # TooDeep, JSONDecodeError, UnicodeDecodeError
+        raise TransferTokenError("malformed transfer token") from None
+    if not _well_formed_claims(claims):
         raise TransferTokenError("malformed transfer token")
-    if claims.get("job") != str(job_id):
+    if claims["job"] != str(job_id):
         raise TransferTokenError(f"transfer token is for another job, not {job_id}")
-    expires = claims.get("exp")
-    if not isinstance(expires, int | float) or expires < (time.time() if now is None else now):
+    if claims["exp"] < (time.time() if now is None else now):
         raise TransferTokenError("transfer token expired")
     return claims
+
+
+def _well_formed_claims(claims: Any) -> bool:
+    from worker_daemon import bounded_json
+
+    if not isinstance(claims, dict) or next(bounded_json.hostile_strings(claims), None) is not None:
+        return False
+    if not all(isinstance(claims.get(name), str) for name in ("job", "peer", "role")):
+        return False
+    expires = claims.get("exp")
+    if isinstance(expires, bool) or not isinstance(expires, int | float):
+        return False
+    lease = claims.get("lease")
+    if lease is None:
+        return True
+    if not isinstance(lease, str):
+        return False
+    try:
+        uuid.UUID(lease)
+    except ValueError:
+        return False
+    return True
 
 
 def encode(message: _Message) -> str:

@@ -14,6 +14,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from apps.dashboard import services, snapshots
 from apps.dashboard.forms import DiLoCoJobForm, TomlJobForm
+from apps.dashboard.login import ThrottledAuthenticationForm
 from apps.jobs.exceptions import JobNotCancellable
 from apps.jobs.models import Job
 
@@ -25,6 +26,7 @@ dashboard_login_required = login_required(login_url=LOGIN_URL)
 
 class LoginView(auth_views.LoginView):
     template_name = "dashboard/login.html"
+    form_class = ThrottledAuthenticationForm
     redirect_authenticated_user = True
     next_page = reverse_lazy("dashboard:overview")
 

@@ -170,23 +170,19 @@ def replicas(dataset: Dataset) -> list[DataNode]:
 
 #: The ``peer`` of the parameter server's eval slice tokens (a trainer's is its worker id).
 PARAMETER_SERVER_PEER = slice_tokens.PARAMETER_SERVER_PEER
-#: How long a trainer's slice URL stays valid (seconds). The bridge downloads right after the claim, but waits
-#: up to its ``data_wait`` (15 min by default) for data nodes that are down, retrying the same URLs: twice that.
-SLICE_TOKEN_LIFETIME = 30 * 60
-#: How long the parameter server's eval slice URLs stay valid. It downloads them when it reports its first
-#: round (which may be long after its dispatch), again each round until that works, and again when its daemon
-#: restarts it from the dispatch frame the control plane stored; a server the control plane replaces gets new
-#: URLs. So they live long; they still name only the job's held-out slices, and the parameter server.
-EVAL_SLICE_TOKEN_LIFETIME = 7 * 24 * 3600
+# How long a trainer's slice URLs and the parameter server's eval slice URLs stay valid:
+# settings.HYPHA_SLICE_TOKEN_LIFETIME and HYPHA_EVAL_SLICE_TOKEN_LIFETIME (the reasons are given there).
 
 
 def slice_urls(
-    dataset: Dataset, index: int, *, job_id, peer: str, lifetime: float = SLICE_TOKEN_LIFETIME
+    dataset: Dataset, index: int, *, job_id, peer: str, lifetime: float | None = None
 ) -> list[str]:
     """``GET`` URLs of slice ``index`` of ``dataset`` at each data node serving it (online ones first), each
     with a ``token`` query parameter signed with that node's :func:`download_key`: it names the dataset, the
     slice, job ``job_id`` and ``peer`` (the downloading worker's id, or
     :data:`PARAMETER_SERVER_PEER`) and expires ``lifetime`` seconds from now."""
+    if lifetime is None:
+        lifetime = settings.HYPHA_SLICE_TOKEN_LIFETIME
     expires = int(time.time() + lifetime)
     urls = []
     for node in replicas(dataset):

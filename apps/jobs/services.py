@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from apps.datasets import services as dataset_services
-from apps.jobs import tasks, training
+from apps.jobs import spec_checks, tasks, training
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
 from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
 from apps.leases import services as lease_services
@@ -74,6 +75,14 @@ def training_problems(parsed, owner) -> dict[str, list[str]]:
         ]
     if parsed.preprocessor is not None and parsed.preprocessor.source.type == "upload":
         problems["preprocessor.source.type"] = ["Uploaded preprocessor files are not supported yet."]
+    # A model URL into the workers' own network (SSRF), a model too large for what the roles declare.
+    problems.update(
+        spec_checks.submission_problems(
+            parsed,
+            allow_private_urls=settings.HYPHA_ALLOW_PRIVATE_URLS,
+            max_parameters=settings.HYPHA_MAX_MODEL_PARAMETERS,
+        )
+    )
     dataset = Dataset.objects.filter(name=parsed.dataset.name).first()
     if dataset is None:
         problems["dataset.name"] = [

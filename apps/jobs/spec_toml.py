@@ -9,6 +9,7 @@ from __future__ import annotations
 import tomllib
 from typing import Any
 
+from django.conf import settings
 from pydantic import ValidationError
 
 from apps.jobs.exceptions import SpecError
@@ -19,6 +20,8 @@ from apps.jobs.spec import (
     ResourcesSpec,
     field_errors,
 )
+from hypha_site.parsers import document_depth, toml_nesting
+from worker_daemon.bounded_json import escape_hostile, hostile_strings
 
 _JOB_KEYS = {"model", "dataset", "dataset_name", "rounds", "inner_optimizer", "outer_optimizer", "resources"}
 
@@ -30,10 +33,7 @@ def parse_toml(text: str) -> DiLoCoSpec:
     (``learning_rate``, ``dataset_name``, ``schedule``/``warmup_steps``/``total_steps``, ``[[…worker]]``
     requirement arrays). Error paths name the TOML keys as written. Raises :class:`SpecError`.
     """
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise SpecError([{"field": "", "message": f"TOML syntax error: {error}"}]) from None
+    document = _bounded_document(text)
     candidates = []
     scheduler = document.get("scheduler")
     if isinstance(scheduler, dict) and isinstance(scheduler.get("job"), dict):
@@ -59,6 +59,31 @@ def parse_toml(text: str) -> DiLoCoSpec:
     if translation.errors:
         raise SpecError(translation.errors)
     return spec
+
+
+def _bounded_document(text: str) -> dict[str, Any]:
+    """``tomllib.loads(text)`` within the size and nesting bounds (checked before: tomllib's cost grows with the
+    square of a dotted key's length, and it recurses per bracket), its strings storable; else SpecError."""
+    limit, depth = settings.HYPHA_MAX_TOML_BYTES, settings.HYPHA_MAX_INPUT_DEPTH
+    too_deep = f"TOML nested more than {depth} levels deep (tables, arrays and dotted keys)."
+    if len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise SpecError([{"field": "", "message": f"The TOML is larger than {limit} bytes."}])
+    if toml_nesting(text, limit=depth):
+        raise SpecError([{"field": "", "message": too_deep}])
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise SpecError([{"field": "", "message": f"TOML syntax error: {error}"}]) from None
+    # Dotted keys inside nested inline tables add up beyond what the scan of one key or one bracket sees.
+    if document_depth(document) > depth:
+        raise SpecError([{"field": "", "message": too_deep}])
+    problems = [
+        {"field": ".".join(escape_hostile(str(part)) for part in path), "message": message}
+        for path, message in hostile_strings(document)
+    ]
+    if problems:
+        raise SpecError(problems)
+    return document
 
 
 class _TomlTranslation:

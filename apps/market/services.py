@@ -1,9 +1,10 @@
 """Market workflows: advertising a role, taking offers, and choosing the winners.
 
 Selection (reference §3.4, improved): offers above the advertisement's private ``max_price`` are declined
-on arrival; the rest are ranked by *price per weighted capacity* (lower wins), at most one offer per worker
-per advertisement (a database constraint), and the best ``wanted`` ones have their TEMPORARY leases
-activated. An advertisement settles as soon as it has as many open offers as it wants, or when its
+on arrival; the rest are ranked by *price per weighted capacity* (lower wins; the capacity counted is what
+the worker's benchmark supports at the fleet's rate, within the operator's cap: :mod:`apps.market.targeting`,
+"Measured capacity"), at most one offer per worker per advertisement (a database constraint), and the best
+``wanted`` ones have their TEMPORARY leases activated. An advertisement settles as soon as it has as many open offers as it wants, or when its
 window closes; if it is still short it re-advertises after a bounded exponential backoff.
 
 These functions decide and record; they tell daemons what happened (after commit) but leave the job's
@@ -34,10 +35,18 @@ from worker_daemon import protocol
 logger = logging.getLogger(__name__)
 
 
-def offer_score(*, price: float, resources: protocol.Resources) -> float:
-    """Price per weighted capacity; lower is better. An offer of no capacity never wins."""
-    weighted = resources.weighted()
+def offer_score(*, price: float, resources: protocol.Resources, share: float = 1.0) -> float:
+    """Price per weighted capacity, of which ``share`` counts (what the worker's benchmark supports:
+    :func:`apps.market.targeting.supported_share`); lower is better. An offer of no capacity never wins."""
+    weighted = resources.weighted() * share
     return price / weighted if weighted > 0 else math.inf
+
+
+def capped(resources: protocol.Resources, cap: protocol.Resources) -> protocol.Resources:
+    """``resources``, each at most ``cap``'s."""
+    return protocol.Resources(
+        **{name: min(getattr(resources, name), getattr(cap, name)) for name in protocol.RESOURCE_WEIGHTS}
+    )
 
 
 def readvertise_delay(attempt: int) -> float:
@@ -123,11 +132,23 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
             executors=frozenset(worker.executor_keys()),
             price_floor=worker.price_floor,
             strategy=worker.strategy,
+            benchmark_score=worker.benchmark_score,
         )
-        for worker in workers.only(
-            "id", "cpu", "memory", "storage", "gpu", "executors", "price_floor", "strategy"
-        )
+        for worker in workers.only(*_CANDIDATE_FIELDS)
     ]
+
+
+#: What the market reads of a worker: its declared resources, the operator's caps, its terms and benchmark.
+_CAPACITY_FIELDS = ("cpu", "memory", "storage", "gpu", *Worker.CAP_FIELDS.values(), "benchmark_score")
+_CANDIDATE_FIELDS = ("id", *_CAPACITY_FIELDS, "executors", "price_floor", "strategy")
+
+
+def fleet_yardstick() -> targeting.Yardstick | None:
+    """The yardstick of the connected workers (:func:`apps.market.targeting.yardstick`; one query)."""
+    workers = Worker.objects.filter(
+        status=Worker.Status.ONLINE, token_revoked_at__isnull=True, benchmark_score__isnull=False
+    ).only("id", *_CAPACITY_FIELDS)
+    return targeting.yardstick((worker.capacity, worker.benchmark_score) for worker in workers)
 
 
 def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
@@ -192,15 +213,19 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             raise OfferRefused(f"worker does not offer executor(s) {sorted(missing)}")
         if not ad.resources.fits_within(message.resources):
             raise OfferRefused("offered resources are below the advertised minimum")
-        if not message.resources.fits_within(worker.capacity):
+        if not message.resources.fits_within(worker.resources):
             raise OfferRefused("offered resources exceed the worker's declared capacity")
+        # The operator's cap: the worker is held (and ranked) for no more than it, whatever it offered.
+        offered = capped(message.resources, worker.capacity)
+        if not ad.resources.fits_within(offered):
+            raise OfferRefused("the operator's cap on this worker is below the advertised minimum")
         fields = {
             "advertisement": ad,
             "worker": worker,
             "attempt": ad.attempt,
             "price": message.price,
-            **message.resources.model_dump(),
-            "score": offer_score(price=message.price, resources=message.resources),
+            **offered.model_dump(),
+            "score": offer_score(price=message.price, resources=offered),
             "benchmark_score": message.benchmark_score,
         }
         if message.price > ad.max_price:
@@ -220,7 +245,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
                     worker_id=worker.pk,
                     job=ad.job,
                     role=ad.role,
-                    resources=message.resources,
+                    resources=offered,
                     price=message.price,
                 )
                 offer = Offer.objects.create(**fields, lease=lease, expires_at=lease.expires_at)
@@ -290,6 +315,7 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
         )
         if not closing and len(candidates) < ad.wanted:
             return Settlement(advertisement=ad)
+        candidates = _ranked(candidates)
         result = Settlement(advertisement=ad)
         for offer in candidates:
             if len(result.accepted) < ad.wanted:
@@ -339,6 +365,19 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             for offer in result.accepted
         )
     return result
+
+
+def _ranked(offers: list[Offer]) -> list[Offer]:
+    """``offers`` best first, each re-scored with the capacity its worker's benchmark supports at the fleet's
+    rate (the score is saved with the decision), the better-supported first at equal scores; see
+    :mod:`apps.market.targeting`, "Measured capacity"."""
+    stick = fleet_yardstick()
+    keyed = []
+    for offer in offers:
+        share = targeting.supported_share(offer.worker.capacity, offer.worker.benchmark_score, stick)
+        offer.score = offer_score(price=offer.price, resources=offer.resources, share=share)
+        keyed.append(((targeting.rank_key(offer.score), -share, offer.created_at), offer))
+    return [offer for _, offer in sorted(keyed, key=lambda item: item[0])]
 
 
 def readvertise(advertisement_id) -> Advertisement | None:
@@ -419,7 +458,7 @@ def offer_lease_ended(lease: Lease) -> None:
 
 def _decide(offer: Offer, status: str, reason: str, now) -> None:
     offer.status, offer.reason, offer.decided_at = status, reason[:300], now
-    offer.save(update_fields=["status", "reason", "decided_at"])
+    offer.save(update_fields=["status", "reason", "decided_at", "score"])
 
 
 def _decline_and_release(offers: list[Offer], reason: str, now) -> None:

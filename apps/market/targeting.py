@@ -17,20 +17,40 @@ capacity first:
    closed short asks others next instead of the same few again (the best-ranked daemons may be the ones
    that never win: their asking price above the job's maximum, or busy elsewhere by the time the advert
    arrives) — then by :func:`best_score`, the lowest score the daemon can offer, ``bid / weighted(offered)``
-   (its price is at least the bid under either strategy; its own asking price is not known here); equal
-   ranks in random order, so that concurrent adverts spread over equal daemons instead of all asking the
-   same few.
+   with the capacity its benchmark supports (:func:`supported_share`; its price is at least the bid under
+   either strategy; its own asking price is not known here); equal ranks in random order, so that concurrent
+   adverts spread over equal daemons instead of all asking the same few.
 3. **Cap** (:func:`fanout`): ``max(HYPHA_ADVERT_MIN_TARGETS, HYPHA_ADVERT_FANOUT × wanted)`` daemons;
    ``HYPHA_ADVERT_FANOUT = 0`` sends to every daemon that could offer.
 
 A daemon left out of one attempt is not left out of the market: an attempt that closes short is advertised
 again, chosen afresh from who is free then.
+
+**Measured capacity.** What a daemon declares is bounded (``worker_daemon.protocol.MAX_DECLARED``, and the
+operator's cap per worker) but not verified; its benchmark (training samples/s on a fixed workload) is
+measured. The market counts declared capacity only as far as the benchmark supports it, at the fleet's rate:
+
+* the **yardstick** ``r`` (:func:`yardstick`) is the low median, over the connected workers that have a
+  benchmark, of ``weighted capacity / benchmark score`` — what a sample/s of measured speed is worth in
+  capacity on this fleet. The *low* median: fewer than half of the fleet cannot raise it by declaring more
+  (with two workers it is the smaller ratio);
+* a worker's **supported share** (:func:`supported_share`) is ``min(1, r × score / weighted capacity)``; a
+  worker without a benchmark counts as fast as the slowest measured one; with no benchmark in the fleet at
+  all, declared capacity counts in full (nothing to compare with);
+* offers are ranked by ``price / (weighted offered × share)``, and at equal scores (to nine significant
+  digits) the better-supported offer first.
+
+So a daemon declaring the maxima with an ordinary benchmark counts as much as an honest worker of the same
+speed, and loses the tie; an honest worker whose capacity per speed is above the fleet's median counts at the
+median's rate (its extra declared capacity is not what its speed shows). Declared capacity still decides what
+fits (:func:`could_offer`); only the ranking is tempered.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -48,6 +68,48 @@ class Candidate:
     executors: frozenset[tuple[str, str]]
     price_floor: float
     strategy: str
+    #: Training samples/s on the standard benchmark; None until its daemon reported one.
+    benchmark_score: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Yardstick:
+    """What measured speed is worth in capacity on this fleet (see the module docstring)."""
+
+    #: The low median of ``weighted capacity / benchmark score`` over the measured workers.
+    capacity_per_score: float
+    #: The slowest measured score: what a worker without a benchmark counts as.
+    slowest_score: float
+
+
+def yardstick(fleet: Iterable[tuple[Resources, float | None]]) -> Yardstick | None:
+    """The yardstick of a fleet of ``(capacity, benchmark score or None)``; None when none is measured."""
+    measured = [
+        (capacity.weighted(), score)
+        for capacity, score in fleet
+        if score is not None and score > 0 and capacity.weighted() > 0
+    ]
+    if not measured:
+        return None
+    return Yardstick(
+        capacity_per_score=statistics.median_low(weighted / score for weighted, score in measured),
+        slowest_score=min(score for _, score in measured),
+    )
+
+
+def supported_share(capacity: Resources, score: float | None, stick: Yardstick | None) -> float:
+    """The share, in (0, 1], of the declared ``capacity`` that the benchmark ``score`` supports at the fleet's
+    rate ``stick`` (1 without a yardstick or without capacity)."""
+    weighted = capacity.weighted()
+    if stick is None or weighted <= 0:
+        return 1.0
+    measured = score if score is not None and score > 0 else stick.slowest_score
+    return min(1.0, stick.capacity_per_score * measured / weighted)
+
+
+def rank_key(score: float) -> float:
+    """``score`` to nine significant digits: scores that differ only by float noise of the yardstick tie."""
+    return float(f"{score:.9g}")
 
 
 def offered_resources(candidate: Candidate, *, resources: Resources) -> Resources:
@@ -66,10 +128,17 @@ def could_offer(
     return offered_resources(candidate, resources=resources).fits_within(candidate.free)
 
 
-def best_score(candidate: Candidate, *, resources: Resources, bid: float) -> float:
-    """The lowest price per weighted capacity the worker can offer (lower wins the market)."""
-    weighted = offered_resources(candidate, resources=resources).weighted()
+def best_score(
+    candidate: Candidate, *, resources: Resources, bid: float, stick: Yardstick | None = None
+) -> float:
+    """The lowest price per weighted capacity the worker can offer, its capacity counted as far as its
+    benchmark supports it at the fleet's rate ``stick`` (lower wins the market)."""
+    weighted = offered_resources(candidate, resources=resources).weighted() * share_of(candidate, stick)
     return bid / weighted if weighted > 0 else math.inf
+
+
+def share_of(candidate: Candidate, stick: Yardstick | None) -> float:
+    return supported_share(candidate.capacity, candidate.benchmark_score, stick)
 
 
 def fanout(*, wanted: int, factor: int, minimum: int) -> int | None:
@@ -96,18 +165,21 @@ def choose_targets(
     rng = rng or random.Random()
     asked = asked or {}
     executors = set(executors)
+    candidates = list(candidates)
+    stick = yardstick((candidate.capacity, candidate.benchmark_score) for candidate in candidates)
     ranked = sorted(
         (
             (
                 asked.get(str(candidate.worker_id), 0),
-                best_score(candidate, resources=resources, bid=bid),
+                rank_key(best_score(candidate, resources=resources, bid=bid, stick=stick)),
+                -share_of(candidate, stick),
                 rng.random(),
                 candidate,
             )
             for candidate in candidates
             if could_offer(candidate, resources=resources, executors=executors, bid=bid)
         ),
-        key=lambda item: item[:3],
+        key=lambda item: item[:4],
     )
     chosen = ranked if limit is None else ranked[:limit]
     return [candidate.worker_id for *_, candidate in chosen]

@@ -1,7 +1,8 @@
 """Operator admin for workers: tokens are issued, revoked and rotated by the code that owns them, never edited.
 
 What a worker's daemon reports (resources, executors, price floor, strategy) and its presence are read-only:
-the next connection overwrites them anyway.
+the next connection overwrites them anyway. The operator's caps (``max_*``) are editable: the market counts
+no more of each resource than its cap, whatever the daemon declares (``Worker.capacity``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from django.http import HttpRequest
 from apps.jobs import services as job_services
 from apps.workers import services
 from apps.workers.exceptions import WorkerOffline
-from apps.workers.models import Worker
+from apps.workers.models import UserToken, Worker
 
 
 @admin.register(Worker)
@@ -51,6 +52,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "connection_info",
         "benchmark_score",
         "benchmark",
+        "counted_capacity",
         "created_at",
     ]
     fieldsets = [
@@ -60,6 +62,10 @@ class WorkerAdmin(admin.ModelAdmin):
         (
             "Reported by its daemon",
             {"fields": ["cpu", "memory", "storage", "gpu", "executors", "price_floor", "strategy"]},
+        ),
+        (
+            "Operator's cap (blank: none; the market counts no more than this)",
+            {"fields": ["max_cpu", "max_memory", "max_storage", "max_gpu", "counted_capacity"]},
         ),
         ("Benchmark (samples/s, higher is faster)", {"fields": ["benchmark_score", "benchmark"]}),
         (None, {"fields": ["created_at"]}),
@@ -71,6 +77,14 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.display(boolean=True, description="revoked", ordering="token_revoked_at")
     def revoked(self, worker: Worker) -> bool:
         return worker.is_revoked
+
+    @admin.display(description="capacity counted (declared, capped)")
+    def counted_capacity(self, worker: Worker) -> str:
+        capacity = worker.capacity
+        return (
+            f"{capacity.cpu:g} cores, {capacity.memory:g} GB memory, {capacity.storage:g} GB storage, "
+            f"{capacity.gpu:g} GB VRAM"
+        )
 
     def get_fieldsets(self, request: HttpRequest, obj: Worker | None = None):
         return self.add_fieldsets if obj is None else self.fieldsets
@@ -118,3 +132,28 @@ class WorkerAdmin(admin.ModelAdmin):
             )
         if offline:
             messages.warning(request, f"Not asked, offline: {', '.join(offline)}.")
+
+
+@admin.register(UserToken)
+class UserTokenAdmin(admin.ModelAdmin):
+    """Users' API tokens: issued here (the key shown once, after saving), listed by prefix and dates, deleted to
+    revoke. The key itself is stored nowhere, so it cannot be shown again."""
+
+    list_display = ["key_prefix", "user", "created_at", "last_used_at"]
+    list_select_related = ["user"]
+    search_fields = ["user__username", "key_prefix"]
+    raw_id_fields = ["user"]
+    fields = ["user", "key_prefix", "created_at", "last_used_at"]
+    readonly_fields = ["key_prefix", "created_at", "last_used_at"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: UserToken | None = None):
+        return self.readonly_fields if obj is None else ["user", *self.readonly_fields]
+
+    def save_model(self, request: HttpRequest, obj: UserToken, form, change: bool) -> None:
+        if change:
+            return  # nothing of a token is editable
+        token, key = UserToken.issue(obj.user)
+        obj.pk = token.pk
+        obj.refresh_from_db()
+        obj._state.adding = False
+        messages.success(request, f"API token of {token.user} (shown only this once): {key}")

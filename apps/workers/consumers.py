@@ -10,18 +10,30 @@ still in flight are dropped, and whatever lease the worker won meanwhile ends wh
 
 The consumer validates frames and calls :mod:`apps.jobs.services`; it holds no market logic.
 
-Limits, per connection, checked before a frame is parsed: a token bucket (``HYPHA_WS_RATE`` frames/s,
-``HYPHA_WS_BURST``; see :mod:`apps.workers.ratelimit`) answers a frame over it with a ``rate_limited`` error
-frame and drops it, and closes a connection that goes on regardless (more than ``HYPHA_WS_FLOOD_REFUSALS``
-refused frames in 10 s) with 4008; a frame over ``HYPHA_WS_MAX_MESSAGE_BYTES`` gets ``too_large``. Both are
-logged (refusals at most once per 5 s per connection); other connections are not affected.
+Limits, per connection, checked as each frame *arrives* (:meth:`WorkerGatewayConsumer.__call__`): channels
+hands a consumer its next frame only once it has handled the previous one, and daphne queues the rest without
+bound, so a limit applied when a frame is handled would see a flood only after it had queued up. Here a reader
+task takes every frame from daphne as it comes and applies token buckets of frames and bytes
+(``HYPHA_WS_RATE``/``HYPHA_WS_BURST``, ``HYPHA_WS_BYTES_RATE``/``HYPHA_WS_BYTES_BURST``; see
+:mod:`apps.workers.ratelimit`): a frame over them is answered with a ``rate_limited`` error frame and dropped,
+and a connection that goes on regardless (more than ``HYPHA_WS_FLOOD_REFUSALS`` refused frames in 10 s) is
+closed with 4008. Admitted frames wait in the connection's backlog; one more than ``HYPHA_WS_BACKLOG`` frames
+or ``HYPHA_WS_BACKLOG_BYTES`` bytes received but not yet handled closes the connection with 4008 too, and a
+closed connection's backlog is dropped unhandled. A frame over ``HYPHA_WS_MAX_MESSAGE_BYTES`` gets
+``too_large``. All are logged (refusals at most once per 5 s per connection).
+
+Other connections are not affected: a connection's frames are handled one at a time, so it has at most one
+database call waiting in asgiref's single database thread, whose queue is first come, first served — however
+much one daemon sends, every other connection's next call waits behind at most one of its calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
+from collections import deque
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -68,6 +80,90 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
     #: The daemon process's id from the handshake ("" when it sent none or an invalid one).
     instance = ""
 
+    # --- arrivals: limits applied as frames come in, before they wait to be handled -----------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        """Run the consumer with channels' dispatch loop reading from this connection's bounded backlog, which
+        a reader task fills from daphne's ``receive`` as frames arrive (see the module docstring)."""
+        self.scope = scope
+        #: Messages from daphne admitted but not yet dispatched, and how many frames and bytes they hold.
+        self.backlog: deque[dict] = deque()
+        self.backlog_frames = self.backlog_bytes = 0
+        self.backlog_ready = asyncio.Event()
+        self.rate_limit = FrameRateLimit(
+            rate=settings.HYPHA_WS_RATE,
+            burst=settings.HYPHA_WS_BURST,
+            flood_refusals=settings.HYPHA_WS_FLOOD_REFUSALS,
+            now=time.monotonic(),
+            byte_rate=settings.HYPHA_WS_BYTES_RATE,
+            byte_burst=settings.HYPHA_WS_BYTES_BURST,
+        )
+        self.reader = asyncio.create_task(self._read_arrivals(receive))
+        try:
+            await super().__call__(scope, self._next_arrival, send)
+        finally:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+
+    async def _read_arrivals(self, receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.receive":
+                size = _frame_size(message)
+                if not await self._admit(size):
+                    continue
+                self.backlog_frames += 1
+                self.backlog_bytes += size
+            self.backlog.append(message)
+            self.backlog_ready.set()
+
+    async def _next_arrival(self) -> dict:
+        """The next message to dispatch (channels' ``receive``); raises what ended the reader task, if it did."""
+        while not self.backlog:
+            self.backlog_ready.clear()
+            waiter = asyncio.ensure_future(self.backlog_ready.wait())
+            try:
+                await asyncio.wait((waiter, self.reader), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            if not self.backlog and self.reader.done():
+                self.reader.result()  # raises its exception
+                raise RuntimeError("the websocket reader stopped")
+        message = self.backlog.popleft()
+        if message["type"] == "websocket.receive":
+            self.backlog_frames -= 1
+            self.backlog_bytes -= _frame_size(message)
+        return message
+
+    async def _admit(self, size: int) -> bool:
+        """Whether a frame of ``size`` bytes that just arrived joins the backlog: not once the connection is
+        closing, not over the buckets (answered ``rate_limited``), and not over the backlog's bound (which
+        closes the connection)."""
+        if self.closing:
+            return False
+        if not self.rate_limit.admit(time.monotonic(), size):
+            await self._rate_limited()
+            return False
+        if (
+            self.backlog_frames + 1 > settings.HYPHA_WS_BACKLOG
+            or self.backlog_bytes + size > settings.HYPHA_WS_BACKLOG_BYTES
+        ):
+            text = (
+                f"more than {settings.HYPHA_WS_BACKLOG} frames (or {settings.HYPHA_WS_BACKLOG_BYTES} bytes) "
+                "sent and not yet handled; closing the connection"
+            )
+            logger.warning("worker %s from %s: %s", self._name(), self._peer(), text)
+            await self._close_with(protocol.CloseCode.FLOODING, protocol.ErrorCode.RATE_LIMITED, text)
+            return False
+        return True
+
+    def _drop_backlog(self) -> None:
+        """Forget the frames not yet handled (the connection is closing); daphne's own messages stay."""
+        self.backlog = deque(message for message in self.backlog if message["type"] != "websocket.receive")
+        self.backlog_frames = self.backlog_bytes = 0
+
+    # --- the connection ------------------------------------------------------------------------------------
+
     async def connect(self) -> None:
         #: advert id → (attempt, when its offer window closes, Unix time): see :meth:`_late`.
         self.windows: dict[str, tuple[int, float]] = {}
@@ -81,14 +177,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
             logger.warning("worker connection refused from %s: %s", self._peer(), error.message)
             await self._close_with(error.code, protocol.ErrorCode.REFUSED, error.message)
             return
-        now = time.monotonic()
-        self.last_touch = self.last_group_join = now
-        self.rate_limit = FrameRateLimit(
-            rate=settings.HYPHA_WS_RATE,
-            burst=settings.HYPHA_WS_BURST,
-            flood_refusals=settings.HYPHA_WS_FLOOD_REFUSALS,
-            now=now,
-        )
+        self.last_touch = self.last_group_join = time.monotonic()
 
     async def disconnect(self, code) -> None:
         if self.worker is None:
@@ -107,9 +196,6 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
 
     async def receive(self, text_data=None, bytes_data=None) -> None:
         if self.worker is None or self.closing:
-            return
-        if not self.rate_limit.admit(time.monotonic()):
-            await self._rate_limited()
             return
         if text_data is None:
             await self._error(protocol.ErrorCode.MALFORMED, "binary frames are not part of the protocol")
@@ -318,7 +404,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         if limit.flooding:
             logger.warning(
                 "worker %s from %s: more than %d frames over the rate limit in %g s; closing the connection",
-                self.worker.name,
+                self._name(),
                 self._peer(),
                 limit.flood_refusals,
                 FLOOD_WINDOW,
@@ -329,18 +415,24 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                 f"more than {limit.flood_refusals} frames over the rate limit in {FLOOD_WINDOW:g} s",
             )
             return
+        rate, burst = (
+            (limit.rate, limit.burst)
+            if limit.refused_for == "frames"
+            else (limit.byte_rate, limit.byte_burst)
+        )
         refused = limit.refusals_to_log(time.monotonic())
         if refused:
             logger.warning(
-                "worker %s: %d frame(s) over the rate limit (%g/s, burst %d) refused",
-                self.worker.name,
+                "worker %s: %d frame(s) over the rate limit (%g %s/s, burst %d) refused",
+                self._name(),
                 refused,
-                limit.rate,
-                limit.burst,
+                rate,
+                limit.refused_for,
+                burst,
             )
         await self._error(
             protocol.ErrorCode.RATE_LIMITED,
-            f"over the rate limit of {limit.rate:g} frames/s (burst {limit.burst:g}); frame dropped",
+            f"over the rate limit of {rate:g} {limit.refused_for}/s (burst {burst:g}); frame dropped",
         )
 
     async def _unknown_lease(self, message) -> None:
@@ -361,6 +453,7 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
         # Frames the daemon sent before it heard of the close are dropped from now on: a revoked or superseded
         # daemon no longer speaks for the worker.
         self.closing = True
+        self._drop_backlog()
         await self._error(error_code, text)
         await self.close(code=int(close_code), reason=text[:120])
 
@@ -379,9 +472,21 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                 return instance if INSTANCE_PATTERN.fullmatch(instance) else ""
         return ""
 
+    def _name(self) -> str:
+        """The worker's name for a log line ("?" while the connection is not yet authenticated)."""
+        return self.worker.name if self.worker is not None else "?"
+
     def _peer(self) -> str:
         client = self.scope.get("client") or ("?", 0)
         return f"{client[0]}:{client[1]}"
+
+
+def _frame_size(message: dict) -> int:
+    """The size of a ``websocket.receive`` message's frame for the byte limits: a text frame's characters, not
+    its UTF-8 bytes (encoding every frame to count it exactly would cost more than admitting it; the protocol's
+    frames are ASCII JSON but for free text)."""
+    text = message.get("text")
+    return len(text) if text is not None else len(message.get("bytes") or b"")
 
 
 def _end_leases_of_revoked(worker) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from datetime import timedelta
 
 from django.conf import settings
+from django.core.validators import MinValueValidator
 from django.db import models, transaction
 from django.utils import timezone
 
@@ -81,6 +83,20 @@ class Worker(ResourceColumns):
         blank=True,
         help_text="Details of the last benchmark (device, model, batch size, steps, median step seconds, "
         "slowdown, measured_at, …); 'error'/'error_at' when the latest run failed.",
+    )
+    # The operator's caps (blank: none). A daemon declares what it likes within the protocol's maxima; the
+    # market counts no more than these (Worker.capacity), whatever the next hello says.
+    max_cpu = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)], help_text="Operator's cap: CPU cores"
+    )
+    max_memory = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)], help_text="Operator's cap: memory, GB"
+    )
+    max_storage = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)], help_text="Operator's cap: storage, GB"
+    )
+    max_gpu = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)], help_text="Operator's cap: GPU memory, GB"
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -187,9 +203,66 @@ class Worker(ResourceColumns):
 
     # --- resources ----------------------------------------------------------------------------------
 
+    #: Model fields of the operator's caps, by resource.
+    CAP_FIELDS = {"cpu": "max_cpu", "memory": "max_memory", "storage": "max_storage", "gpu": "max_gpu"}
+
     @property
     def capacity(self) -> Resources:
-        return self.resources
+        """What the market counts: the resources its daemon declared, each at most the operator's cap."""
+        return Resources(
+            **{
+                name: getattr(self, name) if cap is None else min(getattr(self, name), cap)
+                for name, cap in ((name, getattr(self, field)) for name, field in self.CAP_FIELDS.items())
+            }
+        )
 
     def executor_keys(self) -> set[tuple[str, str]]:
         return {(item.get("class", ""), item.get("name", "")) for item in self.executors}
+
+
+USER_TOKEN_PREFIX = "hu_"
+
+
+class UserToken(models.Model):
+    """A user's REST API token (``Authorization: Token <key>``), stored like a worker token: only its SHA-256
+    and its first characters are kept, so the key is shown once, when it is issued, and a copy of the database
+    authenticates no one. A user may hold several (one per machine or script); deleting one revokes it.
+
+    It lives beside the worker tokens because it is built the same way; nothing of the workers depends on it.
+    """
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    key_prefix = models.CharField(max_length=16, editable=False, help_text="First characters of the key.")
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    #: A request moves ``last_used_at`` only when it is older than this: one write a minute per token at most.
+    LAST_USED_RESOLUTION_SECONDS = 60
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API token"
+
+    def __str__(self) -> str:
+        return f"{self.key_prefix}… ({self.user})"
+
+    @classmethod
+    def issue(cls, user) -> tuple[UserToken, str]:
+        """A new token for ``user`` and its key, which is returned once and stored only hashed."""
+        key = new_token(USER_TOKEN_PREFIX)
+        return cls.objects.create(user=user, key_hash=hash_token(key), key_prefix=key[:10]), key
+
+    @classmethod
+    def authenticate(cls, key: str) -> UserToken | None:
+        """The token whose key is ``key`` (with its active user), or None; records when it was last used."""
+        token = cls.objects.select_related("user").filter(key_hash=hash_token(key)).first()
+        if token is None:
+            return None
+        now = timezone.now()
+        stale = now - timedelta(seconds=cls.LAST_USED_RESOLUTION_SECONDS)
+        # A conditional update: concurrent requests write at most once, and never under a lock.
+        cls.objects.filter(pk=token.pk).filter(
+            models.Q(last_used_at__isnull=True) | models.Q(last_used_at__lt=stale)
+        ).update(last_used_at=now)
+        return token

@@ -327,7 +327,8 @@ async def test_a_refused_token_and_a_conflict_are_not_retried(control_plane, dat
 # --- the process --------------------------------------------------------------------------------------------
 
 
-async def start_node(*arguments: str) -> asyncio.subprocess.Process:
+async def start_node(*arguments: str, **environ: str) -> asyncio.subprocess.Process:
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith("HYPHA_DATA_NODE")}
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -335,13 +336,15 @@ async def start_node(*arguments: str) -> asyncio.subprocess.Process:
         *arguments,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**inherited, "PYTHONUNBUFFERED": "1", **environ},
     )
 
 
 async def test_the_node_registers_serves_and_stops_cleanly_on_sigterm(control_plane, dataset_dir):
-    # given
-    node = await start_node("--server", control_plane.url, "--token", TOKEN, "--dataset", str(dataset_dir))
+    # given: its token in the environment, where ps does not show it
+    node = await start_node(
+        "--server", control_plane.url, "--dataset", str(dataset_dir), HYPHA_DATA_NODE_TOKEN=TOKEN
+    )
     try:
         line = (await asyncio.wait_for(node.stderr.readline(), timeout=20)).decode()
         assert "serving dataset tiny-corpus (3 slices" in line, line
@@ -369,15 +372,61 @@ async def test_the_node_registers_serves_and_stops_cleanly_on_sigterm(control_pl
 
 async def test_the_node_exits_3_when_its_token_is_refused(control_plane, dataset_dir):
     node = await start_node(
-        "--server", control_plane.url, "--token", "hd_wrong", "--dataset", str(dataset_dir)
+        "--server", control_plane.url, "--token", "hd_wrong-token", "--dataset", str(dataset_dir)
     )
     try:
         code = await asyncio.wait_for(node.wait(), timeout=20)
+        stderr = (await node.stderr.read()).decode()
     finally:
         if node.returncode is None:
             node.kill()
             await node.wait()
     assert code == EXIT_TOKEN_REFUSED
+    # --token still works, but says that ps shows it
+    assert stderr.startswith(
+        "hypha-data-node: warning: --token puts the token in the process list (ps); "
+        "use --token-file PATH or HYPHA_DATA_NODE_TOKEN instead\n"
+    )
+
+
+async def test_the_node_reads_its_token_from_a_file_and_never_logs_it(control_plane, dataset_dir, tmp_path):
+    # given
+    token_file = tmp_path / "data-node-token"
+    token_file.write_text(f"{TOKEN}\n")
+
+    # when
+    node = await start_node(
+        "--server", control_plane.url, "--token-file", str(token_file), "--dataset", str(dataset_dir),
+        "--log-level", "DEBUG",
+    )  # fmt: skip
+    try:
+        while "serving dataset" not in (
+            line := (await asyncio.wait_for(node.stderr.readline(), 20)).decode()
+        ):
+            assert line, "the node stopped before it served"
+        node.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(node.wait(), timeout=10)
+        rest = (await node.stderr.read()).decode()
+    finally:
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
+
+    # then
+    assert code == EXIT_OK
+    assert control_plane.requests[0][0] == f"Bearer {TOKEN}"
+    assert TOKEN not in line + rest
+
+
+async def test_a_node_without_a_token_is_a_usage_error(control_plane, dataset_dir):
+    node = await start_node("--server", control_plane.url, "--dataset", str(dataset_dir))
+    code = await asyncio.wait_for(node.wait(), timeout=20)
+    stderr = (await node.stderr.read()).decode()
+
+    assert code == 2
+    assert stderr.endswith(
+        "error: no token: set HYPHA_DATA_NODE_TOKEN, or pass --token-file PATH (or --token)\n"
+    )
 
 
 async def test_the_node_exits_4_for_a_directory_without_slices(control_plane, tmp_path):

@@ -413,10 +413,10 @@ def start_daemon(
         if not key.startswith("HYPHA_") and key not in {"DATABASE_URL", "REDIS_URL"}
     }
     env["PYTHONUNBUFFERED"] = "1"
+    env["HYPHA_WORKER_TOKEN"] = token  # not --token: a command line is visible to every user in ps
     argv = [
         str(BIN_DIR / "hypha-worker-daemon"),
         "--server", plane.base_url,
-        "--token", token,
         "--config", str(config),
         "--log-level", "INFO",
         *([] if benchmark else ["--no-benchmark"]),

@@ -61,6 +61,13 @@ def samples(text: str, *names: str) -> dict[tuple, float]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def _public_metrics(settings):
+    """The tests of what is exposed scrape without credentials: the operator opened the endpoint. The tests of
+    who may scrape set this back to the default (closed)."""
+    settings.HYPHA_METRICS_PUBLIC = True
+
+
 @pytest.fixture
 def zeroed_counters():
     """The event counters are per process and live across tests: start this test from zero."""
@@ -152,6 +159,38 @@ def test_the_token_guards_the_endpoint_when_set(client, settings):
     assert b"hypha_jobs" not in refused[0].content
     assert accepted.status_code == 200
     assert b'hypha_jobs{status="running"} 0.0' in accepted.content
+
+
+@pytest.mark.django_db
+def test_by_default_only_staff_sessions_may_scrape(client, settings, alice, operator):
+    # given: the defaults: no token, not public
+    settings.HYPHA_METRICS_PUBLIC = False
+    settings.HYPHA_METRICS_TOKEN = None
+
+    # when
+    anonymous = client.get("/metrics")
+    client.force_login(alice.user)
+    user = client.get("/metrics")
+    client.force_login(operator.user)
+    staff_member = client.get("/metrics")
+
+    # then
+    assert (anonymous.status_code, user.status_code, staff_member.status_code) == (401, 403, 200)
+    assert anonymous["WWW-Authenticate"] == 'Bearer realm="metrics"'
+    assert b"hypha_jobs" not in anonymous.content and b"hypha_jobs" not in user.content
+    assert b'hypha_jobs{status="running"} 0.0' in staff_member.content
+
+
+@pytest.mark.django_db
+def test_a_token_opens_it_to_the_scraper_and_staff_still_get_in(client, settings, operator):
+    settings.HYPHA_METRICS_PUBLIC = False
+    settings.HYPHA_METRICS_TOKEN = "scrape-token-0123456789"
+
+    scraper = client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-token-0123456789")
+    client.force_login(operator.user)
+    staff_member = client.get("/metrics")
+
+    assert (scraper.status_code, staff_member.status_code) == (200, 200)
 
 
 @pytest.mark.django_db

@@ -81,6 +81,15 @@ BAD_VALUES = {
         {"HYPHA_WS_FLOOD_REFUSALS": "many"},
         "HYPHA_WS_FLOOD_REFUSALS='many' is not an integer",
     ),
+    "backlog zero": ({"HYPHA_WS_BACKLOG": "0"}, "HYPHA_WS_BACKLOG='0' must be between 1 and 10000000"),
+    "byte burst below the largest frame": (
+        {"HYPHA_WS_BYTES_BURST": "100000", "HYPHA_WS_MAX_MESSAGE_BYTES": "200000"},
+        "HYPHA_WS_BYTES_BURST (100000) must be at least HYPHA_WS_MAX_MESSAGE_BYTES (200000)",
+    ),
+    "backlog bytes below the largest frame": (
+        {"HYPHA_WS_BACKLOG_BYTES": "100000", "HYPHA_WS_MAX_MESSAGE_BYTES": "200000"},
+        "HYPHA_WS_BACKLOG_BYTES (100000) must be at least HYPHA_WS_MAX_MESSAGE_BYTES (200000)",
+    ),
     "proxy header not a header name": (
         {"SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto: https"},
         "SECURE_PROXY_SSL_HEADER='X-Forwarded-Proto: https' is not an HTTP header name",

@@ -42,6 +42,16 @@ def test_defaults_of_the_optional_keys():
     job = parse_job(document)
 
     assert (job.update_rounds, job.round_timeout, job.weighted, job.eval) == (1, 120.0, True, None)
+    assert (job.max_samples_per_update, job.update_norm_ratio) == (None, 10.0)
+
+
+def test_the_update_bounds_parse():
+    document = aggregate_job(peers=[ALICE])
+    document["executor"]["config"]["rounds"].update(max_samples_per_update=4096, update_norm_ratio=4)
+
+    job = parse_job(document)
+
+    assert (job.max_samples_per_update, job.update_norm_ratio) == (4096, 4.0)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +66,10 @@ def test_defaults_of_the_optional_keys():
         (("executor", "config", "rounds", "update_rounds"), 0, "update_rounds"),
         (("executor", "config", "rounds", "round_timeout"), -1, "round_timeout"),
         (("executor", "config", "rounds", "weighted"), "yes", "weighted"),
+        (("executor", "config", "rounds", "max_samples_per_update"), 0, "max_samples_per_update"),
+        (("executor", "config", "rounds", "max_samples_per_update"), 1.5, "max_samples_per_update"),
+        (("executor", "config", "rounds", "update_norm_ratio"), 1, "update_norm_ratio"),
+        (("executor", "config", "rounds", "update_norm_ratio"), float("inf"), "update_norm_ratio"),
         (("executor", "config", "eval"), {"batch_size": 1, "slices": []}, "eval.slices"),
     ],
 )

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from parameter_server.exceptions import NoUpdatesError, TensorRefused
-from parameter_server.math import StreamingMean, mean, nesterov_step
+from parameter_server.math import (
+    StreamingMean,
+    largest_magnitude,
+    mean,
+    nesterov_step,
+    norm_limit,
+    update_norm,
+)
 
 
 def clones(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -276,3 +285,89 @@ def test_take_gives_the_mean_once_computed_in_the_accumulator():
     assert torch.equal(taken["h"], expected["h"])
     with pytest.raises(NoUpdatesError):
         mean.take()
+
+
+# ---------------------------------------------------------------------------------- bounds on updates
+
+
+def test_update_norm_is_the_l2_norm_of_all_floating_point_tensors_together():
+    # sqrt(3² + 4² + 12²) = sqrt(169) = 13; the integer buffer is not part of it
+    update = {
+        "w": torch.tensor([3.0, 4.0]),
+        "b": torch.tensor([12.0], dtype=torch.float64),
+        "steps": torch.tensor([100], dtype=torch.int64),
+        "empty": torch.zeros(0),
+    }
+    assert update_norm(update) == 13.0
+
+
+def test_update_norm_is_summed_in_float64_so_finite_inputs_stay_finite():
+    # float16 squares of 60000 overflow float16 (3.6e9 > 65504) but not float64: sqrt(2)·60000
+    assert update_norm({"w": torch.tensor([6e4, 6e4], dtype=torch.float16)}) == pytest.approx(
+        math.sqrt(2) * 60000, rel=1e-12
+    )
+    # float32's 1e38 squared is 1e76: sqrt(2)·1e38 (1e38 rounds to 9.99999968e37 in float32)
+    one_e38 = float(torch.tensor(1e38))
+    assert update_norm({"w": torch.tensor([1e38, 1e38])}) == pytest.approx(math.sqrt(2) * one_e38, rel=1e-12)
+    # float64 1e200 squared is past float64's range
+    assert update_norm({"w": torch.tensor([1e200, 1e200], dtype=torch.float64)}) == math.inf
+
+
+def test_largest_magnitude():
+    assert largest_magnitude(torch.tensor([-3.0, 2.0])) == 3.0
+    assert largest_magnitude(torch.zeros(0)) == 0.0
+    assert largest_magnitude(torch.tensor([-0.5, 0.25], dtype=torch.bfloat16)) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("round_norms", "previous_norms", "fallback", "ratio", "expected"),
+    [
+        # medians 2 and 3.5: the larger, 3.5 · 10
+        ([1.0, 2.0, 10.0], [3.0, 4.0], 99.0, 10.0, 35.0),
+        # the round's median (6) is larger than the previous round's (1)
+        ([5.0, 7.0], [1.0], 99.0, 2.0, 12.0),
+        # one update so far: its norm is the round's median; no previous round
+        ([0.5], [], 99.0, 10.0, 5.0),
+        # a round with nothing accepted yet: the previous round's median
+        ([], [1.0, 2.0, 4.0], 99.0, 3.0, 6.0),
+        # nothing to compare with (the job's first update): the fallback (the global weights' norm)
+        ([], [], 2.5, 10.0, 25.0),
+        # a zero median is no reference
+        ([0.0], [0.0, 0.0], 2.0, 4.0, 8.0),
+        # nothing at all to measure against (an all-zero model's first update): no bound
+        ([0.0], [], 0.0, 10.0, math.inf),
+    ],
+)
+def test_norm_limit(round_norms, previous_norms, fallback, ratio, expected):
+    assert norm_limit(round_norms, previous_norms, fallback=fallback, ratio=ratio) == expected
+
+
+@pytest.mark.parametrize(("fallback", "ratio"), [(1.0, 1.0), (1.0, math.inf), (-1.0, 2.0), (math.nan, 2.0)])
+def test_norm_limit_refuses_bad_arguments(fallback, ratio):
+    with pytest.raises(ValueError):
+        norm_limit([1.0], [], fallback=fallback, ratio=ratio)
+
+
+def test_an_update_that_would_overflow_the_sum_is_refused_and_changes_nothing():
+    # given: 1e38 with weight 1; float32's largest value is 3.4e38
+    streaming = StreamingMean()
+    streaming.add({"w": torch.tensor([1e38, 1.0])}, weight=1)
+
+    # when: 1e38 with weight 3 would make the sum 4e38
+    with pytest.raises(TensorRefused, match="'w' refused: weight 3 × its largest value .* float32 sum"):
+        streaming.add({"w": torch.tensor([1e38, 1.0])}, weight=3)
+
+    # then: the accumulator is as it was; 2e38 more (weight 2) still fits: (1e38 + 2e38) / 3 = 1e38
+    assert (streaming.count, streaming.total_weight) == (1, 1.0)
+    streaming.add({"w": torch.tensor([1e38, 4.0])}, weight=2)
+    assert torch.equal(streaming.result()["w"], torch.tensor([1e38, 3.0]))
+
+
+def test_a_refused_first_update_fixes_no_signature():
+    streaming = StreamingMean()
+    with pytest.raises(TensorRefused, match="overflow"):
+        streaming.add({"w": torch.tensor([1e38])}, weight=1e9)
+
+    streaming.add({"w": torch.tensor([1.0, 2.0])}, weight=2)  # another shape: the first one was not taken
+    assert (streaming.count, streaming.total_weight) == (1, 2.0)
+    assert torch.equal(streaming.result()["w"], torch.tensor([1.0, 2.0]))

@@ -115,7 +115,9 @@ def test_a_huggingface_source_downloads_each_file(gpt2, tmp_path, monkeypatch):
     assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)
 
 
-async def test_a_uri_source_may_be_a_zip_of_the_model_directory(gpt2, tmp_path):
+async def test_a_uri_source_may_be_a_zip_of_the_model_directory(gpt2, tmp_path, monkeypatch):
+    # the server is on loopback: the operator's allowance of private addresses lets the download through
+    monkeypatch.setenv("HYPHA_ALLOW_PRIVATE_URLS", "1")
     _, gpt2_dir = gpt2
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as zipped:
@@ -187,3 +189,70 @@ async def test_an_upload_is_fetched_from_the_control_plane_with_the_transfer_tok
     assert seen == ["Bearer ps-token"]
     expected = weights_io.load(gpt2_dir / "served" / "model.safetensors")
     assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)
+
+
+# --- SSRF: a model URL may not reach the worker's own network (issue 12, finding 7) ----------------------
+
+
+async def _recording_server(host: str) -> tuple[web.AppRunner, str, list[str]]:
+    """An HTTP server on ``host`` that records every path asked and redirects ``/hop`` to ``?to=``."""
+    seen: list[str] = []
+
+    async def anything(request: web.Request) -> web.StreamResponse:
+        seen.append(request.path_qs)
+        if request.path == "/hop":
+            raise web.HTTPFound(request.query["to"])
+        return web.Response(body=b"not a model")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", anything)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, 0).start()
+    return runner, f"http://{host}:{runner.addresses[0][1]}", seen
+
+
+@pytest.mark.parametrize("host_of", [lambda port: f"127.0.0.1:{port}", lambda port: f"localhost:{port}"])
+async def test_a_uri_source_on_a_private_address_is_refused_unfetched(tmp_path, monkeypatch, host_of):
+    # given: no allowance, and a server on loopback (by address, and by a name that resolves to it)
+    monkeypatch.delenv("HYPHA_ALLOW_PRIVATE_URLS", raising=False)
+    runner, base, seen = await _recording_server("127.0.0.1")
+    port = base.rsplit(":", 1)[1]
+    source = {"type": "uri", "value": f"http://{host_of(port)}/internal/model.zip"}
+    try:
+        # when / then
+        with pytest.raises(ModelSourceError, match=r"(127\.0\.0\.1|::1) is not a public address"):
+            await asyncio.to_thread(
+                prepare_model, parse_job(aggregate_job(peers=[ALICE], source=source)), tmp_path
+            )
+    finally:
+        await runner.cleanup()
+    assert seen == []
+
+
+async def test_a_redirect_to_a_private_address_is_refused_unfollowed(tmp_path, monkeypatch):
+    # given: 127.0.0.1 allowed (the operator's model host), and a second loopback address that is not
+    monkeypatch.setenv("HYPHA_ALLOW_PRIVATE_URLS", "127.0.0.1/32")
+    first, first_base, first_seen = await _recording_server("127.0.0.1")
+    internal, internal_base, internal_seen = await _recording_server("127.0.0.2")
+    target = f"{internal_base}/internal/secret.zip"
+    source = {"type": "uri", "value": f"{first_base}/hop?to={target}"}
+    try:
+        # when / then
+        with pytest.raises(ModelSourceError, match=r"redirect.*127\.0\.0\.2 is not a public address"):
+            await asyncio.to_thread(
+                prepare_model, parse_job(aggregate_job(peers=[ALICE], source=source)), tmp_path
+            )
+    finally:
+        await first.cleanup()
+        await internal.cleanup()
+    assert first_seen == [f"/hop?to={target}"]
+    assert internal_seen == []
+
+
+def test_a_malformed_allowance_is_a_clear_error(monkeypatch):
+    from parameter_server.safe_fetch import allowed_private_networks
+
+    monkeypatch.setenv("HYPHA_ALLOW_PRIVATE_URLS", "127.0.0.1/40")
+    with pytest.raises(JobConfigError, match="HYPHA_ALLOW_PRIVATE_URLS"):
+        allowed_private_networks()

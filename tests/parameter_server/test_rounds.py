@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from parameter_server.exceptions import RoundConflict, RoundPruned, UnknownRound
+from parameter_server.exceptions import RoundConflict, RoundPruned, UnknownRound, UpdateRefused
 from parameter_server.rounds import RoundCoordinator
 
 ALICE, BOB, CAROL = "alice", "bob", "carol"
@@ -268,3 +268,48 @@ async def test_expect_for_another_round_or_only_the_senders_closes_or_changes_no
     rounds.expect(1, [ALICE], timeout=None)  # bob is gone: alice's update closes the round
     result = await next_published(rounds)
     assert result.participants == (ALICE,) and result.left_out == (BOB,)
+
+
+async def test_with_one_trainer_the_norm_is_bounded_by_the_previous_rounds():
+    # given: round 1's only update has norm sqrt(0.375² + 0.5²) = 0.625; the bound is 10x that: 6.25
+    rounds = coordinator(expected=[ALICE])
+    await rounds.submit(ALICE, 1, delta([0.375, 0.5], [0.0]), samples=1)
+    await next_published(rounds)
+
+    # when: round 2's update has norm sqrt(6² + 8²) = 10
+    with pytest.raises(UpdateRefused) as refused:
+        await rounds.submit(ALICE, 2, delta([6.0, 8.0], [0.0]), samples=1)
+
+    # then: refused with the reason, the round unchanged; one of norm sqrt(3.75² + 5²) = 6.25 is taken
+    assert (
+        str(refused.value)
+        == "the update's L2 norm 10 is over this round's bound 6.25 (10x the reference norm)"
+    )
+    assert rounds._round.refused == {ALICE: str(refused.value)}
+    assert (rounds._round.mean.count, rounds.received) == (0, [])
+    await rounds.submit(ALICE, 2, delta([3.75, 5.0], [0.0]), samples=1)
+    assert (await next_published(rounds)).participants == (ALICE,)
+
+
+async def test_a_step_past_a_float16_models_range_is_discarded_and_the_next_round_opens():
+    # given: a float16 weight near float16's largest value (65504)
+    persisted = []
+
+    async def persist(result, weights, momentum):
+        persisted.append((result.round_number, weights, momentum))
+
+    weights = {"w": torch.tensor([60000.0], dtype=torch.float16)}
+    rounds = coordinator(expected=[ALICE], weights=weights, persist=persist)
+
+    # when: u = 0.75 · 60000 = 45000 (fits), but θ + u = 105000 does not
+    await rounds.submit(ALICE, 1, {"w": torch.tensor([60000.0], dtype=torch.float16)}, samples=1)
+    result = await next_published(rounds)
+
+    # then: the step is thrown away, the round is published with u = 0 and the job goes on
+    assert (result.stepped, result.discarded) == (False, "the new weights are not finite ('w' contains Inf)")
+    assert torch.equal(result.update["w"], torch.zeros(1, dtype=torch.float16))
+    assert torch.equal(rounds.weights["w"], weights["w"]) and rounds.momentum is None
+    assert [(number, saved["w"].item(), momentum) for number, saved, momentum in persisted] == [
+        (1, 60000.0, None)
+    ]
+    assert (rounds.rounds_completed, rounds.open_round, rounds.failure.done()) == (1, 2, False)

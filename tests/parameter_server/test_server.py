@@ -319,3 +319,135 @@ async def test_bad_query_and_headers_get_400(served: Served):
     ) as response:
         assert response.status == 400
     assert (await served.state())["received"] == []
+
+
+# --- hostile updates (issue 12, finding 4) and hostile file names (finding 9) -----------------------------
+
+
+def hostile_update() -> dict[str, torch.Tensor]:
+    """Finite float32 values near the top of the range: their sample-weighted sum overflows float32."""
+    return {"w": torch.tensor([1e38, 1e38]), "b": torch.tensor([1e38])}
+
+
+HONEST_A = {"w": torch.tensor([0.2, -0.4]), "b": torch.tensor([0.1])}
+HONEST_B = {"w": torch.tensor([0.6, 0.0]), "b": torch.tensor([-0.3])}
+
+
+async def test_an_update_of_huge_finite_tensors_is_refused_and_the_round_closes_without_it(served: Served):
+    # given
+    hostile = safetensors_bytes(served.tmp_path, hostile_update(), name="hostile")
+
+    # when: the job's first update is 1e38 everywhere, claiming 10^9 samples
+    status, body = await served.put_update(CAROL, 1, hostile, samples=1_000_000_000)
+
+    # then: refused with the reason; nothing of it is in the round
+    assert (status, body["error"]) == (422, "refused_update")
+    assert "norm" in body["detail"]
+    assert (await served.state())["received"] == []
+    assert served.coordinator._round.refused == {CAROL: body["detail"]}
+    assert served.coordinator._round.mean.count == 0
+
+    # when: the honest trainers send, and the control plane stops waiting for the hostile one
+    assert (await served.put_update(ALICE, 1, safetensors_bytes(served.tmp_path, HONEST_A), samples=1))[
+        0
+    ] == 200
+    assert (await served.put_update(BOB, 1, safetensors_bytes(served.tmp_path, HONEST_B), samples=3))[
+        0
+    ] == 200
+    served.coordinator.expect(1, [ALICE, BOB], None)
+    async with served.session.get(served.job_url("rounds/1/result?wait=5"), headers=auth(ALICE)) as response:
+        assert response.status == 200
+        path = served.tmp_path / "fetched.safetensors"
+        path.write_bytes(await response.read())
+
+    # then: g = (1·a + 3·b)/4 = w [0.5, -0.1], b [-0.2]; u = 0.75·g; the server still serves round 2
+    assert_close(weights_io.load(path), {"w": torch.tensor([0.375, -0.075]), "b": torch.tensor([-0.15])})
+    assert_close(served.coordinator.weights, {"w": torch.tensor([1.375, 1.925]), "b": torch.tensor([0.35])})
+    assert not served.coordinator.failure.done()
+    assert (await served.state())["round"] == 2
+
+
+async def test_x_samples_over_the_jobs_cap_is_refused_before_the_body_is_read(served: Served):
+    # given: the control plane's cap on the samples one trainer may claim in a round
+    served.app.max_samples_per_update = 1000
+    update = safetensors_bytes(served.tmp_path, HONEST_A)
+
+    # when
+    status, body = await served.put_update(ALICE, 1, update, samples=1_000_000_000)
+
+    # then
+    assert (status, body) == (
+        422,
+        {
+            "error": "refused_samples",
+            "detail": "X-Samples 1000000000 is more than a trainer can have trained on in a round "
+            "(at most 1000 in this job)",
+        },
+    )
+    assert served.coordinator._round.refused == {ALICE: body["detail"]}
+    assert (await served.state())["received"] == []
+    assert served.coordinator._round.bytes_in == 0
+    # the same update with an honest count is accepted
+    assert (await served.put_update(ALICE, 1, update, samples=1000))[0] == 200
+    assert served.coordinator._round.refused == {}
+
+
+async def test_an_aggregate_that_is_not_finite_discards_the_round_and_the_server_goes_on(served: Served):
+    # given: an outer learning rate that turns any update into Inf in float32
+    served.coordinator.learning_rate = 1e39
+    update = safetensors_bytes(served.tmp_path, HONEST_A)
+    before = {name: tensor.clone() for name, tensor in served.coordinator.weights.items()}
+
+    # when
+    for peer in (ALICE, BOB, CAROL):
+        assert (await served.put_update(peer, 1, update))[0] == 200
+    async with served.session.get(served.job_url("rounds/1/result?wait=5"), headers=auth(ALICE)) as response:
+        assert response.status == 200
+        path = served.tmp_path / "fetched.safetensors"
+        path.write_bytes(await response.read())
+
+    # then: round 1 published with u = 0, the weights and the momentum unchanged, the reason recorded
+    assert_close(weights_io.load(path), {"w": torch.zeros(2), "b": torch.zeros(1)}, rtol=0, atol=0)
+    assert_close(served.coordinator.weights, before, rtol=0, atol=0)
+    assert served.coordinator.momentum is None
+    result = served.coordinator.result(1)
+    assert (result.stepped, result.discarded) == (False, "the outer step is not finite ('b' contains Inf)")
+    assert not served.coordinator.failure.done()
+
+    # when: round 2 with a sane learning rate
+    served.coordinator.learning_rate = 0.5
+    for peer in (ALICE, BOB, CAROL):
+        assert (await served.put_update(peer, 2, update))[0] == 200
+    result = await served.coordinator.wait_result(2, 5)
+
+    # then: a first step (m = g): u = 0.75·g
+    assert result is not None and result.stepped and result.discarded is None
+    assert_close(served.coordinator.weights, {"w": torch.tensor([1.15, 1.7]), "b": torch.tensor([0.575])})
+
+
+@pytest.mark.parametrize("filename", ["%00", "config.json%00", "a%00/b", "%ED%A0%80"])
+async def test_a_hostile_file_name_gets_a_4xx(served: Served, filename):
+    async with served.session.get(served.job_url(f"model/{filename}"), headers=auth(CAROL)) as response:
+        assert 400 <= response.status < 500
+        assert (await response.json())["error"] in ("bad_request", "not_found")
+    assert (await served.state())["round"] == 1
+
+
+@pytest.mark.parametrize(
+    "samples", ["\xb2", "9" * 5000, "1e9", " "], ids=["superscript two", "5000 digits", "1e9", "blank"]
+)
+async def test_an_x_samples_int_cannot_parse_is_a_400_and_changes_nothing(served: Served, samples):
+    update = safetensors_bytes(served.tmp_path, HONEST_A)
+    headers = {**auth(ALICE), "X-Samples": samples}
+
+    async with served.session.put(
+        served.job_url("rounds/1/update"), data=update, headers=headers
+    ) as response:
+        status, body = response.status, await response.json()
+
+    if samples == " ":  # blank: no count, the update weighs 1
+        assert status == 200
+        return
+    assert (status, body["error"]) == (400, "bad_request")
+    assert (await served.state())["received"] == []
+    assert served.coordinator._round.bytes_in == 0

@@ -19,6 +19,7 @@ from parameter_server.service import Settings, Stopped, run
 from tests.parameter_server.conftest import (
     ALICE,
     BOB,
+    CAROL,
     JOB_ID,
     PS_PEER,
     TRANSFER_KEY,
@@ -155,6 +156,7 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
         "bytes_in": len(body_a) + len(body_b),
         "bytes_out": report_1["bytes_out"],
         "eval_loss": report_1["eval_loss"],
+        "discarded": None,
     }
     assert report_1["bytes_out"] > 2 * len(body_a)  # the model download and two results
     assert 0 < report_1["eval_loss"] < 10
@@ -219,7 +221,9 @@ async def test_the_control_plane_says_whom_to_expect_when_the_first_update_arriv
 
         # when: only alice sends
         assert await alice.send(1, to_bytes(tmp_path, delta_like(theta_0, 1)), samples=4) == 200
-        (waiting,) = await status_backend.wait_for("waiting")
+        # Asked once before the update is taken (does the control plane count samples? this one does not)
+        # and once it is (whom to wait for): the same question.
+        waiting, *_ = await status_backend.wait_for("waiting")
         (report,) = await status_backend.wait_for("round", timeout=10)  # not after round_timeout (600 s)
         assert (await alice.get("rounds/1/result?wait=20"))[0] == 200
         assert await asyncio.wait_for(service, 30) == 0
@@ -423,3 +427,106 @@ async def test_done_in_reply_to_a_round_report_ends_the_job_early(tmp_path, brid
         assert await asyncio.wait_for(service, 30) == 0
     assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
     assert len(await status_backend.wait_for("round")) == 1
+
+
+# --- hostile updates (issue 12, finding 4) ------------------------------------------------------------------
+
+
+async def put_update(session, url: str, peer: str, round_number: int, body: bytes, samples: int):
+    headers = {**auth(peer), "X-Samples": str(samples)}
+    async with session.put(
+        f"{url}/jobs/{JOB_ID}/rounds/{round_number}/update", data=body, headers=headers
+    ) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def test_an_update_of_huge_finite_tensors_is_refused_and_the_job_goes_on(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: three trainers; the control plane stops waiting for carol once the round has its first update
+    status_backend.expect = {"type": "Expect", "peers": [ALICE, BOB], "due_in": None}
+    job = parse_job(aggregate_job(peers=[ALICE, BOB, CAROL], update_rounds=2, round_timeout=600.0))
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice, bob = Trainer(session, ready["url"], ALICE), Trainer(session, ready["url"], BOB)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        hostile = {name: torch.full_like(tensor, 1e38) for name, tensor in theta_0.items()}
+
+        # when: carol sends finite 1e38 tensors claiming 10^9 samples
+        status, body = await put_update(
+            session, ready["url"], CAROL, 1, to_bytes(tmp_path, hostile), 1_000_000_000
+        )
+
+        # then: refused; the server is still up and the honest trainers' round closes without it
+        assert (status, body["error"]) == (422, "refused_update")
+        assert not service.done()
+        a, b = delta_like(theta_0, 1), delta_like(theta_0, 2)
+        assert await alice.send(1, to_bytes(tmp_path, a), samples=2) == 200
+        assert await bob.send(1, to_bytes(tmp_path, b), samples=6) == 200
+        (report_1,) = await status_backend.wait_for("round", timeout=20)
+        status, _, data = await alice.get("rounds/1/result?wait=20")
+        assert status == 200
+        u_1 = from_bytes(tmp_path, data)
+        assert_close(u_1, {name: 0.75 * (2 * a[name] + 6 * b[name]) / 8 for name in a})
+        theta_1 = from_bytes(tmp_path, (await bob.get("model/model.safetensors"))[2])
+        assert_close(theta_1, {name: theta_0[name] + u_1[name] for name in theta_0})
+        assert all(bool(torch.isfinite(tensor).all()) for tensor in theta_1.values())
+
+        # and round 2 finishes the job
+        assert await alice.send(2, to_bytes(tmp_path, a), samples=2) == 200
+        assert await bob.send(2, to_bytes(tmp_path, b), samples=6) == 200
+        assert (await alice.get("rounds/2/result?wait=20"))[0] == 200
+        assert (await bob.get("rounds/2/result?wait=20"))[0] == 200
+        assert await asyncio.wait_for(service, 30) == 0
+
+    assert (report_1["participants"], report_1["left_out"]) == ([ALICE, BOB], [CAROL])
+    assert report_1["refused"] == {CAROL: body["detail"]}
+    assert report_1["samples"] == 8 and report_1["discarded"] is None
+    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+
+
+async def test_x_samples_is_bounded_by_the_jobs_cap_and_the_control_planes_count(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: a cap of 100 samples per update in the job, and the control plane's count of each trainer's samples
+    status_backend.expect = {"type": "Expect", "peers": [ALICE, BOB], "due_in": None, "samples": {ALICE: 32}}
+    document = aggregate_job(peers=[ALICE, BOB], update_rounds=1, round_timeout=600.0)
+    document["executor"]["config"]["rounds"]["max_samples_per_update"] = 100
+    job = parse_job(document)
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice = Trainer(session, ready["url"], ALICE)
+        theta_0 = from_bytes(tmp_path, (await alice.get("model/model.safetensors"))[2])
+        body = to_bytes(tmp_path, delta_like(theta_0, 1))
+
+        # when / then: over the job's cap, refused without asking the control plane
+        assert await put_update(session, ready["url"], BOB, 1, body, 101) == (
+            422,
+            {
+                "error": "refused_samples",
+                "detail": "X-Samples 101 is more than a trainer can have trained on in a round "
+                "(at most 100 in this job)",
+            },
+        )
+        assert "waiting" not in str(status_backend.values)
+        # over the control plane's count for alice: it is asked, and the update refused
+        assert await put_update(session, ready["url"], ALICE, 1, body, 33) == (
+            422,
+            {
+                "error": "refused_samples",
+                "detail": "X-Samples 33 is more than the control plane counted for this trainer in round 1 (32)",
+            },
+        )
+        assert await status_backend.wait_for("waiting") == [{"round": 1}]
+        # within both: accepted (bob's count is not given: the cap bounds it)
+        assert await alice.send(1, body, samples=32) == 200
+        assert await Trainer(session, ready["url"], BOB).send(1, body, samples=100) == 200
+        (report,) = await status_backend.wait_for("round", timeout=20)
+        assert (await alice.get("rounds/1/result?wait=20"))[0] == 200
+        assert await asyncio.wait_for(service, 30) == 0
+
+    assert (report["participants"], report["samples"], report["refused"]) == ([ALICE, BOB], 132, {})

@@ -327,8 +327,9 @@ class FakePeer:
 
     ``slices[(dataset, index)]`` and ``model[filename]`` are served; ``results[r]`` is served for round r
     once set (a long-poll waits up to ``wait`` for it, then answers 204); ``update_statuses`` lists the
-    statuses to answer successive update PUTs with (200 once empty). ``requests`` records
-    ``(method, path, headers, body)``.
+    statuses to answer successive update PUTs with (200 once empty). With ``tokens`` set, a result request
+    whose bearer token is not among them is answered 401, as the parameter server answers an expired token.
+    ``requests`` records ``(method, path, headers, body)``.
     """
 
     def __init__(self) -> None:
@@ -340,6 +341,7 @@ class FakePeer:
         self.results: dict[int, bytes] = {}
         self.result_added = asyncio.Event()
         self.update_statuses: list[int] = []
+        self.tokens: set[str] | None = None
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -400,6 +402,12 @@ class FakePeer:
 
     async def _result(self, request: web.Request) -> web.Response:
         await self._record(request)
+        if self.tokens is not None and request.headers.get("Authorization") not in {
+            f"Bearer {token}" for token in self.tokens
+        }:
+            return web.json_response(
+                {"error": "unauthorized", "detail": "transfer token expired"}, status=401
+            )
         round_number = int(request.match_info["round"])
         deadline = asyncio.get_running_loop().time() + float(request.query.get("wait", "0"))
         while round_number not in self.results:

@@ -95,8 +95,8 @@ def test_missing_token_is_a_usage_error():
 
     assert result.returncode == 2
     assert result.stderr.endswith(
-        "hypha-worker-daemon: error: no worker token: pass --token or --token-file, "
-        "or set HYPHA_TOKEN or HYPHA_TOKEN_FILE\n"
+        "hypha-worker-daemon: error: no worker token: pass --token-file PATH, "
+        "or set HYPHA_WORKER_TOKEN or HYPHA_WORKER_TOKEN_FILE\n"
     )
     assert "Traceback" not in result.stderr
 
@@ -124,7 +124,9 @@ def test_bad_config_file_is_a_usage_error(tmp_path):
     config = tmp_path / "worker.toml"
     config.write_text('[offer]\nfloor = -1\nstrategy = "greedy"\n')
 
-    result = run_cli("--server", "http://127.0.0.1:1", "--token", "t", "--config", str(config))
+    result = run_cli(
+        "--server", "http://127.0.0.1:1", "--config", str(config), env=clean_env(HYPHA_WORKER_TOKEN="t")
+    )
 
     assert result.returncode == 2
     assert result.stderr == (
@@ -135,7 +137,11 @@ def test_bad_config_file_is_a_usage_error(tmp_path):
 
 def test_missing_config_file_is_a_usage_error(tmp_path):
     result = run_cli(
-        "--server", "http://127.0.0.1:1", "--token", "t", "--config", str(tmp_path / "nope.toml")
+        "--server",
+        "http://127.0.0.1:1",
+        "--config",
+        str(tmp_path / "nope.toml"),
+        env=clean_env(HYPHA_WORKER_TOKEN="t"),
     )
 
     assert result.returncode == 2
@@ -170,6 +176,26 @@ def test_token_precedence(tmp_path):
     assert (
         resolve_token(token=None, token_file=None, environ={"HYPHA_TOKEN_FILE": str(token_file)})
         == "from-file"
+    )
+
+
+def test_the_worker_token_variables_come_before_their_older_names(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("from-new-file\n")
+    environ = {
+        "HYPHA_WORKER_TOKEN": "from-new",
+        "HYPHA_TOKEN": "from-old",
+        "HYPHA_TOKEN_FILE": "/nonexistent",
+    }
+
+    assert resolve_token(token=None, token_file=None, environ=environ) == "from-new"
+    assert (
+        resolve_token(
+            token=None,
+            token_file=None,
+            environ={"HYPHA_WORKER_TOKEN_FILE": str(token_file), "HYPHA_TOKEN_FILE": "/nonexistent"},
+        )
+        == "from-new-file"
     )
 
 

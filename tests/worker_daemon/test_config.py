@@ -212,8 +212,6 @@ def test_defaults_without_a_file(monkeypatch, tmp_path):
                 "{SOCKET_PATH}",
                 "--work-dir",
                 "{WORK_DIR}",
-                "--job",
-                "{JOB_JSON}",
             ],
         },
         {
@@ -506,3 +504,15 @@ def test_benchmark_and_slowdown_default_and_their_cli_overrides(tmp_path):
     assert from_file.summary().endswith(" slowdown=2")
     with pytest.raises(ConfigError, match=r"^config: slowdown: Input should be greater than or equal to 1"):
         load_config(None, environ={}, slowdown=0.9)
+
+
+def test_resources_above_what_a_hello_may_declare_are_a_config_error(tmp_path):
+    # given a config declaring more cores than the control plane accepts in a hello
+    path = tmp_path / "worker.toml"
+    path.write_text(f'work_dir = "{tmp_path}"\n[resources]\ncpu = 100000\n')
+
+    # when / then: a clear error naming the key, not a crash when the hello is built
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert "cpu" in str(refused.value)
+    assert "4096" in str(refused.value)

@@ -175,3 +175,39 @@ async def test_an_exit_while_disconnected_is_sent_after_the_next_welcome(
     await connection.send(make.welcome(leases=[make.lease_info(lease_id, resources=resources)]))
     exited = await connection.expect(protocol.JobExited)
     assert (exited.task_id, exited.reason) == (message.task_id, "cancelled while offline")
+
+
+async def test_a_fresh_transfer_token_frame_reaches_the_running_task(control_plane, daemons, config, make):
+    # given a running task dispatched with a token that will expire
+    daemon, connection, lease_id, job_id = await leased(control_plane, daemons, config, make)
+    message = dispatch(lease_id, job_id, "sleep").model_copy(update={"transfer_token": "first-token"})
+    await connection.send(message)
+    await connection.expect(protocol.JobStarted)
+
+    # when the control plane sends a fresh one over the websocket (as it does with each lease renewal)
+    await connection.send(protocol.TransferToken(task_id=message.task_id, transfer_token="fresh-token"))
+
+    # then the daemon's parser takes the frame and the task holds the new token; no error frame comes back
+    await make.wait_until(lambda: daemon.jobs.tasks[message.task_id].dispatch.transfer_token == "fresh-token")
+    await connection.expect_silence(seconds=0.2)
+
+
+async def test_a_task_whose_authorisation_is_lost_is_reported_failed_with_the_reason(
+    control_plane, daemons, config, make
+):
+    # given a running task
+    daemon, connection, lease_id, job_id = await leased(control_plane, daemons, config, make)
+    message = dispatch(lease_id, job_id, "sleep")
+    await connection.send(message)
+    await connection.expect(protocol.JobStarted)
+    await make.wait_until(lambda: "ready" in daemon.jobs.tasks[message.task_id].output)
+
+    # when its bridge gives up on a token the parameter server keeps refusing
+    daemon.jobs.tasks[message.task_id].backend.authorisation.grace = 0.0
+    daemon.jobs.tasks[message.task_id].backend.authorisation.refused("round 3: 401 transfer token expired")
+
+    # then the daemon stops it and reports a failure (not a cancellation) with the reason
+    exited = await connection.expect(protocol.JobExited, timeout=10)
+    assert (exited.task_id, exited.cancelled, exited.exit_code) == (message.task_id, False, None)
+    assert exited.reason.startswith("the parameter server refused this task's transfer token for 0 s")
+    assert exited.reason.endswith("round 3: 401 transfer token expired")

@@ -402,8 +402,8 @@ def test_the_parameter_server_command(config, book, short_dir):
         str(short_dir / "s"),
         "--work-dir",
         str(short_dir / "hypha-x"),
-        "--job",
-        job_json,
+        "--job-file",
+        str(short_dir / "hypha-x" / ".job.json"),
         "--host",
         "0.0.0.0",
         "--port",
@@ -418,6 +418,9 @@ def test_the_parameter_server_command(config, book, short_dir):
         "HYPHA_TRANSFER_TOKEN": "ps-token",
     }
     assert environment["JOB_JSON"] == job_json
+    # the job (slice URLs with their tokens) is in a file only this user reads, not on the command line
+    job_file = task.work_dir / ".job.json"
+    assert (job_file.read_text(), job_file.stat().st_mode & 0o777) == (job_json, 0o600)
     # the current token is in a file only this user reads, which a fresh token replaces
     token_file = Path(environment["HYPHA_TRANSFER_TOKEN_FILE"])
     assert (token_file, token_file.read_text()) == (task.work_dir / ".transfer-token", "ps-token")
@@ -564,6 +567,7 @@ def test_every_executor_gets_the_slowdown_factor(config, book, short_dir, monkey
     monkeypatch.setenv("HYPHA_SLOWDOWN", "9")
     slowed = config.model_copy(update={"slowdown": slowdown})
     manager = JobManager(config=slowed, book=book, server_url="wss://cp.example/prefix/ws/worker/")
+    (short_dir / "hypha-x").mkdir()  # where a parameter server's job file is written
     for executor_class, name in (("train", "test-executor"), ("aggregate", "parameter-server")):
         message = protocol.DispatchJob(
             task_id=uuid.uuid4(), lease_id=LEASE, job_id=JOB, role="trainer", spec={"job_id": str(JOB)}

@@ -43,9 +43,18 @@ from typing import Any, TypeVar
 import aiohttp
 
 from worker_daemon import protocol, telemetry
+from worker_daemon.bridge.authorisation import DEFAULT_GRACE, UNAUTHORIZED, AuthorisationWatch
 from worker_daemon.bridge.backend import ProgressValue
 from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
 from worker_daemon.bridge.paths import FILE_MODE, resolve_in
+from worker_daemon.bridge.peer_http import (
+    CachedSlice,
+    Download,
+    HttpStatusError,
+    IntegrityError,
+    error_detail,
+    without_query,
+)
 from worker_daemon.bridge.references import (
     FetchReference,
     HuggingFaceReference,
@@ -69,36 +78,6 @@ CHUNK_SIZE = 1 << 20
 MIN_SLICE_RETRY = 0.05
 
 
-class HttpStatusError(Exception):
-    """A peer answered with an unexpected HTTP status (``detail`` is the start of its body)."""
-
-    def __init__(self, url: str, status: int, detail: str) -> None:
-        super().__init__(f"{url} answered {status}: {detail}" if detail else f"{url} answered {status}")
-        self.status = status
-        self.detail = detail
-
-
-class IntegrityError(Exception):
-    """A download whose size or SHA-256 is not what the control plane announced."""
-
-
-@dataclass(frozen=True, slots=True)
-class Download:
-    status: int
-    size: int
-    headers: Mapping[str, str]
-
-
-@dataclass(frozen=True, slots=True)
-class CachedSlice:
-    """A claimed slice downloaded (and verified) into the task's prefetch cache, not acknowledged yet."""
-
-    dataset: str
-    index: int
-    size: int
-    path: Path
-
-
 @dataclass
 class _InFlight:
     """The last update sent, until its round's result arrives."""
@@ -120,7 +99,10 @@ class RemoteBackend:
     request (a reply that does not come is a ``network_error``), ``connect_timeout``/``read_timeout`` every HTTP
     call (``read_timeout`` is per read, so large files are fine); ``result_wait`` is the long-poll ``wait``.
     Failed HTTP calls are retried ``retries`` times, after ``retry_base``·2^attempt seconds (at most
-    ``retry_cap``). Call :meth:`close` when the task ends.
+    ``retry_cap``). A transfer token the parameter server refuses (401) is retried like a lost connection
+    (a fresh token comes with each lease renewal) for up to ``auth_grace`` seconds without a break; then
+    ``on_authorisation_lost(reason)`` is called (the daemon fails the task with the reason) and the call
+    fails. Call :meth:`close` when the task ends.
     """
 
     def __init__(
@@ -142,6 +124,8 @@ class RemoteBackend:
         retry_cap: float = 10.0,
         peer_wait: float = 900.0,
         data_wait: float = 900.0,
+        auth_grace: float = DEFAULT_GRACE,
+        on_authorisation_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.task_id = task_id
         self.job_id = job_id
@@ -159,6 +143,9 @@ class RemoteBackend:
         self.retry_cap = retry_cap
         self.peer_wait = peer_wait
         self.data_wait = data_wait
+        #: A token refused (401) for ``auth_grace`` s without a break fails the task through
+        #: ``on_authorisation_lost`` (its daemon stops it with the reason) instead of retrying for ever.
+        self.authorisation = AuthorisationWatch(grace=auth_grace, on_lost=on_authorisation_lost)
         self._peers_changed = asyncio.Event()
         #: How many times the control plane has told this task its peers' addresses since it started.
         self.peers_told = 0
@@ -284,6 +271,10 @@ class RemoteBackend:
                     trace_attributes={"hypha.round": round_number},
                 )
             except HttpStatusError as error:
+                if error.status == UNAUTHORIZED and self.authorisation.refused(
+                    f"round {round_number}: {error}"
+                ):
+                    return  # the task is being failed with the reason; nothing more can be received
                 if error.status == 410:
                     logger.warning(
                         "task %s: round %d result was pruned; skipping it", self.task_id, round_number
@@ -306,6 +297,7 @@ class RemoteBackend:
                 )
             else:
                 delay = self.retry_base
+                self.authorisation.accepted()
                 if result.status == 204:  # still open after `wait`: ask again
                     continue
                 logger.info(
@@ -396,7 +388,7 @@ class RemoteBackend:
                         isinstance(error, HttpStatusError) and error.status < 500
                     )
                     # Never the URL's query in a log or the task's output: it holds the download token.
-                    where = _without_query(url)
+                    where = without_query(url)
                     if isinstance(error, HttpStatusError):
                         problem = (
                             f"answered {error.status}: {error.detail}"
@@ -543,15 +535,21 @@ class RemoteBackend:
         while True:
             base = await self._peer_url(peer)
             try:
-                return await operation(base), base
+                done = await operation(base), base
             except HttpStatusError as error:
-                if error.status < 500:
+                # A refused token is retried too: a fresh one comes with the lease's next renewal.
+                if error.status < 500 and (
+                    error.status != UNAUTHORIZED or self.authorisation.refused(f"{what}: {error}")
+                ):
                     raise
                 failure: Exception = error
             except IntegrityError as error:
                 raise ConnectorError(f"{what}: {error}") from error
             except (aiohttp.ClientError, TimeoutError) as error:
                 failure = error
+            else:
+                self.authorisation.accepted()
+                return done
             attempt += 1
             detail = str(failure) or type(failure).__name__
             left = deadline - loop.time()
@@ -575,7 +573,7 @@ class RemoteBackend:
                 "update upload",
                 **{
                     "http.request.method": "PUT",
-                    "url.full": _without_query(url),
+                    "url.full": without_query(url),
                     "hypha.task_id": self.task_id,
                     "hypha.round": round_number,
                     "hypha.samples": samples,
@@ -586,7 +584,7 @@ class RemoteBackend:
             async with session.put(url, data=body, headers=headers, timeout=self._timeout()) as response:
                 telemetry.annotate(current, **{"http.response.status_code": response.status})
                 if response.status >= 300:
-                    raise HttpStatusError(url, response.status, await _detail(response))
+                    raise HttpStatusError(url, response.status, await error_detail(response))
 
     async def _resend_if_moved(self, round_number: int, base: str) -> None:
         """The control plane told this task its parameter server's address again since the update for
@@ -722,7 +720,7 @@ class RemoteBackend:
             operation,
             **{
                 "http.request.method": "GET",
-                "url.full": _without_query(url),
+                "url.full": without_query(url),
                 "hypha.task_id": self.task_id,
                 **(trace_attributes or {}),
             },
@@ -764,7 +762,7 @@ class RemoteBackend:
                 if response.status == 204 and no_content_ok:
                     return Download(status=204, size=0, headers=response.headers)
                 if response.status != 200:
-                    raise HttpStatusError(url, response.status, await _detail(response))
+                    raise HttpStatusError(url, response.status, await error_detail(response))
                 # Hashed only when a digest was announced (slices): a model file's hash would cost ~1 s/GB.
                 digest = hashlib.sha256() if sha256 else None
                 size = 0
@@ -790,23 +788,3 @@ class RemoteBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 partial.unlink()
-
-
-def _without_query(url: str) -> str:
-    """``url`` for a span: without its query and fragment, which may hold signatures."""
-    return urllib.parse.urlsplit(url)._replace(query="", fragment="").geturl()
-
-
-async def _detail(response: aiohttp.ClientResponse) -> str:
-    """The reason in an error answer: ``error: detail`` of a JSON body, else the start of the text."""
-    try:
-        text = (await response.text(errors="replace"))[:2000]
-    except (aiohttp.ClientError, TimeoutError):
-        return ""
-    with contextlib.suppress(ValueError):
-        import json
-
-        body = json.loads(text)
-        if isinstance(body, dict) and ("error" in body or "detail" in body):
-            return f"{body.get('error', '')}: {body.get('detail', '')}".strip(": ")
-    return text.strip()[:500]

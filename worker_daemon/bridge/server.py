@@ -13,7 +13,9 @@ Endpoints (§1.3 of the protocol reference)::
     POST /status/send          body: a Progress value → the backend's reply as JSON, never empty
 
 Handler errors are ``{"error": kind, "detail": message}`` (see :mod:`.exceptions`); bodies that do not
-deserialise get a plain-text 400 (syntax), 422 (shape) or 415 (content type), never a 500.
+deserialise get a plain-text 400 (syntax, or nested deeper than :data:`MAX_JSON_DEPTH`), 422 (shape, or a
+string holding NUL or a lone surrogate, which no path, peer or the control plane's database can take) or 415
+(content type), never a 500.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from worker_daemon import telemetry
+from worker_daemon import bounded_json, telemetry
 from worker_daemon.bridge.backend import BridgeBackend
 from worker_daemon.bridge.exceptions import (
     BridgeError,
@@ -56,6 +58,9 @@ logger = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
 
 SOCKET_MODE = 0o600
+#: How deep a request body may nest: Hypha's bodies nest 3 or 4 levels; json.loads recurses per level, and a
+#: 50,000-deep body was a RecursionError (a 500).
+MAX_JSON_DEPTH = 64
 ARTIFACTS_DIR = "artifacts"
 OPENAPI_DOCUMENT: dict[str, Any] = {
     "openapi": "3.1.0",
@@ -89,9 +94,15 @@ async def _read_json(request: web.Request) -> Any:
         raise web.HTTPUnsupportedMediaType(text="Expected request with `Content-Type: application/json`")
     body = await request.read()
     try:
-        return json.loads(body)
-    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        value = bounded_json.loads(body, max_depth=MAX_JSON_DEPTH)
+    except ValueError as error:  # TooDeep, JSONDecodeError and UnicodeDecodeError
         raise web.HTTPBadRequest(text=f"Failed to parse the request body as JSON: {error}") from None
+    for path, message in bounded_json.hostile_strings(value):
+        location = ".".join(bounded_json.escape_hostile(str(part)) for part in path) or "body"
+        raise web.HTTPUnprocessableEntity(
+            text=f"Failed to deserialize the JSON body into the target type: {location}: {message}"
+        )
+    return value
 
 
 def _shape_error(error: ValidationError | ValueError) -> web.HTTPUnprocessableEntity:

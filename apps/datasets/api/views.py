@@ -9,7 +9,6 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import authentication, exceptions, permissions, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -23,6 +22,7 @@ from apps.datasets.api.serializers import (
 from apps.datasets.exceptions import DatasetConflict, InvalidDataset
 from apps.datasets.models import DATA_NODE_TOKEN_PREFIX, DataNode, Dataset, DatasetReplica
 from hypha_site.api import error_responses
+from hypha_site.parsers import BoundedJSONParser
 
 
 class DataNodeAuthentication(authentication.BaseAuthentication):
@@ -122,7 +122,7 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
         authentication_classes=[DataNodeAuthentication],
         permission_classes=[IsDataNode],
         # JSON only: a form body cannot carry the list of slice objects (and is not documented as if it could).
-        parser_classes=[JSONParser],
+        parser_classes=[BoundedJSONParser],
     )
     def register(self, request: Request) -> Response:
         serializer = DatasetRegistrationSerializer(data=request.data)

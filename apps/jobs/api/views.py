@@ -18,7 +18,7 @@ from drf_spectacular.utils import (
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import ParseError
-from rest_framework.parsers import BaseParser, JSONParser
+from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -32,8 +32,11 @@ from apps.jobs.api.serializers import (
 )
 from apps.jobs.exceptions import JobNotCancellable, SpecError, TransferRefused
 from apps.jobs.models import Job, Task, Upload
+from apps.jobs.training.uploads import delete_upload
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
+from hypha_site.parsers import BoundedJSONParser, read_bounded
+from worker_daemon.bounded_json import hostile_string_problem
 
 INVALID_JOB_EXAMPLE = OpenApiExample(
     "invalid submission",
@@ -56,8 +59,10 @@ class TomlParser(BaseParser):
     media_type = "application/toml"
 
     def parse(self, stream, media_type=None, parser_context=None) -> str:
+        # Bounded here: DRF hands its JSON and form parsers Django's size-checked body, others the raw stream.
+        data = read_bounded(stream, settings.HYPHA_MAX_TOML_BYTES)
         try:
-            return stream.read().decode("utf-8")
+            return data.decode("utf-8")
         except UnicodeDecodeError as error:
             raise ParseError(f"TOML must be UTF-8: {error}") from None
 
@@ -108,7 +113,7 @@ class JobViewSet(
     """DiLoCo jobs. You see and cancel your own jobs; staff see and cancel every job."""
 
     serializer_class = JobSerializer
-    parser_classes = [JSONParser]
+    parser_classes = [BoundedJSONParser]
 
     def get_queryset(self) -> QuerySet[Job]:
         if getattr(self, "swagger_fake_view", False):  # drf-spectacular inspecting the view
@@ -152,15 +157,17 @@ class JobViewSet(
         ),
         parameters=[OpenApiParameter("name", OpenApiTypes.STR, description="job name, for a TOML body")],
         request={"application/json": OpenApiTypes.OBJECT, "application/toml": OpenApiTypes.STR},
-        responses={201: JobDetailSerializer, **error_responses(400, 401, 415)},
+        responses={201: JobDetailSerializer, **error_responses(400, 401, 413, 415)},
         examples=[OpenApiExample("a small causal LM", value=DILOCO_EXAMPLE, request_only=True)],
     )
-    @action(detail=False, methods=["post"], url_path="diloco", parser_classes=[JSONParser, TomlParser])
+    @action(detail=False, methods=["post"], url_path="diloco", parser_classes=[BoundedJSONParser, TomlParser])
     def diloco(self, request: Request) -> Response:
         body = request.data
         try:
             if isinstance(body, str):
                 name = request.query_params.get("name", "")
+                if problem := hostile_string_problem(name):
+                    return Response({"name": [problem]}, status=status.HTTP_400_BAD_REQUEST)
                 parsed = spec.parse_toml(body)
             else:
                 body = dict(body) if isinstance(body, dict) else body
@@ -218,15 +225,16 @@ class JobModelView(APIView):
         summary="Upload a file of a job's final model (the job's parameter server only)",
         description=(
             "Called by the job's parameter server after its last round, with its transfer token "
-            "(`Authorization: Bearer <token>`, signed by the control plane for that job). The body is the file."
+            "(`Authorization: Bearer <token>`, signed by the control plane for that job). The body is the file. "
+            "Only the model's files are taken (`config.json`, `model.safetensors`): any other name is a 400."
         ),
         parameters=[
             OpenApiParameter(
                 "filename",
                 OpenApiTypes.STR,
                 OpenApiParameter.PATH,
-                pattern=training.MODEL_FILENAME.pattern,
-                description="the file name",
+                enum=list(training.MODEL_FILES),
+                description="the file name: one of the model's files",
             )
         ],
         request={"application/octet-stream": OpenApiTypes.BINARY},
@@ -381,9 +389,18 @@ def _bearer(request: Request) -> str | None:
 
 
 def _body_chunks(request: Request):
-    stream = request.stream
-    while stream is not None and (chunk := stream.read(MODEL_UPLOAD_CHUNK)):
+    """The request body, a chunk at a time. Read from Django's request, not DRF's ``request.stream``, which
+    is ``None`` without a ``Content-Length``: a chunked upload was stored empty."""
+    http_request = request._request
+    while chunk := http_request.read(MODEL_UPLOAD_CHUNK):
         yield chunk
+
+
+def _declared_size(request: Request) -> int | None:
+    try:
+        return int(request.headers["Content-Length"])
+    except (KeyError, ValueError):
+        return None
 
 
 @extend_schema_view(
@@ -396,7 +413,9 @@ def _body_chunks(request: Request):
 )
 class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Files uploaded to the control plane: a model to train (a zip or tar of a transformers model directory with
-    `config.json` and its weights) that a DiLoCo spec names with `{"type": "upload", "file": <id or name>}`."""
+    `config.json` and its weights) that a DiLoCo spec names with `{"type": "upload", "file": <id or name>}`.
+    Each user's uploads are bounded (`HYPHA_UPLOAD_QUOTA_BYTES`, `HYPHA_UPLOAD_QUOTA_COUNT`); deleting one
+    frees its room."""
 
     serializer_class = UploadSerializer
 
@@ -428,11 +447,25 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
                 request.user,
                 request.query_params.get("name", ""),
                 _body_chunks(request),
-                limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
+                limit=settings.HYPHA_MAX_UPLOAD_BYTES,
+                declared_size=_declared_size(request),
             )
         except TransferRefused as refused:
             return _refused(refused, field="name")
         return Response(UploadSerializer(upload).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Delete an upload",
+        description="Its owner (or staff) deletes it and its file, freeing room in their quota; refused (409) "
+        "while a job that has not ended is built from it.",
+        responses={204: None, **error_responses(401, 404, 409)},
+    )
+    def destroy(self, request: Request, pk: str | None = None) -> Response:
+        try:
+            delete_upload(str(pk), user=request.user)
+        except TransferRefused as refused:
+            return Response({"detail": str(refused)}, status=refused.status)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(
         summary="Download an upload's content",
@@ -449,9 +482,11 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
             return Response({"detail": "No such upload."}, status=status.HTTP_404_NOT_FOUND)
         user = None
         if _bearer(request) is None:
-            from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+            from rest_framework.authentication import SessionAuthentication
 
-            for authenticator in (TokenAuthentication(), SessionAuthentication()):
+            from hypha_site.api import UserTokenAuthentication
+
+            for authenticator in (UserTokenAuthentication(), SessionAuthentication()):
                 try:
                     found = authenticator.authenticate(request)
                 except Exception:  # a bad token is simply not this user

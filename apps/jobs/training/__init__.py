@@ -81,7 +81,6 @@ from apps.jobs.training.status import (
 )
 from apps.jobs.training.storage import MODEL_FILENAME
 from apps.jobs.training.tokens import (
-    TRANSFER_TOKEN_LIFETIME,
     FreshToken,
     fresh_tokens,
     transfer_key,
@@ -103,7 +102,6 @@ __all__ = [
     "MODEL_FILES",
     "SLICE_RETRY_SECONDS",
     "TRAINER_EXIT_GRACE",
-    "TRANSFER_TOKEN_LIFETIME",
     "FreshToken",
     "Plan",
     "acknowledge_slice",

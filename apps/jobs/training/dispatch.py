@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.utils import timezone
 
 from apps.datasets import services as dataset_services
 from apps.datasets.exceptions import DatasetError
 from apps.datasets.models import Dataset, Slice
 from apps.jobs import spec as job_spec
+from apps.jobs import sync
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Task
 from apps.jobs.training.plans import is_training_job, plan
 from apps.jobs.training.tokens import transfer_key, transfer_token
@@ -42,7 +44,7 @@ def slice_urls(
     *,
     job_id,
     peer: str,
-    lifetime: float = dataset_services.SLICE_TOKEN_LIFETIME,
+    lifetime: float | None = None,
 ) -> list[str]:
     """The data nodes' URLs of slice ``index``, each with a download token for ``peer`` of job ``job_id``
     (:func:`apps.datasets.services.slice_urls`)."""
@@ -115,7 +117,7 @@ def _dispatch_server(job: Job, lease: Lease, *, dataset: Dataset, held_out: list
                     slice_,
                     job_id=job.pk,
                     peer=dataset_services.PARAMETER_SERVER_PEER,
-                    lifetime=dataset_services.EVAL_SLICE_TOKEN_LIFETIME,
+                    lifetime=settings.HYPHA_EVAL_SLICE_TOKEN_LIFETIME,
                 )
                 for slice_ in dataset.slices.filter(index__in=held_out).order_by("index")
             ],
@@ -134,6 +136,9 @@ def _dispatch_server(job: Job, lease: Lease, *, dataset: Dataset, held_out: list
         model_source=model_source,
         evaluation=evaluation,
     )
+    # The most samples one trainer's update may claim (its X-Samples): a round's worth of its steps; the
+    # parameter server refuses more (a hostile count would outweigh every honest update in the mean).
+    envelope["executor"]["config"]["rounds"]["max_samples_per_update"] = max_samples_per_update(parsed)
     if job.checkpoint:
         envelope["executor"]["config"]["checkpoint"] = {
             "round": job.checkpoint["round"],
@@ -153,6 +158,15 @@ def _dispatch_server(job: Job, lease: Lease, *, dataset: Dataset, held_out: list
         ),
     )
     return task
+
+
+def max_samples_per_update(parsed: job_spec.DiLoCoSpec) -> int:
+    """H full batches with fixed-H sync; with a sample target, the target plus the most steps a trainer may
+    be told to run past it (:data:`apps.jobs.sync.STEPS_CAP`) in full batches."""
+    batch = max(1, parsed.batch_size)
+    if parsed.rounds.inner_steps is not None:
+        return parsed.rounds.inner_steps * batch
+    return parsed.rounds.avg_samples_between_updates + sync.STEPS_CAP * batch
 
 
 def _dispatch(task: Task, message: protocol.DispatchJob) -> None:

@@ -9,6 +9,7 @@ from django.db import transaction
 
 from apps.jobs.exceptions import TransferRefused
 from apps.jobs.models import Job, Task
+from apps.jobs.training.dispatch import MODEL_FILES
 from apps.jobs.training.storage import MODEL_FILENAME, write_stream
 from apps.jobs.training.tokens import server_task
 
@@ -25,9 +26,19 @@ def authorise_model_upload(job: Job, token: str | None) -> Task:
 
 
 def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
-    """Write one uploaded model file atomically; returns ``{"size", "sha256"}`` (recorded on the job)."""
+    """Write one uploaded model file atomically; returns ``{"size", "sha256"}`` (recorded on the job).
+
+    Only the files the parameter server uploads (:data:`MODEL_FILES`) are taken: any other name would be
+    a stranger's file in the archive users download and run (``evil.py``). A 400, nothing written, otherwise.
+    """
     if not MODEL_FILENAME.match(filename):
         raise TransferRefused(f"{filename!r} is not an allowed model file name", status=400)
+    if filename not in MODEL_FILES:
+        raise TransferRefused(
+            f"{filename!r} is not a file of the model: the parameter server uploads only "
+            f"{', '.join(MODEL_FILES)}",
+            status=400,
+        )
     directory = model_directory(job.pk)
     entry = write_stream(directory / filename, chunks, limit=limit)
     with transaction.atomic():
@@ -50,7 +61,8 @@ def model_archive(job: Job) -> Path | None:
         partial = directory / ".model.zip.part"
         # Stored, not deflated: safetensors barely compress and the archive is written once per job.
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as bundle:
-            for filename in sorted(job.model_files):
+            # Only the model's files, also for a job stored before uploads were limited to them.
+            for filename in sorted(set(job.model_files) & set(MODEL_FILES)):
                 bundle.write(directory / filename, arcname=filename)
         partial.replace(archive)
     return archive

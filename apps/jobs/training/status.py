@@ -357,6 +357,18 @@ def _expectation(task: Task, body: Any) -> dict:
         .values("lease__worker_id", "round")
     )
     peers = sorted({str(row["lease__worker_id"]) for row in live})
+    # What the control plane counted for each trainer in this round: the most its update's X-Samples may
+    # claim (the parameter server refuses more, after asking again once).
+    counted = {
+        str(worker_id): samples
+        for worker_id, samples in Task.objects.filter(
+            job=job,
+            role=TRAINER,
+            status__in=Task.LIVE,
+            round=number - 1,
+            sync_state__in=(Task.Sync.TRAINING, Task.Sync.SCHEDULED, Task.Sync.UPDATING),
+        ).values_list("lease__worker_id", "samples_in_round")
+    }
     now = sync_clock()
     rows = _rows(_trainers_in_round(job.pk, number - 1))
     due = None
@@ -377,7 +389,12 @@ def _expectation(task: Task, body: Any) -> dict:
         due = sync.due_in(
             _projected(rows, now=now), remaining_steps=remaining, now=now, default=sync.STEPS_CAP - 1
         )
-    return {"type": "Expect", "peers": peers, "due_in": None if due is None else round(due, 3)}
+    return {
+        "type": "Expect",
+        "peers": peers,
+        "due_in": None if due is None else round(due, 3),
+        "samples": counted,
+    }
 
 
 def _record_round(task: Task, body: Any) -> dict:
@@ -424,9 +441,16 @@ def _record_round(task: Task, body: Any) -> dict:
     observers.round_recorded(round_)
     evaluation = f", eval loss {round_.eval_loss:.4f}" if round_.eval_loss is not None else ""
     left_out = f", {len(round_.left_out)} left out" if round_.left_out else ""
+    discarded = body.get("discarded")
+    if isinstance(discarded, str) and discarded:
+        # The parameter server threw the round's outer step away (its result was not finite): the weights
+        # stayed as they were. Said on the job page, not hidden behind "applied".
+        outcome = f"discarded, weights kept ({discarded[:300]})"
+    else:
+        outcome = "applied"
     job.transition(
         Job.Status.RUNNING,
-        reason=f"RUNNING: round {number} of {update_rounds} applied "
+        reason=f"RUNNING: round {number} of {update_rounds} {outcome} "
         f"({len(round_.participants)} trainers{left_out}{evaluation})",
     )
     return DONE if number >= update_rounds else OK

@@ -15,10 +15,6 @@ from apps.jobs.models import PARAMETER_SERVER, Job, Task
 from apps.leases.models import Lease
 from worker_daemon import protocol
 
-#: How long a transfer token lives (at least twice the lease TTL): short, because each live task gets a fresh
-#: one with every renewal of its lease (``transfer_token`` frames), so a token that leaks is soon worthless.
-TRANSFER_TOKEN_LIFETIME = 15 * 60
-
 
 def transfer_key(job_id) -> str:
     """The job's transfer key: signs its tokens; the job's parameter server gets it to verify them."""
@@ -26,7 +22,9 @@ def transfer_key(job_id) -> str:
 
 
 def transfer_token_lifetime() -> float:
-    return max(TRANSFER_TOKEN_LIFETIME, 2 * settings.HYPHA_LEASE_TTL)
+    """``HYPHA_TRANSFER_TOKEN_LIFETIME``, but at least two lease TTLs: a token must outlive the renewal that
+    brings the next one."""
+    return max(settings.HYPHA_TRANSFER_TOKEN_LIFETIME, 2 * settings.HYPHA_LEASE_TTL)
 
 
 def transfer_token(lease: Lease) -> str:

@@ -10,7 +10,6 @@ from django.db.models import Prefetch, QuerySet
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -21,6 +20,7 @@ from apps.workers.api.serializers import WorkerCreateSerializer, WorkerSerialize
 from apps.workers.exceptions import WorkerOffline
 from apps.workers.models import Worker
 from hypha_site.api import error_responses
+from hypha_site.parsers import BoundedJSONParser
 
 
 @extend_schema_view(
@@ -41,7 +41,7 @@ class WorkerViewSet(
     """Workers: the GPU hosts whose daemons bid for jobs. You see your own workers; staff see every worker."""
 
     serializer_class = WorkerSerializer
-    parser_classes = [JSONParser]
+    parser_classes = [BoundedJSONParser]
 
     def get_queryset(self) -> QuerySet[Worker]:
         if getattr(self, "swagger_fake_view", False):  # drf-spectacular inspecting the view

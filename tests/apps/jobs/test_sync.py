@@ -266,6 +266,8 @@ def test_the_parameter_server_is_told_whom_to_expect_and_when(adaptive_job, onli
     assert reply["type"] == "Expect"
     assert reply["peers"] == sorted([str(rig_a.pk), str(rig_b.pk)])
     assert reply["due_in"] == pytest.approx(2 + 2 * 2.0 - 3.5)  # rig-b: last at 2 s, two steps of 2 s
+    # and what each trainer's update may claim: the samples counted for it this round (3 and 1 steps of 4)
+    assert reply["samples"] == {str(rig_a.pk): 12, str(rig_b.pk): 4}
 
     slow.finish(Task.Status.FAILED, exit_code=1)  # a trainer that died is not waited for
     reply = status(rig_c, server, {"waiting": {"round": 1}})

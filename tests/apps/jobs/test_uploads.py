@@ -4,6 +4,7 @@ job's parameter server with its transfer token."""
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 import pytest
 from rest_framework.test import APIClient
@@ -141,3 +142,175 @@ def test_the_parameter_server_of_a_job_built_from_an_upload_may_download_it(
     assert fetch(dispatch.transfer_token[:-4] + "AAAA").status_code == 401
     assert fetch(None).status_code == 401
     assert Task.objects.filter(job=job).count() == 3  # the parameter server and both trainers
+
+
+# --- delete and quotas (issue 12, finding 6) -------------------------------------------------------------
+
+
+def stored_files(settings) -> set[str]:
+    """Every file under the uploads directory, partial ones included."""
+    uploads = settings.HYPHA_DATA_DIR / "uploads"
+    return {path.name for path in uploads.iterdir()} if uploads.exists() else set()
+
+
+@pytest.mark.django_db
+def test_an_owner_deletes_an_upload_and_its_file_goes_with_it(
+    alice, settings, django_capture_on_commit_callbacks
+):
+    # given
+    created = upload(alice, b"model bytes").json()
+    path = Upload.objects.get(pk=created["id"]).path
+
+    # when
+    with django_capture_on_commit_callbacks(execute=True):
+        response = alice.client.delete(f"/api/uploads/{created['id']}/")
+
+    # then
+    assert response.status_code == 204, response.content
+    assert not Upload.objects.filter(pk=created["id"]).exists()
+    assert not path.exists()
+    assert alice.client.get(f"/api/uploads/{created['id']}/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_a_stranger_cannot_delete_an_upload_and_nothing_changes(alice, bob, settings):
+    # given
+    created = upload(alice, b"model bytes").json()
+    files = stored_files(settings)
+
+    # when
+    response = bob.client.delete(f"/api/uploads/{created['id']}/")
+
+    # then: as for downloads, someone else's upload is not disclosed
+    assert response.status_code == 404
+    assert response.json() == {"detail": "No such upload."}
+    assert Upload.objects.get(pk=created["id"]).path.read_bytes() == b"model bytes"
+    assert stored_files(settings) == files
+    assert bob.client.delete("/api/uploads/not-a-uuid/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_staff_may_delete_anyones_upload(alice, operator, django_capture_on_commit_callbacks):
+    created = upload(alice, b"model bytes").json()
+    path = Upload.objects.get(pk=created["id"]).path
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator.client.delete(f"/api/uploads/{created['id']}/")
+
+    assert response.status_code == 204
+    assert not Upload.objects.filter(pk=created["id"]).exists()
+    assert not path.exists()
+
+
+@pytest.mark.django_db
+def test_an_upload_an_unfinished_job_is_built_from_cannot_be_deleted(
+    alice, tiny_text, settings, django_capture_on_commit_callbacks
+):
+    # given: a pending job on alice's upload
+    upload_id = upload(alice, b"the model").json()["id"]
+    job_id = alice.client.post("/api/jobs/diloco/", UPLOAD_SPEC, format="json").json()["id"]
+    files = stored_files(settings)
+
+    # when
+    refused = alice.client.delete(f"/api/uploads/{upload_id}/")
+
+    # then
+    assert refused.status_code == 409
+    assert refused.json() == {"detail": f"job {job_id} (pending) is built from this upload; it can be deleted "
+                              "once that job has ended"}  # fmt: skip
+    assert Upload.objects.get(pk=upload_id).path.read_bytes() == b"the model"
+    assert stored_files(settings) == files
+
+    # and once the job has ended, it can
+    Job.objects.filter(pk=job_id).update(status=Job.Status.CANCELLED)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert alice.client.delete(f"/api/uploads/{upload_id}/").status_code == 204
+    assert not Upload.objects.filter(pk=upload_id).exists()
+
+
+@pytest.mark.django_db
+def test_an_upload_past_the_byte_quota_is_refused_and_nothing_is_stored(
+    alice, bob, settings, django_capture_on_commit_callbacks
+):
+    # given: a quota of 20 bytes, 11 of them used
+    settings.HYPHA_UPLOAD_QUOTA_BYTES = 20
+    first = upload(alice, b"model bytes").json()
+    files = stored_files(settings)
+
+    # when
+    refused = upload(alice, b"more bytes!")
+
+    # then
+    assert refused.status_code == 413
+    assert refused.json() == {
+        "detail": "this upload would exceed your upload quota of 20 bytes (11 used); delete uploads you no "
+        "longer need with DELETE /api/uploads/<id>/"
+    }
+    assert list(Upload.objects.values_list("id", flat=True)) == [uuid.UUID(first["id"])]
+    assert stored_files(settings) == files
+
+    # the quota is per user, and deleting frees it
+    assert upload(bob, b"bobs bytes!").status_code == 201
+    with django_capture_on_commit_callbacks(execute=True):
+        assert alice.client.delete(f"/api/uploads/{first['id']}/").status_code == 204
+    assert upload(alice, b"more bytes!").status_code == 201
+
+
+@pytest.mark.django_db
+def test_an_upload_past_the_count_quota_is_refused_and_nothing_is_stored(alice, settings):
+    settings.HYPHA_UPLOAD_QUOTA_COUNT = 1
+    upload(alice, b"model bytes")
+    files = stored_files(settings)
+
+    refused = upload(alice, b"x")
+
+    assert refused.status_code == 413
+    assert refused.json() == {
+        "detail": "you have 1 upload, the most allowed; delete uploads you no longer need with "
+        "DELETE /api/uploads/<id>/"
+    }
+    assert Upload.objects.count() == 1
+    assert stored_files(settings) == files
+
+
+@pytest.mark.django_db
+def test_an_upload_past_the_file_cap_is_refused_and_nothing_is_stored(alice, settings):
+    settings.HYPHA_MAX_UPLOAD_BYTES = 10
+    files = stored_files(settings)
+
+    refused = upload(alice, b"model bytes")
+
+    assert refused.status_code == 413
+    assert refused.json() == {"detail": "the file exceeds 10 bytes"}
+    assert not Upload.objects.exists()
+    assert stored_files(settings) == files
+
+
+@pytest.mark.django_db
+def test_a_body_of_unknown_length_is_stopped_at_the_quota_while_it_streams(alice, settings):
+    # given: 9 bytes of room left, and a body without a declared length (a chunked request)
+    from apps.jobs.exceptions import TransferRefused
+
+    settings.HYPHA_UPLOAD_QUOTA_BYTES = 20
+    upload(alice, b"model bytes")
+    files = stored_files(settings)
+    sent = []
+
+    def chunks():
+        for chunk in (b"12345", b"67890", b"never read"):
+            sent.append(chunk)
+            yield chunk
+
+    # when
+    with pytest.raises(TransferRefused) as refused:
+        training.store_upload(alice.user, "more.bin", chunks(), limit=1 << 20)
+
+    # then: refused at the chunk that passed the quota, in the quota's words
+    assert refused.value.status == 413
+    assert str(refused.value) == (
+        "this upload would exceed your upload quota of 20 bytes (11 used); delete uploads you no longer "
+        "need with DELETE /api/uploads/<id>/"
+    )
+    assert sent == [b"12345", b"67890"]
+    assert Upload.objects.count() == 1
+    assert stored_files(settings) == files

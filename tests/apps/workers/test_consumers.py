@@ -309,11 +309,13 @@ async def test_frames_over_the_rate_limit_are_refused_and_change_nothing(gateway
             await communicator.send_to(text_data=renewal_of_nothing())
         frames = await receive(communicator, 4)
 
-    # then: two handled, two refused without being looked at, logged once
-    assert [frame["code"] for frame in frames[:2]] == ["unknown_lease", "unknown_lease"]
-    assert [(frame["type"], frame["code"], frame["message"]) for frame in frames[2:]] == [RATE_LIMITED] * 2
-    assert [frame["ref"] for frame in frames[2:]] == [None, None]
-    assert warnings_in(caplog) == ["worker rig-a: 1 frame(s) over the rate limit (0.001/s, burst 3) refused"]
+    # then: two refused as they arrived, without being looked at (so answered first), two handled; logged once
+    assert [(frame["type"], frame["code"], frame["message"]) for frame in frames[:2]] == [RATE_LIMITED] * 2
+    assert [frame["ref"] for frame in frames[:2]] == [None, None]
+    assert [frame["code"] for frame in frames[2:]] == ["unknown_lease", "unknown_lease"]
+    assert warnings_in(caplog) == [
+        "worker rig-a: 1 frame(s) over the rate limit (0.001 frames/s, burst 3) refused"
+    ]
     # and the connection stays open, nothing changed
     assert await communicator.receive_nothing(timeout=0.1)
     assert await snapshot() == before
@@ -329,20 +331,21 @@ async def test_a_flooding_connection_is_closed_4008_and_others_are_not_affected(
     await greet(flooder)
     await greet(bystander)
 
-    # when: rig-a sends 2 frames that fit and 5 that do not
+    # when: rig-a sends 2 frames that fit and 5 that do not, all at once
     with caplog.at_level("WARNING", logger="apps.workers.consumers"):
         for _ in range(7):
             await flooder.send_to(text_data=renewal_of_nothing())
-        frames = await receive(flooder, 7)
+        frames = await receive(flooder, 5)
         code = await closed_with(flooder)
 
-    # then: 4 refusals are tolerated, the 5th closes the connection with the reason before it
-    assert [frame["code"] for frame in frames] == ["unknown_lease"] * 2 + ["rate_limited"] * 5
+    # then: 4 refusals are tolerated, the 5th closes the connection with the reason before it; the 2 frames
+    # that fit had not been handled yet (they arrived together with the flood) and are dropped with it
+    assert [frame["code"] for frame in frames] == ["rate_limited"] * 5
     assert frames[-1]["message"] == "more than 4 frames over the rate limit in 10 s"
     assert code == protocol.CloseCode.FLOODING == 4008
     assert not protocol.CloseCode(code).is_fatal  # the daemon reconnects, with backoff
     assert warnings_in(caplog) == [
-        "worker rig-a: 1 frame(s) over the rate limit (0.001/s, burst 3) refused",
+        "worker rig-a: 1 frame(s) over the rate limit (0.001 frames/s, burst 3) refused",
         "worker rig-a from ?:0: more than 4 frames over the rate limit in 10 s; closing the connection",
     ]
     # and rig-b's connection still has its own two frames
@@ -350,6 +353,77 @@ async def test_a_flooding_connection_is_closed_4008_and_others_are_not_affected(
         await bystander.send_to(text_data=renewal_of_nothing())
     assert [frame["code"] for frame in await receive(bystander, 2)] == ["unknown_lease"] * 2
     assert await bystander.receive_nothing(timeout=0.1)
+
+
+async def test_frames_over_the_byte_rate_are_refused_and_change_nothing(gateway, rig_a, settings):
+    # given: a byte bucket that holds the hello and two 1000-character frames, and practically never refills
+    frame = json.dumps({"type": "lease_renewed", "lease_id": str(uuid.uuid4()), "pad": "x" * 900}).ljust(1000)
+    settings.HYPHA_WS_BYTES_RATE = 0.001
+    settings.HYPHA_WS_BYTES_BURST = len(protocol.encode(hello())) + 2 * len(frame)
+    communicator = await gateway(rig_a.token)
+    await greet(communicator)
+    before = await snapshot()
+
+    # when: three such frames
+    for _ in range(3):
+        await communicator.send_to(text_data=frame)
+    frames = await receive(communicator, 3)
+
+    # then: the third is refused as it arrives (so answered first), the two others handled
+    burst = settings.HYPHA_WS_BYTES_BURST
+    assert [(item["code"], item["message"]) for item in frames] == [
+        ("rate_limited", f"over the rate limit of 0.001 bytes/s (burst {burst}); frame dropped"),
+        ("unknown_lease", f"lease {json.loads(frame)['lease_id']} is not a lease of this worker"),
+        ("unknown_lease", f"lease {json.loads(frame)['lease_id']} is not a lease of this worker"),
+    ]
+    assert await communicator.receive_nothing(timeout=0.1)
+    assert await snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("limits", "frame", "message"),
+    [
+        pytest.param(
+            {"HYPHA_WS_BACKLOG": 5},
+            renewal_of_nothing(),
+            "more than 5 frames (or 33554432 bytes) sent and not yet handled; closing the connection",
+            id="frames",
+        ),
+        pytest.param(
+            {"HYPHA_WS_BACKLOG_BYTES": 4096},
+            json.dumps({"type": "lease_renewed", "lease_id": str(uuid.uuid4()), "pad": "x" * 900}),
+            "more than 10000 frames (or 4096 bytes) sent and not yet handled; closing the connection",
+            id="bytes",
+        ),
+    ],
+)
+async def test_a_backlog_over_its_bound_is_closed_4008_at_arrival(
+    gateway, rig_a, rig_b, settings, caplog, limits, frame, message
+):
+    # given: a bucket that admits every frame, and a small backlog of frames received but not yet handled
+    for name, value in limits.items():
+        setattr(settings, name, value)
+    flooder = await gateway(rig_a.token)
+    bystander = await gateway(rig_b.token)
+    await greet(flooder)
+    await greet(bystander)
+    before = await snapshot()
+
+    # when: 50 frames arrive at once, far faster than each one's database call
+    with caplog.at_level("WARNING", logger="apps.workers.consumers"):
+        for _ in range(50):
+            await flooder.send_to(text_data=frame)
+        frames = await receive(flooder)
+        code = await closed_with(flooder)
+
+    # then: the connection is closed as its backlog overflows, before any of them was handled
+    assert [(item["code"], item["message"]) for item in frames] == [("rate_limited", message)]
+    assert code == protocol.CloseCode.FLOODING == 4008
+    assert warnings_in(caplog) == [f"worker rig-a from ?:0: {message}"]
+    assert await snapshot() == before
+    # and the other connection is served as before
+    await bystander.send_to(text_data=renewal_of_nothing())
+    assert [item["code"] for item in await receive(bystander)] == ["unknown_lease"]
 
 
 # --- the market over the gateway ------------------------------------------------------------------------------

@@ -72,3 +72,24 @@ def test_refusals_are_logged_at_most_once_per_interval() -> None:
     assert bucket.refusals_to_log(101.0) == 0
     assert bucket.refusals_to_log(100.0 + LOG_INTERVAL) == 7
     assert bucket.refusals_to_log(200.0) == 0  # nothing new
+
+
+def test_a_frame_over_the_byte_bucket_is_refused_and_takes_nothing() -> None:
+    # given: plenty of frames, 1000 bytes and 100 bytes/s
+    bucket = FrameRateLimit(
+        rate=10.0, burst=100, flood_refusals=5, now=100.0, byte_rate=100.0, byte_burst=1000
+    )
+    # when / then: 600 + 400 bytes fit, one more byte does not, and took no frame token
+    assert [bucket.admit(100.0, 600), bucket.admit(100.0, 400), bucket.admit(100.0, 1)] == [True, True, False]
+    assert (bucket.refused_for, bucket.window_refusals, bucket.tokens) == ("bytes", 1, 98.0)
+    # and 0.5 s later 50 bytes are back
+    assert bucket.admit(100.5, 51) is False
+    assert bucket.admit(100.5, 50) is True
+    assert bucket.refused_for == "bytes"
+
+
+def test_without_a_byte_limit_any_size_is_admitted() -> None:
+    bucket = limit(burst=2)
+    assert [bucket.admit(100.0, 10**12), bucket.admit(200.0, 10**12)] == [True, True]
+    assert bucket.admit(200.0, 0) is True
+    assert (bucket.admit(200.0, 0), bucket.refused_for) == (False, "frames")

@@ -585,3 +585,75 @@ async def test_a_refused_token_fails_the_fetch_at_once_and_is_never_logged(
     assert token not in caplog.text
     assert all(token not in line for line in task_log_lines(answerer))
     assert acks(answerer) == []
+
+
+# --- lost authorisation --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def watched(link, peer, work):
+    """A backend whose lost authorisation is recorded in ``lost`` (its daemon would fail the task)."""
+    lost: list[str] = []
+    remote = RemoteBackend(
+        task_id=TASK,
+        job_id=JOB,
+        link=link,
+        work_dir=work,
+        peers={PS: peer.url},
+        transfer_token=TOKEN,
+        result_wait=0.05,
+        retry_base=0.01,
+        retry_cap=0.05,
+        auth_grace=0.5,
+        on_authorisation_lost=lost.append,
+    )
+    remote.lost = lost
+    (work / "incoming").mkdir()
+    yield remote
+    await remote.close()
+
+
+async def test_a_token_refused_past_the_grace_fails_the_task_with_the_reason(watched, peer, work):
+    # given: the parameter server refuses the task's token, and no fresh one comes
+    peer.tokens = {"a-token-this-task-never-gets"}
+    peer.rounds_completed = 0
+    peer.model["config.json"] = b"{}"
+    await watched.fetch(
+        reference=ParameterServerReference(peer=PS, filenames=["config.json"]),
+        artifacts_dir=work / "artifacts",
+    )
+
+    # when: the trainer waits for round 1's result
+    async def everything() -> list:
+        return [item async for item in watched.receive(reference=TO_PS, directory=work / "incoming")]
+
+    received = await asyncio.wait_for(everything(), 10)
+
+    # then: the stream ends instead of polling for ever, and the daemon is told why, once
+    assert received == []
+    (reason,) = watched.lost
+    assert reason.startswith("the parameter server refused this task's transfer token for ")
+    assert "unauthorized: transfer token expired" in reason
+    assert len([path for path in peer.paths("GET") if "/result" in path]) >= 2
+
+
+async def test_a_fresh_token_within_the_grace_keeps_the_task(watched, peer, work):
+    # given: the token is refused at first
+    peer.tokens = {"fresh-token"}
+    peer.model["config.json"] = b"{}"
+    await watched.fetch(
+        reference=ParameterServerReference(peer=PS, filenames=["config.json"]),
+        artifacts_dir=work / "artifacts",
+    )
+    peer.add_result(1, b"u1")
+    stream = watched.receive(reference=TO_PS, directory=work / "incoming")
+    first = asyncio.ensure_future(anext(stream))
+    await wait_until(lambda: any("/result" in path for path in peer.paths("GET")))
+
+    # when: a fresh token arrives (with the lease's renewal) before the grace has passed
+    watched.transfer_token = "fresh-token"
+
+    # then: round 1's result comes, and the task was never failed
+    assert await asyncio.wait_for(first, 5) == (PS, 2, PS)
+    await stream.aclose()
+    assert watched.lost == []

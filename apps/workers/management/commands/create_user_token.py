@@ -1,14 +1,19 @@
-"""``manage.py create_user_token USERNAME [--staff]``: print an API token, creating the user if needed."""
+"""``manage.py create_user_token USERNAME [--staff]``: issue a REST API token, creating the user if needed."""
 
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
-from rest_framework.authtoken.models import Token
+
+from apps.workers.models import UserToken
 
 
 class Command(BaseCommand):
-    help = "Print the REST API token of USERNAME (creating the user and the token if needed)."
+    help = (
+        "Issue a new REST API token for USERNAME (creating the user if needed) and print it. The token is "
+        "stored only hashed: this is the one time it is shown. Earlier tokens keep working until deleted "
+        "in the admin."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("username")
@@ -21,5 +26,5 @@ class Command(BaseCommand):
         if staff and not user.is_staff:
             user.is_staff = True
         user.save()
-        token, _ = Token.objects.get_or_create(user=user)
-        self.stdout.write(token.key)
+        _, key = UserToken.issue(user)
+        self.stdout.write(key)
