@@ -216,17 +216,21 @@ class Cluster:
         raise RuntimeError(f"the workers {names} did not report a benchmark within {timeout:g}s")
 
     def follow(self, job_id: str, *, timeout: float, on_round: Callable[[dict], None] | None = None) -> dict:
-        """Poll the job until it ends; call ``on_round`` for each round as it closes. Returns the final job."""
+        """Poll the job until it ends; call ``on_round`` for each round once the parameter server has reported
+        it (a round is closed as soon as it is saved, its report with the eval loss and duration follows), or
+        when the job ended without its report. Returns the final job."""
         seen: set[int] = set()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.job(job_id)
+            ended = job["status"] in ("completed", "failed", "cancelled")
             for round_ in job["rounds"]:
-                if round_["closed"] and round_["number"] not in seen:
+                reported = round_["closed"] and (round_["duration"] is not None or ended)
+                if reported and round_["number"] not in seen:
                     seen.add(round_["number"])
                     if on_round is not None:
                         on_round(round_)
-            if job["status"] in ("completed", "failed", "cancelled"):
+            if ended:
                 return job
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} did not end within {timeout:g}s")

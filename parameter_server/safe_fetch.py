@@ -31,6 +31,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from parameter_server.exceptions import JobConfigError, ModelSourceError
+from worker_daemon.protocol import is_public_address
 
 ALLOW_ENV = "HYPHA_ALLOW_PRIVATE_URLS"
 MAX_REDIRECTS = 5
@@ -70,20 +71,6 @@ def allowed_private_networks(value: str | None = None) -> Allowance:
     return Allowance(networks=tuple(networks))
 
 
-def is_public(address: IPAddress) -> bool:
-    """True for an address on the public internet (none of loopback, private, link-local, multicast, …)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return not (
-        address.is_private
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_reserved
-        or address.is_unspecified
-    )
-
-
 def checked_addresses(host: str, port: int, allowance: Allowance, *, what: str) -> list[str]:
     """The addresses ``host`` resolves to, all of them public or allowed; ``ModelSourceError`` otherwise."""
     try:
@@ -94,7 +81,7 @@ def checked_addresses(host: str, port: int, allowance: Allowance, *, what: str) 
     for *_, sockaddr in found:
         text = str(sockaddr[0]).split("%", 1)[0]  # an IPv6 zone (fe80::1%eth0) is not part of the address
         address = ipaddress.ip_address(text)
-        if not is_public(address) and not allowance.permits(address):
+        if not is_public_address(address) and not allowance.permits(address):
             raise ModelSourceError(
                 f"{what}: {address} is not a public address (host {host!r}); loopback, private, link-local, "
                 f"multicast and reserved addresses are refused unless {ALLOW_ENV} allows them"

@@ -47,6 +47,7 @@ This module must stay importable without Django: the daemon runs on GPU hosts wi
 from __future__ import annotations
 
 import enum
+import ipaddress
 import typing
 import uuid
 from datetime import datetime
@@ -691,3 +692,22 @@ def _well_formed_claims(claims: Any) -> bool:
 def encode(message: _Message) -> str:
     """Serialise a message to its JSON frame (field aliases such as ``class`` applied)."""
     return message.model_dump_json(by_alias=True)
+
+
+# --- addresses a worker may be told to fetch from ------------------------------------------------------------
+
+
+def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """True for an address on the public internet: none of loopback, private, link-local, multicast, reserved or
+    unspecified (an IPv4-mapped IPv6 address is judged as its IPv4 address). The one rule of the control plane's
+    check of a model URL at submission and of the parameter server's when it downloads (SSRF)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return not (
+        address.is_private
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+    )

@@ -21,6 +21,7 @@ import urllib.parse
 from typing import Any
 
 from apps.jobs.spec import ConfigSource, DiLoCoSpec, RoleSpec, UrlSource
+from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +74,6 @@ def submission_problems(
 # --- URLs -------------------------------------------------------------------------------------------------
 
 
-def is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """The same rule as ``parameter_server.safe_fetch.is_public`` (the parameter server may not import apps)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return not (
-        address.is_private
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_reserved
-        or address.is_unspecified
-    )
-
-
 def url_problem(url: str, allow: bool | Networks) -> str | None:
     """Why ``url`` may not be fetched by a worker, or None."""
     if allow is True:
@@ -104,7 +91,7 @@ def url_problem(url: str, allow: bool | Networks) -> str | None:
             return None  # unknown here; the parameter server checks what it resolves when it downloads
         addresses = [ipaddress.ip_address(str(entry[4][0]).split("%", 1)[0]) for entry in found]
     for address in addresses:
-        if not is_public(address) and not any(address in network for network in networks):
+        if not protocol.is_public_address(address) and not any(address in network for network in networks):
             return (
                 f"{address} is not a public address (host {host!r}): workers do not fetch from loopback, "
                 f"private, link-local, multicast or reserved addresses unless the operator allows it "

@@ -4,33 +4,17 @@ owner only, and an API token issued on it is stored there only hashed."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.hypha_site.server_process import free_port, running_server, server_environment
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def environment(data_dir: Path) -> dict[str, str]:
-    values = {name: value for name, value in os.environ.items() if not name.startswith("HYPHA_")}
-    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "SECRET_KEY_FILE"):
-        values.pop(name, None)
-    values.update(DJANGO_SETTINGS_MODULE="hypha_site.settings", HYPHA_DATA_DIR=str(data_dir))
-    return values
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def modes(data_dir: Path) -> dict[str, int]:
@@ -46,32 +30,8 @@ def server(tmp_path: Path):
     """``hypha-server`` (embedded default) on a fresh data dir; yields its URL and the data dir."""
     data_dir = tmp_path / "data"
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hypha_site.server", "--log-level", "WARNING", "--port", str(port)],
-        cwd=ROOT,
-        env=environment(data_dir),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server did not listen in time"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+    with running_server(["--port", str(port)], port=port, environment=server_environment(data_dir)):
         yield f"http://127.0.0.1:{port}", data_dir
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_the_servers_data_files_are_private_and_hold_no_token(server):
@@ -80,7 +40,7 @@ def test_the_servers_data_files_are_private_and_hold_no_token(server):
     issued = subprocess.run(
         [sys.executable, "manage.py", "create_user_token", "alice"],
         cwd=ROOT,
-        env=environment(data_dir),
+        env=server_environment(data_dir),
         capture_output=True,
         text=True,
         timeout=60,
@@ -121,7 +81,7 @@ def test_manage_py_creates_a_private_database(tmp_path):
     result = subprocess.run(
         [sys.executable, "manage.py", "migrate", "--verbosity", "0"],
         cwd=ROOT,
-        env=environment(data_dir),
+        env=server_environment(data_dir),
         capture_output=True,
         text=True,
         timeout=120,
@@ -145,7 +105,7 @@ def test_an_existing_database_readable_by_others_is_made_private(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", "import django; django.setup()"],
         cwd=ROOT,
-        env=environment(data_dir),
+        env=server_environment(data_dir),
         capture_output=True,
         text=True,
         timeout=60,

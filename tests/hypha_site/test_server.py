@@ -8,12 +8,9 @@ import datetime
 import ipaddress
 import json
 import os
-import signal
-import socket
 import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from hypha_site.server import _parser
+from tests.hypha_site.server_process import free_port, running_server, server_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,48 +74,15 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return key_file, certificate_file
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def tls_server(tmp_path: Path):
     """``hypha-server web --endpoint ssl:…`` (embedded default); yields its https URL and the CA file."""
     key_file, certificate_file = self_signed(tmp_path)
     port = free_port()
-    environment = {name: value for name, value in os.environ.items() if not name.startswith("HYPHA_")}
-    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "SECRET_KEY_FILE"):
-        environment.pop(name, None)
-    environment.update(DJANGO_SETTINGS_MODULE="hypha_site.settings", HYPHA_DATA_DIR=str(tmp_path / "data"))
+    environment = server_environment(tmp_path / "data")
     endpoint = f"ssl:{port}:interface=127.0.0.1:privateKey={key_file}:certKey={certificate_file}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hypha_site.server", "--log-level", "WARNING", "--endpoint", endpoint],
-        cwd=ROOT,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server did not listen in time"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+    with running_server(["--endpoint", endpoint], port=port, environment=environment):
         yield f"https://127.0.0.1:{port}", certificate_file
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_daphne_serves_https_and_wss_on_an_ssl_endpoint(tls_server) -> None:

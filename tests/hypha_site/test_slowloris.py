@@ -5,18 +5,14 @@ Twisted's own idle timeout (60 s) is longer than the whole test."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.hypha_site.test_server import free_port
+from tests.hypha_site.server_process import free_port, running_server, server_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 15.0
@@ -26,40 +22,12 @@ WINDOW = 15.0
 def server(tmp_path: Path):
     """``hypha-server web`` (embedded) with a 2 s header deadline; yields its port."""
     port = free_port()
-    environment = {name: value for name, value in os.environ.items() if not name.startswith("HYPHA_")}
-    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "SECRET_KEY_FILE"):
-        environment.pop(name, None)
-    environment.update(
-        DJANGO_SETTINGS_MODULE="hypha_site.settings",
-        HYPHA_DATA_DIR=str(tmp_path / "data"),
+    environment = server_environment(
+        tmp_path / "data",
         HYPHA_HTTP_HEADER_TIMEOUT="2",
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hypha_site.server", "--log-level", "WARNING", "--port", str(port)],
-        cwd=ROOT,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server did not listen in time"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+    with running_server(["--port", str(port)], port=port, environment=environment):
         yield port
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def closed_within(connection: socket.socket, seconds: float, *, trickle: bytes | None) -> bytes | None:
