@@ -58,6 +58,10 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.Cont
             yield plane
 
 
+#: The close code a client sees when the connection was reset before a close frame came (RFC 6455 1006).
+RESET = 1006
+
+
 @dataclass
 class FloodReport:
     """What the flooder saw, one entry per connection."""
@@ -187,10 +191,14 @@ def test_a_flooding_connection_is_closed_and_honest_leases_stay_renewed(
     ever = api.get("/api/leases/", params={"job": job_id, "limit": 100}).json()["results"]
     assert [lease for lease in ever if lease["status"] == "expired"] == []
 
-    # and every flooding connection was closed with 4008, saying why, after few of its frames were handled
+    # and every flooding connection was closed with 4008, saying why, after few of its frames were handled.
+    # A connection still sending when the gateway closes it may be reset (1006): the server closes a socket
+    # with unread data in it, and the reset can overtake the close frame — but not the error frame before it,
+    # which every connection must have had.
     assert report.error == "", report
     assert report.close_codes, report
-    assert set(report.close_codes) == {protocol.CloseCode.FLOODING}, report
+    assert set(report.close_codes) <= {protocol.CloseCode.FLOODING, RESET}, report
+    assert protocol.CloseCode.FLOODING in report.close_codes, report
     reason = (
         f"more than {BACKLOG} frames (or 33554432 bytes) sent and not yet handled; closing the connection"
     )
