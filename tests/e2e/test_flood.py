@@ -191,16 +191,20 @@ def test_a_flooding_connection_is_closed_and_honest_leases_stay_renewed(
     ever = api.get("/api/leases/", params={"job": job_id, "limit": 100}).json()["results"]
     assert [lease for lease in ever if lease["status"] == "expired"] == []
 
-    # and every flooding connection was closed with 4008, saying why, after few of its frames were handled.
-    # A connection still sending when the gateway closes it may be reset (1006): the server closes a socket
-    # with unread data in it, and the reset can overtake the close frame — but not the error frame before it,
-    # which every connection must have had.
+    # and every flooding connection was closed by the gateway after few of its frames were handled: with 4008
+    # and the reason — or reset (1006): a connection still sending when the gateway closes it gets a reset
+    # (the server closes a socket with unread data in it), and the client's kernel then drops what it had not
+    # read yet, the error and close frames included (seen under CI load with two CPU burners).
     assert report.error == "", report
     assert report.close_codes, report
     assert set(report.close_codes) <= {protocol.CloseCode.FLOODING, RESET}, report
-    assert protocol.CloseCode.FLOODING in report.close_codes, report
     reason = (
         f"more than {BACKLOG} frames (or 33554432 bytes) sent and not yet handled; closing the connection"
     )
-    assert set(report.last_refusal) == {reason}, report
+    closed_cleanly = [
+        refusal
+        for code, refusal in zip(report.close_codes, report.last_refusal, strict=True)
+        if code == protocol.CloseCode.FLOODING
+    ]
+    assert closed_cleanly and set(closed_cleanly) == {reason}, report
     assert all(0 <= handled < FRAMES_PER_CONNECTION // 2 for handled in report.handled), report
