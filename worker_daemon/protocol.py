@@ -138,6 +138,15 @@ class Resources(_Message):
             **{name: max(0.0, getattr(self, name) - getattr(other, name)) for name in RESOURCE_WEIGHTS}
         )
 
+    def capped(self, **caps: float | None) -> Resources:
+        """Component-wise ``min(self, cap)`` for each resource given a cap (``None``: no cap on that one)."""
+        return Resources(
+            **{
+                name: getattr(self, name) if caps.get(name) is None else min(getattr(self, name), caps[name])
+                for name in RESOURCE_WEIGHTS
+            }
+        )
+
     def weighted(self) -> float:
         """The weighted capacity used to compare prices: ``25·gpu + cpu + 0.1·memory + 0.01·storage``."""
         return sum(weight * getattr(self, name) for name, weight in RESOURCE_WEIGHTS.items())

@@ -42,13 +42,6 @@ def offer_score(*, price: float, resources: protocol.Resources, share: float = 1
     return price / weighted if weighted > 0 else math.inf
 
 
-def capped(resources: protocol.Resources, cap: protocol.Resources) -> protocol.Resources:
-    """``resources``, each at most ``cap``'s."""
-    return protocol.Resources(
-        **{name: min(getattr(resources, name), getattr(cap, name)) for name in protocol.RESOURCE_WEIGHTS}
-    )
-
-
 def readvertise_delay(attempt: int) -> float:
     """Bounded exponential backoff before attempt ``attempt + 1``."""
     return min(settings.HYPHA_READVERTISE_MAX, settings.HYPHA_READVERTISE_BASE * 2 ** min(attempt, 30))
@@ -216,7 +209,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
         if not message.resources.fits_within(worker.resources):
             raise OfferRefused("offered resources exceed the worker's declared capacity")
         # The operator's cap: the worker is held (and ranked) for no more than it, whatever it offered.
-        offered = capped(message.resources, worker.capacity)
+        offered = message.resources.capped(**worker.capacity.model_dump())
         if not ad.resources.fits_within(offered):
             raise OfferRefused("the operator's cap on this worker is below the advertised minimum")
         fields = {

@@ -209,11 +209,8 @@ class Worker(ResourceColumns):
     @property
     def capacity(self) -> Resources:
         """What the market counts: the resources its daemon declared, each at most the operator's cap."""
-        return Resources(
-            **{
-                name: getattr(self, name) if cap is None else min(getattr(self, name), cap)
-                for name, cap in ((name, getattr(self, field)) for name, field in self.CAP_FIELDS.items())
-            }
+        return self.resources.capped(
+            **{name: getattr(self, field) for name, field in self.CAP_FIELDS.items()}
         )
 
     def executor_keys(self) -> set[tuple[str, str]]:
