@@ -24,7 +24,7 @@ import aiohttp
 import torch
 
 from parameter_server import weights as weights_io
-from parameter_server.exceptions import EvalDataError, ParameterServerError
+from parameter_server.exceptions import EvalDataError, EvalNotFinite, ParameterServerError
 from parameter_server.job import EvalConfig, EvalSlice
 
 logger = logging.getLogger("parameter_server")
@@ -123,8 +123,9 @@ class Evaluator:
 
     def loss(self, model: Any, weights: Mapping[str, torch.Tensor]) -> float | None:
         """Load ``weights`` into ``model`` and return its mean loss on the eval data (None if the model gives
-        no loss, e.g. no labels among the inputs). Call :meth:`prepare` first. Blocking: run it in a thread,
-        and never two at once on the same model."""
+        no loss, e.g. no labels among the inputs); ``EvalNotFinite`` if the loss is NaN or Inf (a broken
+        model must be said to be broken, not shown as "no eval loss"). Call :meth:`prepare` first.
+        Blocking: run it in a thread, and never two at once on the same model."""
         if self._data is None:
             raise EvalDataError("the eval data is not loaded")
         # strict=False: tied weights are given once (lm_head comes with wte). Unexpected names would mean the
@@ -156,4 +157,6 @@ class Evaluator:
         if count == 0:
             return None
         value = total / count
-        return value if math.isfinite(value) else None
+        if not math.isfinite(value):
+            raise EvalNotFinite(f"the global model's eval loss is {value} (its outputs are not finite)")
+        return value

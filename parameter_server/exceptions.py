@@ -12,6 +12,7 @@ Hierarchy::
     ├── JobConfigError             the job JSON (or a command-line argument) is unusable: exit code 2
     ├── ModelSourceError           the initial model cannot be built or fetched from its source
     ├── EvalDataError              an eval slice cannot be downloaded or does not match its size/SHA-256
+    ├── EvalNotFinite              the global model's eval loss is NaN or Inf (e.g. broken running statistics)
     ├── UploadError                the final model could not be uploaded to the control plane
     ├── UpdateRefused              422: a well-formed update the round will not take (its norm is out of
     │                              bounds for the round, or its weighted values would overflow the sum)
@@ -70,6 +71,10 @@ class ModelSourceError(ParameterServerError):
 
 class EvalDataError(ParameterServerError):
     """An eval slice cannot be downloaded, or its size or SHA-256 is not the announced one."""
+
+
+class EvalNotFinite(ParameterServerError):
+    """The global model's eval loss is NaN or Inf: the model is broken (reported with the round)."""
 
 
 class UploadError(ParameterServerError):

@@ -12,6 +12,8 @@ Sign convention, end to end (same as the original Hypha parameter server, hypha-
 * every trainer applies ``θ_new = θ_global_prev + u`` (``u`` is a delta, not full weights).
 
 Equivalently ``θ_new = θ_prev − lr·(Δ + μ·m_Δ)``: PyTorch ``SGD(nesterov=True, dampening=0)`` applied to ``−g``.
+Floating-point buffers (BatchNorm's running statistics) are not stepped: ``u = g``, so they become the
+trainers' mean (``nesterov_step(averaged=...)``).
 
 The mean here is the true (optionally sample-weighted) mean, *not* the original's pairwise running average
 ``acc_k = (f_k + acc_{k−1}) / 2``, which for three updates gives ``f₁/4 + f₂/4 + f₃/2``.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -261,6 +263,7 @@ def nesterov_step(
     momentum: Mapping[str, torch.Tensor] | None,
     learning_rate: float,
     momentum_factor: float,
+    averaged: Collection[str] = (),
 ) -> tuple[StateDict, StateDict]:
     """One outer Nesterov step: return ``(update, new_momentum)``.
 
@@ -271,6 +274,11 @@ def nesterov_step(
     * ``update = lr·(μ·m + g)`` with the *new* ``m``.
     * ``learning_rate`` (lr) and ``momentum_factor`` (μ) must be finite, lr > 0 and 0 <= μ < 1, else
       ``ValueError``.
+    * Names in ``averaged`` (floating-point *buffers*, e.g. BatchNorm's ``running_mean``/``running_var``) are
+      not stepped: their ``update`` is ``g`` itself, so ``θ_new = θ_prev + mean(delta)`` is the trainers'
+      (weighted) mean of their local values, and they have no momentum (a running variance given momentum
+      overshoots below zero and the model returns NaN). ``momentum`` need not name them, and any entry it
+      has for them (a checkpoint of an older server) is ignored; ``new_momentum`` never names them.
 
     Every returned tensor has its input's dtype; the arithmetic is done in at least float32 and rounded once
     at the end (the original computed in the input dtype; for float32 inputs the two are identical up to
@@ -288,9 +296,12 @@ def nesterov_step(
         g = gradient[name]
         if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
             raise TensorRefused(name, "gradient is not a floating-point tensor")
+    averaged = frozenset(averaged)
+    stepped = sorted(name for name in gradient if name not in averaged)
     if momentum is not None:
-        _check_same_names(momentum, gradient, "the momentum")
-        for name in sorted(gradient):
+        momentum = {name: tensor for name, tensor in momentum.items() if name not in averaged}
+        _check_same_names(momentum, stepped, "the momentum")
+        for name in stepped:
             _check_same_signature(
                 name, momentum[name], gradient[name].shape, gradient[name].dtype, "the momentum"
             )
@@ -298,6 +309,9 @@ def nesterov_step(
     new_momentum: StateDict = {}
     for name in sorted(gradient):
         g = gradient[name]
+        if name in averaged:
+            update[name] = g.clone()  # θ ← the mean: no learning rate, no momentum
+            continue
         g_wide = g.to(_compute_dtype(g.dtype))
         # In place on tensors made here (a model-sized allocation costs more than the arithmetic on it).
         if momentum is None:

@@ -107,12 +107,17 @@ class InitialModel:
     * ``files_dir``: every file trainers may download except ``model.safetensors`` (``config.json``, …).
     * ``weights``: canonical name → tensor, the initial global weights (independent of ``model``'s tensors).
     * ``aliases``: other ``state_dict`` name of a tied tensor → its canonical name.
+    * ``buffers``: the canonical names of the floating-point *buffers* among ``weights`` (BatchNorm's
+      ``running_mean``/``running_var``): averaged each round, never stepped (:mod:`parameter_server.rounds`).
+
+    Every floating-point tensor is float32 (the *master* weights), whatever dtype the source was saved in.
     """
 
     model: Any
     files_dir: Path
     weights: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
+    buffers: frozenset[str] = frozenset()
 
     def canonicalize(self, update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``update`` with the names of :attr:`weights`: a tied tensor sent under an alias is renamed to its
@@ -231,7 +236,8 @@ def _build(job: JobConfig, source_dir: Path, *, control_plane: ControlPlaneAcces
             raise JobConfigError("model.source.config must have a string model_type")
         try:
             model_config = transformers.AutoConfig.for_model(model_type, **config)
-            return auto_class.from_config(model_config)
+            # float32 masters whatever ``dtype`` the config names (transformers 5 would build in it).
+            return auto_class.from_config(model_config, dtype=torch.float32)
         except (ValueError, TypeError, KeyError) as error:
             raise JobConfigError(f"model.source.config cannot be built: {error}") from error
     if source.type == "huggingface":
@@ -239,7 +245,11 @@ def _build(job: JobConfig, source_dir: Path, *, control_plane: ControlPlaneAcces
     else:
         _download_uri(source.value or "", source_dir, control_plane=control_plane)
     try:
-        return auto_class.from_pretrained(source_dir, trust_remote_code=_trust_remote_code())
+        # float32 masters: transformers 5 otherwise keeps a checkpoint's dtype (``dtype="auto"``), and a
+        # bfloat16 or float16 global model would take its outer steps, and serve u, in half precision.
+        return auto_class.from_pretrained(
+            source_dir, dtype=torch.float32, trust_remote_code=_trust_remote_code()
+        )
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelSourceError(f"cannot load the model from {source.type} source: {error}") from error
 
@@ -301,6 +311,11 @@ def prepare_model(
                     (files_dir / relative).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(path, files_dir / relative)
     aliases = _tied_aliases(model, set(weights))
+    buffers = frozenset(
+        canonical
+        for canonical in (aliases.get(name, name) for name, _ in model.named_buffers())
+        if canonical in weights and weights[canonical].dtype.is_floating_point
+    )
     logger.info(
         "initial model: %s, %d tensors, %d parameters, tied %s",
         type(model).__name__,
@@ -308,4 +323,4 @@ def prepare_model(
         sum(tensor.numel() for tensor in weights.values()),
         aliases or "none",
     )
-    return InitialModel(model=model, files_dir=files_dir, weights=weights, aliases=aliases)
+    return InitialModel(model=model, files_dir=files_dir, weights=weights, aliases=aliases, buffers=buffers)

@@ -23,6 +23,10 @@ Round rules (docs/training.md, step 7):
   count weighs 1; unweighted means every update weighs 1). Nesterov: ``(u, m) = nesterov_step(g, m)``,
   ``θ_r = θ_{r-1} + u``. If no update with a positive weight was accepted, no step is taken: ``u = 0``, the
   momentum is unchanged, and the result says ``stepped=False``.
+* Floating-point *buffers* (``buffers``: BatchNorm's running statistics, named by the model) are averaged,
+  not stepped: their ``u`` is ``g``, so ``θ_r`` holds the participants' (weighted) mean of their local
+  values, and the momentum has no entry for them. They count in an update's norm like the parameters: a
+  trainer cannot move them further than the bound lets it move anything.
 * Bounds on an update (refused with ``UpdateRefused``, 422 ``refused_update``, the round unchanged): its L2
   norm (float64) must be finite and at most ``update_norm_ratio`` × the larger of the medians of the norms
   of the round's accepted updates and of the last stepped round's (:func:`~parameter_server.math.norm_limit`;
@@ -42,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -84,7 +88,11 @@ class RoundResult:
     #: Seconds after the round's first accepted update at which each participant's update was accepted.
     arrivals: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
+    #: :func:`~parameter_server.weights.digest` of θ_r, published with the result (set by the persist hook).
+    digest: str | None = None
     eval_loss: float | None = None
+    #: Why ``eval_loss`` is None although the job has eval data (not finite, data unavailable, …), or None.
+    eval_error: str | None = None
     #: Why the round's step was thrown away (u = 0, weights and momentum kept), or None.
     discarded: str | None = None
 
@@ -161,6 +169,7 @@ class RoundCoordinator:
         last_result: RoundResult | None = None,
         clock: Callable[[], float] = time.monotonic,
         update_norm_ratio: float = DEFAULT_UPDATE_NORM_RATIO,
+        buffers: Collection[str] = (),
     ) -> None:
         self.expected = tuple(expected)
         self._told: tuple[str, ...] = ()
@@ -179,6 +188,8 @@ class RoundCoordinator:
             name for name, tensor in self.weights.items() if tensor.dtype.is_floating_point
         )
         self.update_norm_ratio = update_norm_ratio
+        #: Floating-point buffers (BatchNorm's running statistics): averaged, never stepped (θ ← the mean).
+        self.buffers = frozenset(buffers)
         #: The accepted norms of the last round that took a step (the next round's reference, with its own).
         self._previous_norms: list[float] = []
         #: The global weights' norm: the reference of an update when no round gives one.
@@ -393,6 +404,7 @@ class RoundCoordinator:
             momentum=self.momentum,
             learning_rate=self.learning_rate,
             momentum_factor=self.momentum_factor,
+            averaged=self.buffers,
         )
         new_weights = {
             name: tensor + update[name] if name in update else tensor for name, tensor in self.weights.items()

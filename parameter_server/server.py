@@ -5,7 +5,8 @@
     GET  /jobs/<job>/model/<filename>            a file of the current global model; X-Round: rounds completed
     GET  /jobs/<job>/state                       {"round", "rounds_completed", "expected", "received"}
     PUT  /jobs/<job>/rounds/<r>/update           safetensors pseudo-gradient (X-Samples optional)
-    GET  /jobs/<job>/rounds/<r>/result?wait=<s>  safetensors u_r (X-Included), 204 while open, 410 when pruned
+    GET  /jobs/<job>/rounds/<r>/result?wait=<s>  safetensors u_r (X-Included; X-Weights-Digest: θ_r's digest),
+                                                 204 while open, 410 when pruned
     GET  /healthz                                {"job", "round"}
 
 Authorisation: every call carries ``Authorization: Bearer <transfer token>`` verified with the job key.
@@ -373,11 +374,10 @@ class ParameterServerApp:
         if result is None or result.path is None:
             return web.Response(status=204, headers={"X-Round": str(round_number)})
         included = str(claims.get("peer")) in result.participants
-        response = await self._send_file(
-            request,
-            result.path,
-            {"X-Included": "true" if included else "false", "X-Round": str(round_number)},
-        )
+        headers = {"X-Included": "true" if included else "false", "X-Round": str(round_number)}
+        if result.digest is not None:
+            headers["X-Weights-Digest"] = result.digest
+        response = await self._send_file(request, result.path, headers)
         await self.coordinator.mark_fetched(str(claims.get("peer")), round_number)
         return response
 

@@ -42,7 +42,12 @@ import aiohttp
 from parameter_server import checkpoints
 from parameter_server import weights as weights_io
 from parameter_server.evaluation import Evaluator
-from parameter_server.exceptions import CheckpointError, EvalDataError, ParameterServerError
+from parameter_server.exceptions import (
+    CheckpointError,
+    EvalDataError,
+    EvalNotFinite,
+    ParameterServerError,
+)
 from parameter_server.job import JobConfig
 from parameter_server.math import StateDict
 from parameter_server.model import (
@@ -178,7 +183,15 @@ class ParameterServer:
             if state.result is not None and completed > 0:
                 # Trainers that sent this round's update may not have fetched u_r from the previous server.
                 result_path = _round_file(self.results_dir, completed)
-                await asyncio.to_thread(weights_io.save, result_path, state.result, metadata=FILE_METADATA)
+                published = await asyncio.to_thread(weights_io.digest, weights)
+                await asyncio.to_thread(
+                    weights_io.save,
+                    result_path,
+                    state.result,
+                    metadata=FILE_METADATA,
+                    round_number=completed,
+                    weights_digest=published,
+                )
                 last_result = RoundResult(
                     round_number=completed,
                     update=state.result,
@@ -190,13 +203,21 @@ class ParameterServer:
                     bytes_in=0,
                     stepped=True,
                     path=result_path,
+                    digest=published,
                 )
         resume = self.job.resume
         if resume is None or resume.round_number < completed:
             # The control plane keeps a copy of the last round: a server started elsewhere resumes from it.
             await self._upload_checkpoint(completed)
         weights_path = _round_file(self.global_dir, completed)
-        await asyncio.to_thread(weights_io.save, weights_path, weights, metadata=FILE_METADATA)
+        await asyncio.to_thread(
+            weights_io.save,
+            weights_path,
+            weights,
+            metadata=FILE_METADATA,
+            round_number=completed,
+            weights_digest=await asyncio.to_thread(weights_io.digest, weights),
+        )
 
         self.coordinator = RoundCoordinator(
             expected=self.job.expected_peers,
@@ -212,6 +233,7 @@ class ParameterServer:
             on_first_update=self._first_update,
             last_result=last_result,
             update_norm_ratio=self.job.update_norm_ratio,
+            buffers=initial.buffers,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -300,8 +322,12 @@ class ParameterServer:
         await self._upload_checkpoint(number)
         weights_path = _round_file(self.global_dir, number)
         result_path = _round_file(self.results_dir, number)
-        await asyncio.to_thread(weights_io.save, weights_path, weights, metadata=FILE_METADATA)
-        await asyncio.to_thread(weights_io.save, result_path, result.update, metadata=FILE_METADATA)
+        # θ_r's digest goes with everything published of round r: trainers check their merge against it.
+        result.digest = await asyncio.to_thread(weights_io.digest, weights)
+        published = {"metadata": FILE_METADATA, "round_number": number, "weights_digest": result.digest}
+        await asyncio.to_thread(weights_io.save, weights_path, weights, **published)
+        await asyncio.to_thread(weights_io.save, result_path, result.update, **published)
+        logger.info("round %d: the global weights' digest is %s", number, result.digest)
         result.path = result_path
         # One assignment: a download sees the old (file, round) or the new one, never a mix.
         self.app.files = GlobalModelFiles(
@@ -407,7 +433,7 @@ class ParameterServer:
         assert self.app is not None
         weights = self._weights_after.pop(result.round_number, None)
         if self.evaluator is not None and weights is not None:
-            result.eval_loss = await self._eval_loss(weights)
+            result.eval_loss, result.eval_error = await self._eval_loss(weights)
         body = {
             "round": result.round_number,
             "participants": list(result.participants),
@@ -419,23 +445,33 @@ class ParameterServer:
             "bytes_in": result.bytes_in,
             "bytes_out": self.app.take_bytes_out(),
             "eval_loss": result.eval_loss,
+            "eval_error": result.eval_error,
             "discarded": result.discarded,
         }
         logger.info("round %d report: %s", result.round_number, body)
         return await self.reporter.send({"round": body})
 
-    async def _eval_loss(self, weights: StateDict) -> float | None:
+    async def _eval_loss(self, weights: StateDict) -> tuple[float | None, str | None]:
+        """(the eval loss, None), or (None, why there is none): the round report says why, so that a model
+        whose outputs turned NaN is not shown as a round without eval."""
         assert self.evaluator is not None and self.initial is not None
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
             await self.evaluator.prepare(self._session)
-            return await asyncio.to_thread(self.evaluator.loss, self.initial.model, weights)
+            loss = await asyncio.to_thread(self.evaluator.loss, self.initial.model, weights)
+        except EvalNotFinite as error:
+            logger.error("%s", error)
+            return None, str(error)
         except EvalDataError as error:
             logger.warning("no eval loss this round: %s", error)
-        except Exception:  # a model that cannot run on the eval inputs must not stop the training
+            return None, f"no eval data: {error}"
+        except Exception as error:  # a model that cannot run on the eval inputs must not stop the training
             logger.exception("computing the eval loss failed")
-        return None
+            return None, f"computing the eval loss failed: {type(error).__name__}: {error}"[:500]
+        if loss is None:
+            return None, "the model gives no loss on the eval inputs (model.input-names must name the labels)"
+        return loss, None
 
     async def _finish(self, stop_waiter: asyncio.Future[Any]) -> None:
         assert self.app is not None and self.initial is not None and self.coordinator is not None

@@ -8,6 +8,12 @@ File format: plain safetensors (readable by ``safetensors.torch.load_file``), pl
   ``lm_head.weight`` → ``transformer.wte.weight``): a tensor reachable under several names is stored once,
   under the lexicographically smallest of them, and ``load`` gives it back under every name.
 
+The parameter server also writes, in the files it publishes (the global model, each round's result):
+
+* ``hypha.round`` = the rounds completed when the weights were θ (the round the result closed);
+* ``hypha.digest`` = :func:`digest` of those global weights θ, which a trainer compares with its own after
+  merging (docs/training.md, "What a trainer's weights equal after each round").
+
 Files written by others (the trainers' ``save_file`` of a full ``state_dict``, ``save_model``) have no Hypha
 metadata and load as they are.
 
@@ -21,6 +27,8 @@ Writing goes through ``safetensors.serialize_file`` with ``TensorSpec`` pointers
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
 import os
 import sys
@@ -39,6 +47,8 @@ Signature = tuple[tuple[int, ...], torch.dtype]
 FORMAT_KEY = "hypha.format"
 ALIASES_KEY = "hypha.aliases"
 FORMAT_VERSION = "1"
+ROUND_KEY = "hypha.round"
+DIGEST_KEY = "hypha.digest"
 
 # safetensors header dtype codes → torch dtypes (those torch has).
 _DTYPES_BY_CODE: dict[str, torch.dtype] = {
@@ -161,6 +171,68 @@ def _deduplicate(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return stored, aliases
 
 
+def digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """``sha256:<hex>`` of the floating-point tensors of a state dict: what the parameter server publishes of
+    its global weights and a trainer checks its own against, bit for bit.
+
+    Tied names (the same view) count once, under the name :func:`save` stores them by (the smallest); the
+    stored names are hashed in sorted order, each as a JSON line ``[name, dtype, shape, bytes]`` followed by
+    its raw contiguous little-endian CPU bytes. Integer and bool tensors are left out (not synchronised).
+    """
+    if sys.byteorder != "little":  # the raw bytes would differ from a little-endian host's
+        raise NotImplementedError("a digest on a big-endian host")
+    floating = {name: tensor for name, tensor in tensors.items() if tensor.dtype.is_floating_point}
+    stored, _ = _deduplicate(floating)
+    hasher = hashlib.sha256()
+    for name in sorted(stored):
+        tensor = stored[name].detach().to("cpu").contiguous()
+        size = tensor.numel() * tensor.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        hasher.update(json.dumps([name, dtype, list(tensor.shape), size]).encode() + b"\n")
+        if size:
+            # The tensor's memory itself (no numpy on a GPU host, no copy): alive while it is hashed.
+            hasher.update((ctypes.c_char * size).from_address(tensor.data_ptr()))
+    return "sha256:" + hasher.hexdigest()
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The header's ``__metadata__`` of a safetensors file (no tensor is read); ``WeightsFileError`` if the
+    file is not safetensors."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            return dict(file.metadata() or {})
+    except (SafetensorError, OSError) as error:
+        raise WeightsFileError(Path(path), str(error)) from error
+
+
+def header_dtypes(path: str | Path) -> dict[str, torch.dtype]:
+    """Name → dtype of every tensor of a safetensors file (aliases included), from its header alone;
+    ``WeightsFileError`` if it is not safetensors, ``TensorRefused`` for a dtype torch does not have."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            stored = set(file.keys())
+            aliases = _read_aliases(path, file.metadata() or {}, stored)
+            dtypes = {}
+            for name in sorted(stored):
+                code = file.get_slice(name).get_dtype()
+                if code not in _DTYPES_BY_CODE:
+                    raise TensorRefused(name, f"unsupported dtype {code}")
+                dtypes[name] = _DTYPES_BY_CODE[code]
+    except (SafetensorError, OSError) as error:
+        raise WeightsFileError(path, str(error)) from error
+    return {**dtypes, **{alias: dtypes[target] for alias, target in aliases.items()}}
+
+
+def publication(path: str | Path) -> tuple[int | None, str | None]:
+    """(``hypha.round``, ``hypha.digest``) of a file the parameter server published; ``None`` for what it
+    does not say (a file of another server). ``WeightsFileError`` if it is not safetensors."""
+    metadata = read_metadata(path)
+    text = metadata.get(ROUND_KEY, "")
+    round_number = int(text) if text.isascii() and text.isdigit() else None
+    return round_number, metadata.get(DIGEST_KEY) or None
+
+
 def _fsync_directory(directory: Path) -> None:
     """Make a rename in ``directory`` durable. Not every platform can open a directory; then it is skipped."""
     try:
@@ -176,7 +248,12 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def save(
-    path: str | Path, tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    round_number: int | None = None,
+    weights_digest: str | None = None,
 ) -> None:
     """Write ``tensors`` to ``path`` as safetensors, atomically and durably.
 
@@ -184,7 +261,8 @@ def save(
       old file at ``path``, if any, is untouched). Tensors are copied to the CPU and made contiguous as needed.
     * Tied weights (several names for the same tensor) are stored once; see the module docstring.
     * ``metadata`` adds string entries to the header (keys starting with ``hypha.`` are reserved,
-      ``ValueError``).
+      ``ValueError``); ``round_number`` and ``weights_digest`` write ``hypha.round`` and ``hypha.digest``
+      (a published file: the rounds completed, the global weights' :func:`digest`).
     * I/O errors raise ``OSError``; no temporary file is left behind either way.
     """
     if sys.byteorder != "little":  # safetensors is little-endian and we write raw memory
@@ -197,6 +275,10 @@ def save(
     validate(tensors)
     stored, aliases = _deduplicate(tensors)
     header_metadata = {**extra, FORMAT_KEY: FORMAT_VERSION}
+    if round_number is not None:
+        header_metadata[ROUND_KEY] = str(round_number)
+    if weights_digest is not None:
+        header_metadata[DIGEST_KEY] = weights_digest
     if aliases:
         header_metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
 

@@ -3,18 +3,48 @@
 How a job's training consumes its dataset:
 
 1. ``prepare_job(job, name)`` creates epoch 0: one AVAILABLE :class:`JobSlice` per slice of the dataset.
-2. A trainer's lease asks ``claim_next(job, lease)`` for a slice; it gets the lowest-index AVAILABLE slice of
-   the current epoch, ASSIGNED to its lease. Claims are made with the database, not Python locks: the candidate
-   rows are locked with ``SELECT … FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent claimers each take a
-   different row without waiting on each other; on SQLite the IMMEDIATE transaction serialises all writers.
-3. Once the trainer has consumed the slice it calls ``acknowledge(job, lease, index)``: ASSIGNED → USED.
-4. When a lease ends, ``release_for_lease(lease)`` puts its unacknowledged slices back to AVAILABLE.
-5. When every slice of the epoch is USED, the next claim starts epoch + 1 (new AVAILABLE rows) and claims
-   from it. While some slices are still ASSIGNED (being trained on) and none is AVAILABLE, ``claim_next``
-   returns ``None``: the caller waits and asks again (a released slice becomes claimable, an acknowledged last
-   slice opens the next epoch). The original stole other peers' slices instead; with acknowledgements and
-   releases nothing is lost, so a fast trainer waits for the epoch to finish rather than training twice on data
-   another trainer holds.
+2. A trainer's lease asks ``claim_next(job, lease)`` for a slice; it gets the AVAILABLE slice with the lowest
+   (epoch, index) whose earlier epochs are all USED, ASSIGNED to its lease. Claims are made with the database,
+   not Python locks: the candidate rows are locked with ``SELECT … FOR UPDATE SKIP LOCKED`` on PostgreSQL, so
+   concurrent claimers each take a different row without waiting on each other; on SQLite the IMMEDIATE
+   transaction serialises all writers.
+3. Once the trainer has the slice (its bridge hands it to the executor) it calls
+   ``acknowledge(job, lease, index)``: ASSIGNED → USED.
+4. When a lease ends, ``release_for_lease(lease)`` puts its unacknowledged slices back to AVAILABLE, in the
+   epoch they were claimed in.
+5. When every slice of the newest epoch has been handed out (USED, or ASSIGNED to someone) and nothing is
+   claimable, the next claim starts epoch + 1 (new AVAILABLE rows) and claims from it. A slice another lease
+   still holds in the old epoch (a trainer's prefetch) is not handed out in the new one until it is USED; if
+   its lease ends first, it goes out again in its own epoch, before anything of the new one. While nothing is
+   claimable ``claim_next`` returns ``None``: the caller waits and asks again. The original stole other peers'
+   slices instead; with acknowledgements and releases nothing is lost.
+
+The guarantee (docs/training.md, "The order of events", step 6), for each job and each training slice
+(the held-out evaluation slices are never handed out):
+
+* **Once per epoch.** Each (slice, epoch) row is acknowledged (USED) by exactly one lease, once: its
+  transitions are conditional UPDATEs, and an acknowledgement by another lease, or a second one, is refused
+  (a repeat by the same lease is answered idempotently). A row whose lease ends unacknowledged returns to
+  AVAILABLE and is handed out again, lowest epoch first; so as long as the job claims, every epoch that has
+  started is eventually USED slice for slice, none skipped and none doubled.
+* **One holder at a time, epochs in order.** A slice's epoch e + 1 is assigned only after its epoch e is USED,
+  so no two leases ever hold the same slice (ASSIGNED) at once, and a lease never holds one slice twice.
+* **Nobody waits on another's prefetch.** When every AVAILABLE row is behind a slice another lease holds,
+  the next epoch starts for the other slices: a trainer waiting for its round to close keeps its prefetch, and
+  waiting for it could wait for the very round the claimer's data would finish. A slice held often may so fall
+  some epochs behind the others; it catches up, in order, once it is used or released.
+
+What it is not:
+
+* USED means *handed to a trainer's executor*, not *in the global model*: a slice a trainer was handed is not
+  handed out again in that epoch when that trainer's update for the round is then left out (late, lost with
+  its lease) or refused by the parameter server. The guarantee is "each slice once per epoch among updates
+  that counted" only for rounds that leave no trainer out and refuse no update.
+* Once a trainer's executor has a slice (USED) the control plane no longer knows when it is done with it: the
+  slice's next epoch may go to another trainer while the first still trains on it. Lowest-epoch-first makes
+  that happen only after every other slice of the epoch has been handed out.
+* ``None`` (ask again) only while the claimer itself holds an unacknowledged slice, or while another
+  claimer has locked the one claimable row this instant.
 """
 
 from __future__ import annotations
@@ -28,7 +58,7 @@ from collections.abc import Iterable
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Exists, Max, OuterRef, Q
 from django.utils import timezone
 
 from apps.datasets.exceptions import (
@@ -250,36 +280,63 @@ def _lock_eligible_lease(job, lease: Lease) -> Lease:
     return locked
 
 
-def _available(job, epoch: int) -> JobSlice | None:
+def _frontier_rows(job):
+    """The job's rows whose earlier epochs are all USED (each slice's *frontier*: the only row of it that can
+    be assigned)."""
+    earlier_unused = JobSlice.objects.filter(
+        job=OuterRef("job"), slice=OuterRef("slice"), epoch__lt=OuterRef("epoch")
+    ).exclude(status=JobSlice.Status.USED)
+    return JobSlice.objects.filter(~Exists(earlier_unused), job=job)
+
+
+def _claimable(job) -> JobSlice | None:
+    """The AVAILABLE row with the lowest (epoch, index) that is its slice's *frontier* — every earlier epoch of
+    that slice is USED — locked, skipping rows other claimers have locked.
+
+    Only a slice's frontier row can ever be assigned, so a slice is held by at most one lease at a time and its
+    epochs are used in order. The frontier condition is safe under concurrency without locking the earlier
+    rows: USED is final and epochs are only ever added above the existing ones, so once a row is a frontier
+    it stays one until it is used itself; and two claimers after the same slice contend for the same row."""
     return (
-        JobSlice.objects.select_for_update(skip_locked=True, of=("self",))
-        .filter(job=job, epoch=epoch, status=JobSlice.Status.AVAILABLE)
+        _frontier_rows(job)
+        .select_for_update(skip_locked=True, of=("self",))
+        .filter(status=JobSlice.Status.AVAILABLE)
         .select_related("slice")
-        .order_by("slice__index")
+        .order_by("epoch", "slice__index")
         .first()
     )
 
 
 def claim_next(job, lease: Lease) -> JobSlice | None:
-    """Assign the lowest-index AVAILABLE slice of the job's current epoch to ``lease`` and return it.
+    """Assign the next slice to ``lease`` and return it, or ``None``: nothing can be handed out now, ask again.
 
-    When no slice of the epoch is AVAILABLE, the next epoch starts and the slice is claimed from it — unless
-    ``lease`` itself still holds slices of the epoch it has not acknowledged (it has data to go on with): then
-    ``None``, and the caller asks again later. Slices other leases hold (a trainer's prefetch, kept while it
-    waits for a round to close) never hold up the rest: waiting for them could wait for the very round this
-    trainer's data would finish. Each call claims one more slice (a trainer may prefetch); asking again does
-    not return the slice it holds. Raises :class:`LeaseNotEligible` unless ``lease`` is an ACTIVE lease of
-    ``job``, :class:`JobNotPrepared` if the job has no slices.
+    The next slice is the AVAILABLE one with the lowest (epoch, index) whose earlier epochs are all USED (see
+    :func:`_claimable`): a slice released by a lease that ended goes out again in its own epoch before anything
+    of a later epoch, and a slice someone holds (a trainer's prefetch) is never handed to another lease in the
+    next epoch meanwhile.
+
+    When nothing is claimable (every slice of the newest epoch E is USED, held, or behind a held one), epoch
+    E + 1 starts (new AVAILABLE rows) and the slice is claimed from it — unless ``lease`` itself still holds a
+    slice it has not acknowledged (it has data to go on with). Slices other leases hold never hold the rest
+    up: a trainer waiting for its round to close keeps its prefetch, and waiting for it could wait for the very
+    round this trainer's data would finish; epoch E + 1 goes on with the slices not held (and so on: a slice
+    held long falls some epochs behind, never doubled).
+
+    Each call claims one more slice (a trainer may prefetch); asking again does not return a slice it holds.
+    Raises :class:`LeaseNotEligible` unless ``lease`` is an ACTIVE lease of ``job``, :class:`JobNotPrepared`
+    if the job has no slices.
     """
     with transaction.atomic():
         lease = _lock_eligible_lease(job, lease)
-        epoch = current_epoch(job)
-        candidate = _available(job, epoch)
+        candidate = _claimable(job)
         if candidate is None:
-            held = JobSlice.objects.filter(
-                job=job, epoch=epoch, assigned_lease=lease, status=JobSlice.Status.ASSIGNED
-            )
-            if held.exists():
+            epoch = current_epoch(job)
+            if _frontier_rows(job).filter(status=JobSlice.Status.AVAILABLE).exists():
+                # A claimable row another claimer has locked this instant: ask again in a moment.
+                return None
+            if JobSlice.objects.filter(
+                job=job, assigned_lease=lease, status=JobSlice.Status.ASSIGNED
+            ).exists():
                 return None
             # Two claimers may both start the next epoch: the unique (job, slice, epoch) makes the second
             # insert wait for the first and then skip, and both claim from the same new rows.
@@ -288,7 +345,7 @@ def claim_next(job, lease: Lease) -> JobSlice | None:
                 [JobSlice(job=job, slice_id=slice_id, epoch=epoch + 1) for slice_id in slice_ids],
                 ignore_conflicts=True,
             )
-            candidate = _available(job, epoch + 1)
+            candidate = _claimable(job)
             if candidate is None:
                 return None
         candidate.assign(lease)

@@ -276,6 +276,12 @@ class Round(models.Model):
     bytes_in = models.PositiveBigIntegerField(default=0)
     bytes_out = models.PositiveBigIntegerField(default=0)
     eval_loss = models.FloatField(null=True, blank=True)
+    eval_error = models.CharField(
+        max_length=500,
+        blank=True,
+        default="",
+        help_text="Why the round has no eval loss although the job evaluates (e.g. the loss is NaN).",
+    )
     #: Worker id → the metrics its trainer sent for this round (``loss``, ``samples``, …).
     trainer_metrics = models.JSONField(default=dict)
     mean_loss = models.FloatField(null=True, blank=True, help_text="Mean of the trainers' training losses.")

@@ -186,7 +186,8 @@
           num(round.number), round.closed ? "yes" : "no", num((round.participants || []).length),
           num((round.left_out || []).length), num(round.samples),
           num(typeof round.duration === "number" ? round.duration.toFixed(2) + " s" : null),
-          bytes(round.bytes_in), bytes(round.bytes_out), fixed(round.mean_loss, 4), fixed(round.eval_loss, 4)
+          bytes(round.bytes_in), bytes(round.bytes_out), fixed(round.mean_loss, 4),
+          round.eval_error ? { text: "none: " + round.eval_error, className: "error" } : fixed(round.eval_loss, 4)
         ]);
         tr.dataset.round = round.number;
         return tr;

@@ -126,6 +126,9 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
         status, headers, data = await alice.get("rounds/1/result?wait=20")
         assert (status, headers["X-Included"]) == (200, "true")
         u_1 = from_bytes(tmp_path, data)
+        digest_1 = headers["X-Weights-Digest"]
+        (tmp_path / "u_1.safetensors").write_bytes(data)
+        assert weights_io.publication(tmp_path / "u_1.safetensors") == (1, digest_1)
         expected_u_1 = {name: 0.75 * (2 * a[name] + 6 * b[name]) / 8 for name in a}
         assert_close(u_1, expected_u_1)
         assert (await bob.get("rounds/1/result"))[0] == 200
@@ -134,6 +137,12 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
         assert headers["X-Round"] == "1"
         theta_1 = from_bytes(tmp_path, data)
         assert_close(theta_1, {name: theta_0[name] + u_1[name] for name in theta_0})
+        # θ_1's digest goes with its result and its model file: what a trainer checks its merge against
+        (tmp_path / "theta_1.safetensors").write_bytes(data)
+        assert weights_io.publication(tmp_path / "theta_1.safetensors") == (1, digest_1)
+        assert weights_io.digest(theta_1) == digest_1
+        merged = {name: theta_0[name] + u_1[name] for name in theta_0}
+        assert weights_io.digest(merged) == digest_1  # θ_0 + u_1 on a trainer is θ_1 bit for bit
 
         # round 2; the control plane answers Done to its report
         status_backend.replies.append({"type": "Done"})
@@ -156,6 +165,7 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
         "bytes_in": len(body_a) + len(body_b),
         "bytes_out": report_1["bytes_out"],
         "eval_loss": report_1["eval_loss"],
+        "eval_error": None,
         "discarded": None,
     }
     assert report_1["bytes_out"] > 2 * len(body_a)  # the model download and two results
@@ -201,7 +211,7 @@ async def test_a_silent_trainer_is_left_out_after_the_timeout(tmp_path, bridge, 
     assert report["refused"] == {
         BOB: "tensor 'transformer.wpe.weight' refused: shape (3, 3), expected (64, 32)",
     }
-    assert report["eval_loss"] is None
+    assert (report["eval_loss"], report["eval_error"]) == (None, None)  # the job has no eval
     assert len(receiver.authorizations) == 4  # config.json: 503, 503, 200; model.safetensors: 200
     assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
 

@@ -339,6 +339,8 @@ class FakePeer:
         self.model: dict[str, bytes] = {}
         self.rounds_completed = 0
         self.results: dict[int, bytes] = {}
+        #: Rounds whose result is answered 410 (the parameter server pruned it).
+        self.pruned: set[int] = set()
         self.result_added = asyncio.Event()
         self.update_statuses: list[int] = []
         self.tokens: set[str] | None = None
@@ -409,6 +411,8 @@ class FakePeer:
                 {"error": "unauthorized", "detail": "transfer token expired"}, status=401
             )
         round_number = int(request.match_info["round"])
+        if round_number in self.pruned:
+            return web.json_response({"error": "round_pruned", "detail": "no longer kept"}, status=410)
         deadline = asyncio.get_running_loop().time() + float(request.query.get("wait", "0"))
         while round_number not in self.results:
             remaining = deadline - asyncio.get_running_loop().time()

@@ -33,10 +33,14 @@ class BridgeBackend(Protocol):
         Runs in the background after the executor already got its 200: errors are only logged."""
         ...
 
-    def receive(self, *, reference: PeersReference, directory: Path) -> AsyncIterator[tuple[str, int, str]]:
+    def receive(
+        self, *, reference: PeersReference, directory: Path
+    ) -> AsyncIterator[tuple[str, int, str] | tuple[str, int, str, dict[str, Any]]]:
         """Accept files from the peers into ``directory`` (which exists), yielding
         ``(path relative to directory, size, sender peer id)`` per completed file, until cancelled
-        (the executor disconnected or the bridge closes) or until receiving cannot go on."""
+        (the executor disconnected or the bridge closes) or until receiving cannot go on. A fourth item, a
+        dict of JSON values (``{"round": r}``), adds keys to the file's event; a file must not be rewritten
+        before its event was read (one file per event)."""
         ...
 
     async def status(self, *, job_id: str | None, progress: ProgressValue) -> dict[str, Any]:

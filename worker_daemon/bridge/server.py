@@ -8,7 +8,8 @@ Endpoints (§1.3 of the protocol reference)::
     POST /resources/send       body: {"resource": <peers>, "path": "<file>"}
                                → 200 with an empty body at once; the transfer runs in the background
     POST /resources/receive    body: {"resource": <peers, strategy All>, "path": "incoming"?}
-                               → text/event-stream: ``data: {"path":…,"size":…,"from_peer":…}`` per file,
+                               → text/event-stream: ``data: {"path":…,"size":…,"from_peer":…}`` per file
+                                 (plus ``"round": r`` for a round's result from our parameter server),
                                  ``: keepalive`` every ``keepalive_interval`` seconds
     POST /status/send          body: a Progress value → the backend's reply as JSON, never empty
 
@@ -293,7 +294,9 @@ class BridgeServer:
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)  # sends the headers now: the executor blocks until it has them
-        events: asyncio.Queue[tuple[str, int, str] | None] = asyncio.Queue()
+        # Unbounded: the backend writes one file per event (a round's result), so an executor that reads late
+        # finds every file its events name.
+        events: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
         pump = asyncio.create_task(self._pump_received(body.resource, directory, events))
         closing = asyncio.create_task(self._closing.wait())
         getter: asyncio.Task | None = None
@@ -312,9 +315,10 @@ class BridgeServer:
                 item = getter.result()
                 if item is None:  # the backend cannot receive (any more): end the stream, as Hypha does
                     break
-                name, size, from_peer = item
+                name, size, from_peer, *more = item
                 path = self._reported_file(directory, name)
                 event = {
+                    **(more[0] if more else {}),
                     "path": relative_posix(path, base=self.work_dir),
                     "size": size,
                     "from_peer": from_peer,
@@ -333,9 +337,9 @@ class BridgeServer:
         return response
 
     async def _pump_received(
-        self, reference: PeersReference, directory: Path, events: asyncio.Queue[tuple[str, int, str] | None]
+        self, reference: PeersReference, directory: Path, events: asyncio.Queue[tuple[Any, ...] | None]
     ) -> None:
-        iterator: AsyncIterator[tuple[str, int, str]] = self.backend.receive(
+        iterator: AsyncIterator[tuple[Any, ...]] = self.backend.receive(
             reference=reference, directory=directory
         )
         try:

@@ -48,6 +48,8 @@ class ReceivedFile:
     path: str
     size: int | None
     from_peer: str | None
+    #: The round of a parameter server's result (our bridge's ``round`` key; None from Hypha's bridge).
+    round: int | None = None
 
 
 def _raise_for_status(endpoint: str, response: httpx.Response) -> None:
@@ -90,10 +92,12 @@ def parse_event_data(payload: str) -> ReceivedFile | None:
         raise BridgeCallError("/resources/receive", f"an event names no file: {payload[:200]!r}")
     size = value.get("size")
     from_peer = value.get("from_peer")
+    round_number = value.get("round")
     return ReceivedFile(
         path=value["path"],
-        size=size if isinstance(size, int) else None,
+        size=size if isinstance(size, int) and not isinstance(size, bool) else None,
         from_peer=from_peer if isinstance(from_peer, str) else None,
+        round=round_number if isinstance(round_number, int) and not isinstance(round_number, bool) else None,
     )
 
 

@@ -112,6 +112,16 @@ class WsdSchedule(_Shape):
     training_steps: Annotated[int, Field(gt=0)] | None = None
 
 
+class ProgressSpec(_Shape):
+    """Ours, not Hypha's (its executors ignore it): where the job was when the control plane dispatched this
+    trainer — ``rounds`` closed, the job's step (``steps``: the optimizer steps a trainer that took part in
+    every closed round has run) and the ``steps_per_round`` a trainer runs from there (docs/training.md)."""
+
+    rounds: Annotated[int, Field(ge=0)]
+    steps: Annotated[int, Field(ge=0)]
+    steps_per_round: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class TrainConfig(_Shape):
     model: ModelSpec
     data: Reference
@@ -121,6 +131,7 @@ class TrainConfig(_Shape):
     batch_size: Annotated[int, Field(gt=0)]
     preprocessor: PreprocessorSpec | None = None
     scheduler: Annotated[WarmupSchedule | WsdSchedule, Field(discriminator="type")] | None = None
+    progress: ProgressSpec | None = None
 
 
 class TrainJob(_Shape):

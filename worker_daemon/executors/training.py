@@ -35,6 +35,7 @@ or its model artifact is unusable; 5 training cannot go on (bad data slice, refu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
+    from worker_daemon.executors.consistency import Merged
     from worker_daemon.executors.job import PreprocessorSpec, TrainConfig, TrainJob
 
 logger = logging.getLogger("worker_daemon.executors.training")
@@ -138,7 +140,11 @@ def _terminate(signal_number: int, frame: FrameType | None) -> None:
 def load_model(
     *, client: BridgeClient, config: TrainConfig, work_dir: Path, trust_remote_code: bool
 ) -> torch.nn.Module:
-    """Fetch the model artifact (the reference verbatim) and load it with the task's Auto class."""
+    """Fetch the model artifact (the reference verbatim) and load it with the task's Auto class, in float32
+    whatever dtype it was saved in: the master weights, AdamW's state and the pseudo-gradient are float32
+    (transformers 5 keeps a checkpoint's dtype by default; a float16 model then diverges at its first AdamW
+    step and a bfloat16 one rounds small steps away)."""
+    import torch
     import transformers
 
     from worker_daemon.executors.exceptions import JobConfigError
@@ -152,7 +158,7 @@ def load_model(
     if auto_class is None:
         raise JobConfigError(f"this transformers has none of {names} for task {config.model.task!r}")
     try:
-        return auto_class.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        return auto_class.from_pretrained(directory, dtype=torch.float32, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:
         raise JobConfigError(f"cannot load the model from {[f.path for f in files]}: {error}") from error
 
@@ -228,20 +234,47 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), **options)
 
 
-def make_lr_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> Any | None:
-    """The LR schedule the job asks for, stepped once per optimizer step; ``None`` keeps the lr constant."""
+def job_step(config: TrainConfig, *, rounds_completed: int | None) -> int:
+    """The job's step this trainer starts at (its LR schedule's first step): the dispatch's ``progress.steps``,
+    plus ``steps_per_round`` for each round the fetched weights (``rounds_completed`` of them) are past the
+    rounds it was dispatched with (a round may close between the dispatch and the fetch). 0 without
+    ``progress`` (a control plane that does not send it)."""
+    progress = config.progress
+    if progress is None:
+        return 0
+    later = 0 if rounds_completed is None else rounds_completed - progress.rounds
+    return max(0, progress.steps + round(later * progress.steps_per_round))
+
+
+def make_lr_schedule(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, *, start_step: int = 0
+) -> Any | None:
+    """The LR schedule the job asks for, stepped once per optimizer step, starting at ``start_step`` (the job's
+    step: :func:`job_step`): the first optimizer step gets the lr the schedule gives at ``start_step``, exactly
+    as a schedule started at 0 and stepped ``start_step`` times would. ``None`` keeps the lr constant."""
     import transformers
 
     schedule = config.scheduler
     if schedule is None:
         return None
+    if start_step > 0:
+        # A scheduler resumed at last_epoch = n − 1 takes its base lr from initial_lr and steps once to n.
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+    last_epoch = start_step - 1
     if schedule.type == "cosine-with-warmup":
         return transformers.get_cosine_schedule_with_warmup(
-            optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=schedule.training_steps
+            optimizer,
+            num_warmup_steps=schedule.warmup_steps,
+            num_training_steps=schedule.training_steps,
+            last_epoch=last_epoch,
         )
     if schedule.type == "linear-with-warmup":
         return transformers.get_linear_schedule_with_warmup(
-            optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=schedule.training_steps
+            optimizer,
+            num_warmup_steps=schedule.warmup_steps,
+            num_training_steps=schedule.training_steps,
+            last_epoch=last_epoch,
         )
     stable_steps = schedule.stable_steps
     if stable_steps is None and schedule.training_steps is None:
@@ -255,6 +288,7 @@ def make_lr_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> A
         num_decay_steps=schedule.decay_steps,
         num_training_steps=schedule.training_steps,
         num_stable_steps=stable_steps,
+        last_epoch=last_epoch,
     )
 
 
@@ -271,6 +305,8 @@ class RoundStats:
     seconds: float = 0.0
     #: The sum of the steps' ``step_time`` (batch, forward, backward, optimizer step): time spent training.
     train_seconds: float = 0.0
+    #: The learning rate of the round's first optimizer step.
+    lr: float | None = None
 
     @property
     def mean_loss(self) -> float:
@@ -324,6 +360,8 @@ def run_round(
         outputs = model(**inputs)
         loss = _loss_of(outputs)
         accelerator.backward(loss)
+        if stats.lr is None:
+            stats.lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         if lr_schedule is not None:
             lr_schedule.step()
@@ -372,16 +410,23 @@ def synchronise(
     work_dir: Path,
     round_number: int,
     stats: RoundStats,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    published_dtypes: dict[str, torch.dtype] | None = None,
+) -> tuple[dict[str, Any], Merged]:
     """The outer step: send the pseudo-gradient and metrics, merge the parameter server's update.
 
-    Returns the reply to ``"update-received"`` and the new global weights (already loaded into ``model``).
-    The model is modified only by the final in-place load, after the update was read and checked.
+    Returns the reply to ``"update-received"`` and the new global weights (already loaded into ``model``):
+    θ_r, checked against the digest the parameter server published with round ``round_number``'s result
+    (:mod:`~worker_daemon.executors.consistency`); when the result cannot give θ_r (a missed round, a file
+    that is not the event's, a digest that differs), the full global weights are fetched instead and the
+    returned ``rounds_completed`` says which round they are. The model is modified only by the final in-place
+    load, after the weights were read and checked. ``published_dtypes``: the names and dtypes of the
+    parameter server's global weights (the digest is taken in them).
     """
     from parameter_server import weights
     from parameter_server.exceptions import ParameterServerError
-    from worker_daemon.executors.exceptions import DivergedError, UpdateError
-    from worker_daemon.executors.pseudo_gradient import compute_delta, float_state, load_into, merge
+    from worker_daemon.executors import consistency
+    from worker_daemon.executors.exceptions import DivergedError
+    from worker_daemon.executors.pseudo_gradient import compute_delta, float_state, load_into
 
     client.status("update")
     delta = compute_delta(float_state(model), global_previous)
@@ -393,8 +438,10 @@ def synchronise(
         raise DivergedError(f"round {round_number}: the pseudo-gradient is unusable: {error}") from error
     del delta
     client.send(config.updates, relative)
-    # The bridge sends in the background: the previous round's file is surely sent by now (its result came back).
-    (work_dir / UPDATES_DIR / f"{round_number - 1}.safetensors").unlink(missing_ok=True)
+    # The bridge sends in the background: earlier rounds' files are surely sent by now (their results came back).
+    for older in (work_dir / UPDATES_DIR).glob("*.safetensors"):
+        if older.stem.isdigit() and int(older.stem) < round_number:
+            older.unlink(missing_ok=True)
     client.status(
         {
             "metrics": {
@@ -405,19 +452,40 @@ def synchronise(
                     "steps": float(stats.steps),
                     "samples_per_second": float(stats.samples_per_second),
                     "train_seconds": float(stats.train_seconds),
+                    **({"lr": stats.lr} if stats.lr is not None else {}),
                 },
             }
         }
     )
-    received = results.next_file()
     try:
-        update = weights.load(work_dir / received.path)
-    except ParameterServerError as error:
-        raise UpdateError(f"round {round_number}: the update {received.path} is unusable: {error}") from error
-    global_new = merge(global_previous, update)
-    load_into(model, global_new)
+        merged = consistency.receive_round(
+            results=results,
+            work_dir=work_dir,
+            round_number=round_number,
+            global_previous=global_previous,
+            dtypes=published_dtypes or {},
+        )
+    except consistency.OutOfSync as drift:
+        logger.warning(
+            "round %d: %s; fetching the full global weights instead of going on with these",
+            round_number,
+            drift,
+        )
+        merged, publication = consistency.refetch(
+            client=client, artifact=config.model.artifact, work_dir=work_dir, global_previous=global_previous
+        )
+        merged = dataclasses.replace(merged, refetched_because=str(drift))
+        if published_dtypes is not None:
+            published_dtypes.clear()
+            published_dtypes.update(publication.dtypes)
+        logger.warning(
+            "rejoined with the global weights after round %d (digest %s, checked)",
+            merged.rounds_completed,
+            merged.digest,
+        )
+    load_into(model, merged.weights)
     reply = client.status("update-received")
-    return reply, global_new
+    return reply, merged
 
 
 def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
@@ -427,6 +495,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
     import transformers
     from accelerate import Accelerator
 
+    from worker_daemon.executors import consistency
     from worker_daemon.executors.bridge_client import BridgeClient
     from worker_daemon.executors.exceptions import JobConfigError
     from worker_daemon.executors.pseudo_gradient import float_state, snapshot
@@ -451,8 +520,14 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 work_dir=work_dir,
                 trust_remote_code=arguments.trust_remote_code,
             )
+        # The parameter server's model file says which round its weights are (a trainer that joins late, or
+        # replaces a lost one, starts after it: its LR schedule too) and their digest, which the loaded model
+        # must match.
+        start = consistency.starting_point(work_dir, config.model.artifact)
         optimizer = make_optimizer(model, config)
-        lr_schedule = make_lr_schedule(optimizer, config)
+        lr_schedule = make_lr_schedule(
+            optimizer, config, start_step=job_step(config, rounds_completed=start.round_number)
+        )
         train_dataloader = get_dataloaders(
             client=client, config=config, work_dir=work_dir, preprocess=preprocess
         )
@@ -464,6 +539,8 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
             )
         unwrapped = accelerator.unwrap_model(model)
         global_previous = snapshot(float_state(unwrapped))
+        consistency.check_start(start, global_previous)
+        published_dtypes = dict(start.dtypes)
         parameters = sum(parameter.numel() for parameter in unwrapped.parameters())
         logger.info(
             "job %s: model %s (%s, %d parameters) loaded on %s, batch size %d, lr %g",
@@ -479,7 +556,13 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
         slowdown = slowdown_factor()
         if slowdown > 1.0:
             logger.warning("slowed down %g× on purpose (%s)", slowdown, SLOWDOWN_ENV)
-        round_number = 1
+        round_number = (start.round_number or 0) + 1
+        if start.digest is not None:
+            logger.info(
+                "starting from the global weights after round %d (digest %s, checked)",
+                round_number - 1,
+                start.digest,
+            )
         while True:
             stats = run_round(
                 accelerator=accelerator,
@@ -493,7 +576,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 slowdown=slowdown,
             )
             sync_started = time.perf_counter()
-            reply, global_previous = synchronise(
+            reply, merged = synchronise(
                 client=client,
                 results=results,
                 model=unwrapped,
@@ -502,20 +585,24 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 work_dir=work_dir,
                 round_number=round_number,
                 stats=stats,
+                published_dtypes=published_dtypes,
             )
+            global_previous = merged.weights
             logger.info(
-                "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sync %.2f s",
+                "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sync %.2f s%s",
                 round_number,
                 stats.steps,
                 stats.mean_loss,
                 stats.samples,
                 stats.samples_per_second,
                 time.perf_counter() - sync_started,
+                "" if merged.digest is None else f", weights {merged.digest} (checked)",
             )
             if reply["type"] == "Done":
-                logger.info("job %s: done after %d rounds", job.job_id, round_number)
+                logger.info("job %s: done after %d rounds", job.job_id, merged.rounds_completed)
                 return EXIT_OK
-            round_number += 1
+            # After the full weights were fetched the next round is the one after theirs.
+            round_number = merged.rounds_completed + 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -255,6 +255,7 @@ class RoundSerializer(serializers.ModelSerializer):
             "bytes_out",
             "mean_loss",
             "eval_loss",
+            "eval_error",
             "trainer_metrics",
             "created_at",
             "closed_at",

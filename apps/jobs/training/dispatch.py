@@ -193,8 +193,12 @@ def dispatch_trainers(job: Job, server: Task) -> int:
     parsed = plan(job).spec
     server_peer = str(server.lease.worker_id)
     dispatched = 0
-    # A replacement starts from the rounds done so far: the weights it fetches are the current ones.
-    completed = job.rounds.filter(closed=True).count()
+    # A replacement starts from the rounds done so far: the weights it fetches are the current ones. The count
+    # is a lower bound of the rounds in the weights it fetches (a round is closed here before the parameter
+    # server serves its weights); a round closed meanwhile is counted when the trainer merges its first
+    # result (status.py).
+    progress = job_progress(job)
+    completed = progress["rounds"]
     for lease in job.leases.filter(role=TRAINER, status=Lease.Status.ACTIVE).select_related("worker"):
         if Task.objects.filter(lease=lease).exists():
             continue
@@ -209,6 +213,9 @@ def dispatch_trainers(job: Job, server: Task) -> int:
             results_reference=_peers_reference([server_peer]),
             model_reference={"type": "parameter-server", "peer": server_peer, "filenames": list(MODEL_FILES)},
         )
+        # Ours: where the job is, so that the trainer's LR schedule starts at the job's step (an extra key,
+        # ignored by executors that do not know it).
+        envelope["executor"]["config"]["progress"] = progress
         _dispatch(
             task,
             protocol.DispatchJob(
@@ -223,6 +230,41 @@ def dispatch_trainers(job: Job, server: Task) -> int:
         )
         dispatched += 1
     return dispatched
+
+
+def job_progress(job: Job) -> dict:
+    """The job's progress, as a trainer is dispatched with it (``progress`` in its job JSON):
+
+    * ``rounds``: the rounds closed;
+    * ``steps``: **the job's step** — the optimizer steps a trainer that took part in every closed round has
+      run: the sum over the closed rounds of the mean steps per participating trainer (fixed H: ``rounds × H``;
+      with a sample target: the round's samples over its participants and the batch size, or the target over
+      the job's trainers and the batch size for a round reported without samples);
+    * ``steps_per_round``: the steps a trainer runs per round from here on (H; with a sample target the mean of
+      the closed rounds, the target over the trainers' batches before any), for a trainer whose fetched weights
+      are from a later round than ``rounds``: its schedule starts at ``steps + (later − rounds) ×
+      steps_per_round``.
+    """
+    current = plan(job)
+    closed = list(job.rounds.filter(closed=True).values_list("participants", "samples"))
+    if current.steps_per_round is not None:
+        per_round = float(current.steps_per_round)
+        return {
+            "rounds": len(closed),
+            "steps": len(closed) * current.steps_per_round,
+            "steps_per_round": per_round,
+        }
+    batch = max(1, current.spec.batch_size)
+    nominal = current.sample_target / (max(1, job.num_trainers) * batch)
+    means = [
+        samples / (len(participants) * batch) if samples and participants else nominal
+        for participants, samples in closed
+    ]
+    return {
+        "rounds": len(closed),
+        "steps": round(sum(means)),
+        "steps_per_round": round(sum(means) / len(means), 3) if means else round(nominal, 3),
+    }
 
 
 #: A job fails rather than replace more trainers than this many times its trainer count (a trainer that dies

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -17,6 +18,8 @@ from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
 from apps.jobs.training.plans import plan
 from apps.jobs.training.reports import own_task
 from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
 
 #: At most this many of a trainer's step reports are answered by its daemon without asking ...
 MAX_CONTINUE_GRANT = 10_000
@@ -162,10 +165,17 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
     elif kind == "update-received":
         if task.sync_state == Task.Sync.DONE:
             return DONE, {}
-        completed = task.round + 1
-        # Decided by this trainer's own round count, not by the parameter server's report: the trainer may
-        # merge the last update before the control plane hears of the round (Hypha's end-of-training race).
-        done = completed >= current.update_rounds
+        # The round it merged: the one after its last, or a later one it took part in (a replacement may
+        # have fetched weights newer than the rounds it was dispatched with). The parameter server saves a
+        # round with the control plane, participants included, before it publishes the result: it is known
+        # here even when the round's report comes after this (Hypha's end-of-training race).
+        completed = max(task.round + 1, _last_round_taken_part(task))
+        # A trainer behind the job (left out of rounds, or one that skipped rounds by fetching the full global
+        # weights after a drift) has nothing left to train once the job's last round is closed.
+        done = (
+            completed >= current.update_rounds
+            or Round.objects.filter(job_id=task.job_id, number=current.update_rounds, closed=True).exists()
+        )
         changes.update(
             round=completed,
             steps_in_round=0,
@@ -290,15 +300,62 @@ def _adaptive_step(
     )
 
 
+def _last_round_taken_part(task: Task) -> int:
+    """The last closed round after ``task.round`` whose participants name the trainer's worker (0: none)."""
+    peer = str(task.lease.worker_id)
+    rounds = Round.objects.filter(job_id=task.job_id, closed=True, number__gt=task.round)
+    return max(
+        (number for number, names in rounds.values_list("number", "participants") if peer in names), default=0
+    )
+
+
+def _metrics_round(task: Task, claimed: int) -> int | None:
+    """The round a trainer's metrics report belongs to, decided by the control plane (``None``: none).
+
+    The executor's round number (``claimed``) is not trusted to name it: Hypha's executor counts from 1, so a
+    replacement's would land in rounds it never trained. The round is the one the trainer is in by its own
+    count (``task.round + 1``), or a later one it took part in. If that round closed without it (it was left
+    out, or it fetched weights newer than the rounds it was dispatched with), it is the claimed one only when
+    that is the open round (the one after the last closed), else the report is ignored: a closed round's mean
+    loss is its participants'."""
+    taken_part = _last_round_taken_part(task)
+    if taken_part:
+        return taken_part
+    number = task.round + 1
+    closed = Round.objects.filter(job_id=task.job_id, number=number, closed=True).exists()
+    if not closed:
+        return number
+    last_closed = max(
+        Round.objects.filter(job_id=task.job_id, closed=True).values_list("number", flat=True), default=0
+    )
+    return claimed if claimed > number and claimed == last_closed + 1 else None
+
+
 def _record_trainer_metrics(task: Task, body: Any) -> None:
     if not isinstance(body, dict):
         return
-    number = body.get("round")
+    claimed = body.get("round")
     metrics = body.get("metrics")
-    if not isinstance(number, int) or isinstance(number, bool) or not isinstance(metrics, dict):
+    if not isinstance(claimed, int) or isinstance(claimed, bool) or not isinstance(metrics, dict):
         return
-    if not 1 <= number <= plan(task.job).update_rounds:
+    number = _metrics_round(task, claimed)
+    if number is None or not 1 <= number <= plan(task.job).update_rounds:
+        logger.info(
+            "job %s: metrics of trainer task %s for its round %d ignored: round %d closed without it",
+            task.job_id,
+            task.pk,
+            claimed,
+            task.round + 1,
+        )
         return
+    if number != claimed:
+        logger.info(
+            "job %s: metrics of trainer task %s for its round %d recorded in round %d (the round it trained)",
+            task.job_id,
+            task.pk,
+            claimed,
+            number,
+        )
     finite = {str(name)[:64]: _finite(value) for name, value in list(metrics.items())[:32]}
     clean = {name: value for name, value in finite.items() if value is not None}
     round_ = locked_round(task.job, number)
@@ -437,9 +494,14 @@ def _record_round(task: Task, body: Any) -> dict:
         )
     round_.duration = _finite(body.get("duration"))
     round_.eval_loss = _finite(body.get("eval_loss"))
+    eval_error = body.get("eval_error")
+    # Why there is no eval loss (a NaN model, no eval data): shown, not a silent null.
+    round_.eval_error = eval_error[:500] if isinstance(eval_error, str) and round_.eval_loss is None else ""
     round_.save()
     observers.round_recorded(round_)
     evaluation = f", eval loss {round_.eval_loss:.4f}" if round_.eval_loss is not None else ""
+    if round_.eval_error:
+        evaluation = f", no eval loss: {round_.eval_error[:300]}"
     left_out = f", {len(round_.left_out)} left out" if round_.left_out else ""
     discarded = body.get("discarded")
     if isinstance(discarded, str) and discarded:

@@ -80,3 +80,35 @@ def test_leases_racing_into_a_new_epoch_each_get_a_distinct_slice(job, rig_a, ea
         "used": 0,
         "total": SLICES,
     }
+
+
+def test_leases_racing_at_an_epoch_boundary_never_take_a_held_slice_and_take_released_ones_first(
+    job, rig_a, east
+):
+    # given: one lease holds slices 0..2 of epoch 0 (prefetched, unacknowledged); seven others used the rest
+    services.register_dataset(east, "wide-text", [(index, 10, digest(index)) for index in range(SLICES)])
+    services.prepare_job(job, "wide-text")
+    holder, *others = [active_lease(rig_a, job) for _ in range(LEASES)]
+    assert [claim_index(job, holder) for _ in range(3)] == [(0, 0), (1, 0), (2, 0)]
+    for index in range(3, SLICES):
+        lease = others[index % len(others)]
+        assert claim_index(job, lease) == (index, 0)
+        services.acknowledge(job, lease, index)
+
+    # when: the seven open epoch 1 at once
+    results = run_together(*(partial(claim_index, job, lease) for lease in others))
+
+    # then: each got a distinct slice of epoch 1, none of those the holder has
+    assert not [result for result in results if isinstance(result, Exception)], results
+    assert sorted(results) == [(index, 1) for index in range(3, 3 + len(others))]
+
+    # when: the holder's lease ends, and the seven claim again at once
+    holder.release(reason="worker stopped")
+    assert [row.slice.index for row in services.release_for_lease(holder)] == [0, 1, 2]
+    results = run_together(*(partial(claim_index, job, lease) for lease in others))
+
+    # then: the released slices go out in their own epoch first, and no slice is held twice
+    assert not [result for result in results if isinstance(result, Exception)], results
+    assert sorted(results) == [(0, 0), (1, 0), (2, 0), (10, 1), (11, 1), (12, 1), (13, 1)]
+    held = Counter(JobSlice.objects.filter(job=job, status="assigned").values_list("slice__index", flat=True))
+    assert set(held.values()) == {1}

@@ -414,7 +414,7 @@ async def test_an_update_sent_to_a_server_that_was_lost_is_sent_again_to_the_one
         backend.update_peers({PS: replacement.url})
         replacement.add_result(1, b"u1")
         stream = backend.receive(reference=TO_PS, directory=incoming)
-        assert await asyncio.wait_for(anext(stream), 5) == (PS, 2, PS)
+        assert await asyncio.wait_for(anext(stream), 5) == (f"{PS}.round-1", 2, PS, {"round": 1})
         await stream.aclose()
 
         # then: the new server got the update as it was sent, before the result was asked for
@@ -440,7 +440,7 @@ async def test_an_update_is_sent_again_when_the_address_is_given_again_even_unch
     backend.update_peers({PS: peer.url})
     peer.add_result(1, b"u1")
     stream = backend.receive(reference=TO_PS, directory=incoming)
-    assert await asyncio.wait_for(anext(stream), 5) == (PS, 2, PS)
+    assert await asyncio.wait_for(anext(stream), 5) == (f"{PS}.round-1", 2, PS, {"round": 1})
 
     # then: the update went again before the result was asked for, once
     assert [path for method, path, _, _ in peer.requests] == [
@@ -454,7 +454,7 @@ async def test_an_update_is_sent_again_when_the_address_is_given_again_even_unch
     backend.update_peers({PS: peer.url})
     peer.update_statuses = [409]
     peer.add_result(2, b"u2")
-    assert await asyncio.wait_for(anext(stream), 5) == (PS, 2, PS)
+    assert await asyncio.wait_for(anext(stream), 5) == (f"{PS}.round-2", 2, PS, {"round": 2})
     await stream.aclose()
     assert peer.paths("PUT")[-2:] == [f"/jobs/{JOB}/rounds/2/update"] * 2
 
@@ -476,12 +476,12 @@ async def test_results_are_long_polled_round_by_round(backend, peer, work):
     assert not first.done()
     peer.add_result(2, b"update two")
 
-    # then it is saved under the parameter server's peer id, and round 3 is asked for next
-    assert await asyncio.wait_for(first, 5) == (PS, 10, PS)
-    assert (incoming / PS).read_bytes() == b"update two"
+    # then it is saved under the parameter server's peer id and its round, and round 3 is asked for next
+    assert await asyncio.wait_for(first, 5) == (f"{PS}.round-2", 10, PS, {"round": 2})
+    assert (incoming / f"{PS}.round-2").read_bytes() == b"update two"
     peer.add_result(3, b"update three")
-    assert await asyncio.wait_for(anext(stream), 5) == (PS, 12, PS)
-    assert (incoming / PS).read_bytes() == b"update three"
+    assert await asyncio.wait_for(anext(stream), 5) == (f"{PS}.round-3", 12, PS, {"round": 3})
+    assert (incoming / f"{PS}.round-3").read_bytes() == b"update three"
     polled = [path for path in peer.paths("GET") if "/result" in path]
     assert polled[0] == f"/jobs/{JOB}/rounds/2/result?wait=0.2"
     assert polled.count(f"/jobs/{JOB}/rounds/2/result?wait=0.2") >= 2
@@ -654,6 +654,6 @@ async def test_a_fresh_token_within_the_grace_keeps_the_task(watched, peer, work
     watched.transfer_token = "fresh-token"
 
     # then: round 1's result comes, and the task was never failed
-    assert await asyncio.wait_for(first, 5) == (PS, 2, PS)
+    assert await asyncio.wait_for(first, 5) == (f"{PS}.round-1", 2, PS, {"round": 1})
     await stream.aclose()
     assert watched.lost == []

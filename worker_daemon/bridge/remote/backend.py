@@ -1,36 +1,12 @@
-"""The daemon's :class:`~worker_daemon.bridge.backend.BridgeBackend`: one task's bridge, wired to the control
-plane (over the worker websocket, through a :class:`~worker_daemon.link.ControlLink`) and to the job's
-parameter server and data nodes (plain HTTP with timeouts). See ``docs/training.md`` for the contract.
-
-* ``status``: a ``status`` frame with the progress verbatim; the reply of the same ``request_id`` is the
-  executor's answer. ``{"status": {"batch_size": B}}`` values are summed for the next update's ``X-Samples``.
-* ``fetch``:
-  ``scheduler``        → ``fetch_slice`` / ``slice_assigned`` (asked again after ``retry_in`` while none is
-                         ready), ``GET`` from the slice's URLs in order into ``.prefetch/``, size and SHA-256
-                         checked, moved to ``artifacts/<index>``, then ``slice_ack``. After a hand-out up to
-                         ``prefetch`` more slices are claimed and downloaded in the background; they are acked
-                         only when handed out, so a task that ends returns them to the pool with its lease.
-  ``parameter-server`` → ``GET <peer>/jobs/<job>/model/<filename>`` per file; ``X-Round`` (rounds completed)
-                         sets the next round to send and receive.
-  ``uri``              → ``GET`` into ``artifacts/<last URL segment>`` (``part-0.bin`` when empty).
-  ``huggingface``      → ``huggingface_hub.hf_hub_download`` per file, copied into ``artifacts/``.
-* ``send``: ``PUT <peer>/jobs/<job>/rounds/<r>/update`` (streamed, ``X-Samples``), retried on connection
-  errors, timeouts and 5xx for up to ``peer_wait`` seconds at the peer's current address (a lost parameter
-  server is restarted elsewhere); a 4xx is logged with the parameter server's reason and not retried. A copy
-  waits in ``.sent/`` until the round's result arrives.
-* ``receive``: long-polls ``GET <peer>/jobs/<job>/rounds/<r>/result?wait=…`` for r = rounds completed + 1, …,
-  saving each result as ``<directory>/<peer id>``. If the control plane gave the parameter server's address
-  again while round r was open (a new server resumed from the last saved round, elsewhere or at the same
-  address), the kept update is sent again first (a server that has it answers 409).
-"""
+"""The task's bridge backend: status, fetch, send and receive (see :mod:`worker_daemon.bridge.remote`), on
+top of :class:`~worker_daemon.bridge.remote.slices.SliceFetching` and
+:class:`~worker_daemon.bridge.remote.downloads.Downloads`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import os
 import shutil
 import urllib.parse
 import uuid
@@ -45,11 +21,10 @@ import aiohttp
 from worker_daemon import protocol, telemetry
 from worker_daemon.bridge.authorisation import DEFAULT_GRACE, UNAUTHORIZED, AuthorisationWatch
 from worker_daemon.bridge.backend import ProgressValue
-from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
-from worker_daemon.bridge.paths import FILE_MODE, resolve_in
+from worker_daemon.bridge.exceptions import ConnectorError, NetworkError
+from worker_daemon.bridge.paths import resolve_in
 from worker_daemon.bridge.peer_http import (
     CachedSlice,
-    Download,
     HttpStatusError,
     IntegrityError,
     error_detail,
@@ -63,19 +38,20 @@ from worker_daemon.bridge.references import (
     SchedulerReference,
     UriReference,
 )
+from worker_daemon.bridge.remote.slices import SliceFetching
 from worker_daemon.link import ControlLink
 
 logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
-PREFETCH_DIR = ".prefetch"
 #: Where the last update sent waits for its round's result (``work_dir``-relative).
 SENT_DIR = ".sent"
-CHUNK_SIZE = 1 << 20
-#: Status codes of a parameter server's refusal that sending again cannot fix (docs/training.md).
-#: Shortest wait before asking for a slice again, whatever ``retry_in`` says.
-MIN_SLICE_RETRY = 0.05
+
+
+def result_name(peer: str, round_number: int) -> str:
+    """The file round ``round_number``'s result from ``peer`` is saved as, in the executor's directory. Hypha's
+    ``from_peer`` is the file name up to its first ``.``: still the peer."""
+    return f"{peer}.round-{round_number}"
 
 
 @dataclass
@@ -91,7 +67,7 @@ class _InFlight:
     told: int
 
 
-class RemoteBackend:
+class RemoteBackend(SliceFetching):
     """The bridge backend of one task (``task_id`` of job ``job_id``), working in ``work_dir``.
 
     ``peers`` maps peer ids to base URLs (``dispatch_job.peers``); ``transfer_token`` is sent as
@@ -163,6 +139,8 @@ class RemoteBackend:
         # the first update sent. Until then a result stream waits instead of asking for round 1.
         self._round_known = asyncio.Event()
         self._in_flight: _InFlight | None = None
+        #: Round results announced to the executor and not yet known to be merged: (round, file).
+        self._delivered: deque[tuple[int, Path]] = deque()
         self._slice_lock = asyncio.Lock()
         self._prefetched: dict[str, deque[asyncio.Task[CachedSlice]]] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -176,6 +154,8 @@ class RemoteBackend:
         ``{"type": "Continue"}`` at once, and counted into the next forwarded report (``covered_steps``,
         ``covered_samples``), which the control plane sees as all of those steps."""
         step = isinstance(progress, dict) and isinstance(progress.get("status"), dict)
+        if progress == "update-received":
+            self._forget_merged()
         batch_size = 0
         if step:
             value = progress["status"].get("batch_size")
@@ -247,9 +227,9 @@ class RemoteBackend:
 
     async def receive(
         self, *, reference: PeersReference, directory: Path
-    ) -> AsyncIterator[tuple[str, int, str]]:
+    ) -> AsyncIterator[tuple[str, int, str, dict[str, Any]]]:
         peer = self._result_peer(reference)
-        target = resolve_in(directory, peer)
+        resolve_in(directory, peer)  # a peer id that cannot be a file name fails before any download
         await self._round_known.wait()
         round_number = self.rounds_completed + 1
         delay = self.retry_base
@@ -259,6 +239,8 @@ class RemoteBackend:
             base = await self._peer_url(peer)  # the current address: the parameter server may have moved
             await self._resend_if_moved(round_number, base)
             url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/result"
+            name = result_name(peer, round_number)
+            target = resolve_in(directory, name)
             try:
                 result = await self._download(
                     url,
@@ -276,9 +258,14 @@ class RemoteBackend:
                 ):
                     return  # the task is being failed with the reason; nothing more can be received
                 if error.status == 410:
-                    logger.warning(
-                        "task %s: round %d result was pruned; skipping it", self.task_id, round_number
+                    # Only when this bridge fell more than the kept rounds behind (it downloads every round
+                    # as it closes): the executor sees the gap in the rounds and fetches the full weights.
+                    line = (
+                        f"round {round_number}'s result was pruned by the parameter server before this "
+                        "trainer received it; the trainer goes on from the full global weights"
                     )
+                    logger.warning("task %s: %s", self.task_id, line)
+                    self.link.post(protocol.TaskLog(task_id=self.task_id, lines=[line]))
                     round_number += 1
                     continue
                 if error.status == 404 and round_number > 1:
@@ -308,7 +295,8 @@ class RemoteBackend:
                     result.headers.get("X-Included", "?"),
                 )
                 self._forget_sent(round_number)
-                yield peer, result.size, peer
+                self._delivered.append((round_number, target))
+                yield name, result.size, peer, {"round": round_number}
                 round_number += 1
                 continue
             await asyncio.sleep(delay)
@@ -326,111 +314,6 @@ class RemoteBackend:
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
-
-    # --- data slices ---------------------------------------------------------------------------------------
-
-    async def _fetch_slice(self, dataset: str, artifacts_dir: Path) -> list[tuple[str, int]]:
-        # One hand-out at a time, so that slices reach the executor in the order they were claimed.
-        async with self._slice_lock:
-            queue = self._prefetched.setdefault(dataset, deque())
-            cached: CachedSlice | None = None
-            while queue and cached is None:
-                task = queue[0]
-                try:
-                    # shield: an executor that hangs up must not cancel a download another fetch will use.
-                    cached = await asyncio.shield(task)
-                except asyncio.CancelledError:
-                    if task.cancelled():
-                        queue.popleft()
-                        continue
-                    raise
-                except (BridgeError, OSError) as error:
-                    logger.info("task %s: prefetching a slice of %s failed: %s", self.task_id, dataset, error)
-                queue.popleft()
-            if cached is None:
-                cached = await self._claim_and_download(dataset)
-            target = artifacts_dir / str(cached.index)
-            os.replace(cached.path, target)
-            self.link.post(protocol.SliceAck(task_id=self.task_id, index=cached.index))
-            logger.info(
-                "task %s: slice %d of %s handed out (%d bytes)",
-                self.task_id,
-                cached.index,
-                dataset,
-                cached.size,
-            )
-            while len(queue) < self.prefetch and not self._closed:
-                queue.append(asyncio.create_task(self._claim_and_download(dataset)))
-            return [(str(cached.index), cached.size)]
-
-    async def _claim_and_download(self, dataset: str) -> CachedSlice:
-        assigned = await self._claim(dataset)
-        cache = self.work_dir / PREFETCH_DIR
-        cache.mkdir(mode=0o700, exist_ok=True)
-        target = cache / str(assigned.index)
-        deadline = asyncio.get_running_loop().time() + self.data_wait
-        pause = self.retry_base
-        while True:
-            failures = []
-            unreachable = True  # every node was down or failing (worth waiting for), none answered wrongly
-            for url in assigned.urls:  # every data node serving the dataset, in turn
-                try:
-                    download = await self._download(
-                        url,
-                        target,
-                        expected_size=assigned.size,
-                        sha256=assigned.sha256,
-                        operation="slice download",
-                        trace_attributes={"hypha.dataset": dataset, "hypha.slice": assigned.index},
-                    )
-                except (HttpStatusError, IntegrityError, aiohttp.ClientError, TimeoutError) as error:
-                    unreachable &= not isinstance(error, IntegrityError) and not (
-                        isinstance(error, HttpStatusError) and error.status < 500
-                    )
-                    # Never the URL's query in a log or the task's output: it holds the download token.
-                    where = without_query(url)
-                    if isinstance(error, HttpStatusError):
-                        problem = (
-                            f"answered {error.status}: {error.detail}"
-                            if error.detail
-                            else f"answered {error.status}"
-                        )
-                    else:
-                        problem = (str(error) or type(error).__name__).replace(url, where)
-                    failures.append(f"{where}: {problem}")
-                    logger.warning("task %s: slice %d failed: %s", self.task_id, assigned.index, failures[-1])
-                    continue
-                return CachedSlice(dataset=dataset, index=assigned.index, size=download.size, path=target)
-            detail = "; ".join(failures) if failures else "no URL to download it from"
-            left = deadline - asyncio.get_running_loop().time()
-            if not assigned.urls or not unreachable or left <= 0:
-                raise ConnectorError(
-                    f"slice {assigned.index} of {dataset!r} could not be downloaded: {detail}"
-                )
-            # No data node answers: wait for one (it may be restarting), and say so on the job's page.
-            pause = min(pause * 2, self.retry_cap, left)
-            line = f"waiting for data: slice {assigned.index} of {dataset} ({detail}); trying again in {pause:.0f} s"
-            logger.warning("task %s: %s", self.task_id, line)
-            self.link.post(protocol.TaskLog(task_id=self.task_id, lines=[line[:1000]]))
-            await asyncio.sleep(pause)
-
-    async def _claim(self, dataset: str) -> protocol.SliceAssigned:
-        while True:
-            message = protocol.FetchSlice(request_id=uuid.uuid4(), task_id=self.task_id, dataset=dataset)
-            try:
-                reply = await self.link.request(message, timeout=self.request_timeout)
-            except TimeoutError:
-                raise NetworkError(
-                    f"the control plane did not assign a slice within {self.request_timeout:g} s"
-                ) from None
-            assert isinstance(reply, protocol.SliceAssigned)
-            if reply.error:
-                raise ConnectorError(f"no slice of {dataset!r}: {reply.error}")
-            if reply.index is not None:
-                return reply
-            if reply.retry_in is None:
-                raise ConnectorError(f"no slice of {dataset!r} is left for this task")
-            await asyncio.sleep(max(reply.retry_in, MIN_SLICE_RETRY))
 
     # --- model files ---------------------------------------------------------------------------------------
 
@@ -607,6 +490,15 @@ class RemoteBackend:
             sent.peer, round_number=round_number, path=sent.path, samples=sent.samples
         )
 
+    def _forget_merged(self) -> None:
+        """The executor merged a round (``"update-received"``): the one of the last update it sent, and every
+        round before it (a trainer that fetched the full weights skips the rounds they include). Their result
+        files go; later ones, not read yet, stay."""
+        merged = self.next_send_round - 1
+        while self._delivered and self._delivered[0][0] <= merged:
+            _, path = self._delivered.popleft()
+            path.unlink(missing_ok=True)
+
     def _forget_sent(self, round_number: int) -> None:
         sent = self._in_flight
         if sent is not None and sent.round_number <= round_number:
@@ -614,19 +506,6 @@ class RemoteBackend:
             self._in_flight = None
 
     # --- HTTP ----------------------------------------------------------------------------------------------
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout())
-        return self._session
-
-    def _timeout(self, read_timeout: float | None = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(
-            total=None,
-            connect=self.connect_timeout,
-            sock_connect=self.connect_timeout,
-            sock_read=read_timeout if read_timeout is not None else self.read_timeout,
-        )
 
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.transfer_token}"} if self.transfer_token else {}
@@ -670,121 +549,3 @@ class RemoteBackend:
                 candidates[0],
             )
         return candidates[0]
-
-    async def _with_retries(self, what: str, operation: Callable[[], Awaitable[T]]) -> T:
-        """``operation`` retried on connection errors, timeouts and 5xx; a :class:`ConnectorError` (caused by
-        the last error) when it still fails, or at once for another HTTP status or a bad download."""
-        for attempt in range(self.retries + 1):
-            try:
-                return await operation()
-            except HttpStatusError as error:
-                if error.status < 500 or attempt == self.retries:
-                    raise ConnectorError(f"{what}: {error}") from error
-                failure: Exception = error
-            except IntegrityError as error:
-                raise ConnectorError(f"{what}: {error}") from error
-            except (aiohttp.ClientError, TimeoutError) as error:
-                if attempt == self.retries:
-                    raise ConnectorError(f"{what}: {str(error) or type(error).__name__}") from error
-                failure = error
-            delay = min(self.retry_cap, self.retry_base * 2**attempt)
-            logger.info(
-                "task %s: %s failed (%s); retrying in %gs",
-                self.task_id,
-                what,
-                str(failure) or type(failure).__name__,
-                delay,
-            )
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _download(
-        self,
-        url: str,
-        target: Path,
-        *,
-        params: Mapping[str, str] | None = None,
-        headers: Mapping[str, str] | None = None,
-        expected_size: int | None = None,
-        sha256: str = "",
-        read_timeout: float | None = None,
-        no_content_ok: bool = False,
-        operation: str = "download",
-        trace_attributes: Mapping[str, Any] | None = None,
-    ) -> Download:
-        """``GET url`` streamed into ``target`` (via a temporary file beside it, renamed when complete and
-        checked). Raises :class:`HttpStatusError` for a status other than 200 (or 204 with ``no_content_ok``,
-        which writes nothing) and :class:`IntegrityError` when size or digest differ from the expected ones.
-        Traced as a span named ``operation`` (with ``trace_attributes``) when tracing is on."""
-        with telemetry.span(
-            operation,
-            **{
-                "http.request.method": "GET",
-                "url.full": without_query(url),
-                "hypha.task_id": self.task_id,
-                **(trace_attributes or {}),
-            },
-        ) as current:
-            download = await self._download_untraced(
-                url,
-                target,
-                params=params,
-                headers=headers,
-                expected_size=expected_size,
-                sha256=sha256,
-                read_timeout=read_timeout,
-                no_content_ok=no_content_ok,
-                on_status=lambda status: telemetry.annotate(current, **{"http.response.status_code": status}),
-            )
-            telemetry.annotate(current, **{"hypha.bytes": download.size})
-            return download
-
-    async def _download_untraced(
-        self,
-        url: str,
-        target: Path,
-        *,
-        params: Mapping[str, str] | None,
-        headers: Mapping[str, str] | None,
-        expected_size: int | None,
-        sha256: str,
-        read_timeout: float | None,
-        no_content_ok: bool,
-        on_status: Callable[[int], None],
-    ) -> Download:
-        session = self._http()
-        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
-        try:
-            async with session.get(
-                url, params=params, headers=headers, timeout=self._timeout(read_timeout)
-            ) as response:
-                on_status(response.status)
-                if response.status == 204 and no_content_ok:
-                    return Download(status=204, size=0, headers=response.headers)
-                if response.status != 200:
-                    raise HttpStatusError(url, response.status, await error_detail(response))
-                # Hashed only when a digest was announced (slices): a model file's hash would cost ~1 s/GB.
-                digest = hashlib.sha256() if sha256 else None
-                size = 0
-                descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-                with os.fdopen(descriptor, "wb") as file:
-                    async for chunk in response.content.iter_chunked(CHUNK_SIZE):
-                        size += len(chunk)
-                        if expected_size is not None and size > expected_size:
-                            raise IntegrityError(f"more than the announced {expected_size} bytes")
-                        if digest is not None:
-                            digest.update(chunk)
-                        file.write(chunk)
-                    file.flush()
-                    await asyncio.to_thread(os.fsync, file.fileno())
-                if expected_size is not None and size != expected_size:
-                    raise IntegrityError(f"{size} bytes, {expected_size} announced")
-                if digest is not None and digest.hexdigest() != sha256.lower():
-                    raise IntegrityError(
-                        f"SHA-256 {digest.hexdigest()} does not match the announced {sha256}"
-                    )
-                os.replace(partial, target)
-                return Download(status=200, size=size, headers=response.headers)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                partial.unlink()
