@@ -265,6 +265,14 @@ def services_mode() -> bool:
     return bool(os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"))
 
 
+def only_in_mode(mode: str, why: str) -> pytest.MarkDecorator:
+    """Run a slow e2e test in one of CI's two runs only (``"services"`` or ``"embedded"``), for a test whose
+    subject does not depend on the mode (``why`` says why): CI runs the suite once per mode and must stay
+    under 45 minutes."""
+    current = "services" if services_mode() else "embedded"
+    return pytest.mark.skipif(current != mode, reason=f"runs in {mode} mode only: {why}")
+
+
 # --- the control plane ---------------------------------------------------------------------------------
 
 

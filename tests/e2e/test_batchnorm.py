@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.conftest import BIN_DIR, services_mode
+from tests.e2e.conftest import BIN_DIR, only_in_mode, services_mode
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [
+    pytest.mark.timeout(600),
+    only_in_mode("embedded", "the training math it checks is the same over either transport"),
+]
 
 ROUNDS = 3
 TRAINERS = 2

@@ -2,7 +2,11 @@
 
 A trainer's daemon is killed in the middle of a job: its lease expires within its TTL, the parameter server
 stops waiting for it, the job advertises the role again, a spare daemon takes it, fetches the current global
-weights and trains the remaining rounds; the job completes with the configured number of rounds.
+weights and trains the remaining rounds; the job completes with the configured number of rounds. The
+replacement is in step with the job (issue 13, finding 4): the job has a warm-up + cosine LR schedule and every
+trainer reports the lr of each round's first step with the round's metrics — the replacement's must be what the
+schedule gives at the job's step, not a fresh warm-up; its metrics land in the rounds it trained (no round's
+mean loss gets another round's values); it is told ``Done`` after the last round (exit 0).
 
 The parameter server's daemon is killed in the middle of a job: its lease expires, a spare daemon is leased
 as the new parameter server, fetches the round the lost one saved last from the control plane, and the
@@ -34,6 +38,24 @@ if str(REPO_ROOT) not in sys.path:
 pytestmark = pytest.mark.timeout(600)
 
 ROUNDS = 4
+INNER_STEPS = 20
+LEARNING_RATE = 3e-3  # bench.cluster.diloco_spec's default
+SCHEDULE = {"type": "cosine", "warmup_steps": 30, "training_steps": ROUNDS * INNER_STEPS}
+
+
+def scheduled_lr(step: int) -> float:
+    """What the job's schedule gives at optimizer step ``step`` (0-based), computed as the executor does."""
+    import torch
+    import transformers
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LEARNING_RATE)
+    schedule = transformers.get_cosine_schedule_with_warmup(
+        optimizer, num_warmup_steps=SCHEDULE["warmup_steps"], num_training_steps=SCHEDULE["training_steps"]
+    )
+    for _ in range(step):
+        optimizer.step()
+        schedule.step()
+    return optimizer.param_groups[0]["lr"]
 
 
 @contextlib.contextmanager
@@ -47,10 +69,12 @@ def fault_cluster(tmp_path: Path, *, parameter_servers: int, trainers: int) -> I
         tmp_path,
         trainers=2,
         rounds=ROUNDS,
-        inner_steps=20,
+        inner_steps=INNER_STEPS,
         round_timeout=300.0,
         dedicated_parameter_server=True,
     )
+    assert spec["inner_optimizer"]["learning_rate"] == LEARNING_RATE
+    spec["inner_optimizer"]["schedule"] = SCHEDULE
     with training_cluster(
         root=tmp_path / "cluster",
         dataset_dir=dataset,
@@ -99,7 +123,8 @@ def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Pa
     assert lost["status"] == "cancelled" and "expired" in lost["reason"], lost
     spare = [task for task in tasks if task["worker"] not in trainers]
     assert len(spare) == 1, tasks
-    assert spare[0]["status"] == "exited" and spare[0]["round"] == ROUNDS, spare[0]
+    # it was told Done after the last round: it exited by itself (0), counting every round of the job
+    assert (spare[0]["status"], spare[0]["exit_code"], spare[0]["round"]) == ("exited", 0, ROUNDS), spare[0]
     # the replacement trained in the last rounds; the victim in none after its death
     assert str(spare[0]["worker_id"]) in rounds[-1]["participants"], rounds[-1]
     assert trainers[victim] not in rounds[-1]["participants"]
@@ -107,6 +132,27 @@ def test_a_trainer_killed_mid_job_is_replaced_and_the_job_completes(tmp_path: Pa
     assert any("expired while training" in event["reason"] for event in job["events"]), job["events"]
     assert all(round_["duration"] < 120 for round_ in rounds), [round_["duration"] for round_ in rounds]
     assert time.monotonic() - killed_at < 400
+
+    # the replacement is in step with the job
+    spare_id = str(spare[0]["worker_id"])
+    survivor_id = next(str(worker_id) for name, worker_id in trainers.items() if name != victim)
+    joined = [round_["number"] for round_ in rounds if spare_id in round_["participants"]]
+    assert joined and joined == list(range(joined[0], ROUNDS + 1)), [r["participants"] for r in rounds]
+    for round_ in rounds:
+        metrics = round_["trainer_metrics"]
+        # a round holds the metrics of the trainers that trained it, and its mean loss is theirs
+        assert set(metrics) <= set(round_["participants"]) | {str(trainers[victim])}, round_
+        assert (spare_id in metrics) == (round_["number"] in joined), round_
+        assert survivor_id in metrics, round_
+        losses = [entry["loss"] for entry in metrics.values()]
+        assert round_["mean_loss"] == pytest.approx(sum(losses) / len(losses)), round_
+        # every trainer's lr at the round's first step is the schedule's at the job's step, the replacement's
+        # too (a fresh schedule would give it the warm-up's first lr)
+        expected = scheduled_lr((round_["number"] - 1) * INNER_STEPS)
+        for peer, entry in metrics.items():
+            assert entry["steps"] == INNER_STEPS, (round_["number"], peer, entry)
+            assert entry["lr"] == pytest.approx(expected, rel=1e-6), (round_["number"], peer, entry)
+    assert rounds[-1]["trainer_metrics"][spare_id]["lr"] != pytest.approx(scheduled_lr(0), rel=1e-6)
 
 
 def test_a_parameter_server_killed_mid_job_is_restarted_from_its_last_round(tmp_path: Path) -> None:
