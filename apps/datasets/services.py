@@ -332,8 +332,14 @@ def claim_next(job, lease: Lease) -> JobSlice | None:
         if candidate is None:
             epoch = current_epoch(job)
             if _frontier_rows(job).filter(status=JobSlice.Status.AVAILABLE).exists():
-                # A claimable row another claimer has locked this instant: ask again in a moment.
-                return None
+                # Claimable rows appeared since the first look (another claimer committed a new epoch: each
+                # statement sees the latest commits) or are locked by other claimers this instant: look
+                # again, and ask the caller to come back only when every one of them is locked.
+                candidate = _claimable(job)
+                if candidate is None:
+                    return None
+                candidate.assign(lease)
+                return candidate
             if JobSlice.objects.filter(
                 job=job, assigned_lease=lease, status=JobSlice.Status.ASSIGNED
             ).exists():
