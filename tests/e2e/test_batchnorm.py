@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import BIN_DIR, only_in_mode, services_mode
+from tests.parameter_server.test_buffers import TINY_RESNET
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -26,15 +27,6 @@ pytestmark = [
 
 ROUNDS = 3
 TRAINERS = 2
-TINY_RESNET = {
-    "model_type": "resnet",
-    "num_channels": 3,
-    "embedding_size": 8,
-    "hidden_sizes": [8, 16],
-    "depths": [1, 1],
-    "layer_type": "basic",
-    "num_labels": 3,
-}
 
 
 def write_images(root: Path, *, per_class: int = 32, size: int = 8) -> Path:
