@@ -17,13 +17,17 @@ import os
 import subprocess
 import sysconfig
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from bench.harness import BIN_DIR, Child, ControlPlane, control_plane, free_port
+
+if TYPE_CHECKING:
+    from tests.e2e.wan import Wan
 
 #: A tiny GPT-2 trained from scratch on bytes: 2 layers × 128 wide (0.45 M parameters), about 0.08 s per step
 #: of 16 × 128 tokens on one of these CPU cores (docs/benchmarks.md, stack notes).
@@ -272,13 +276,19 @@ def training_cluster(
     worker_tomls: list[str] | None = None,
     benchmark: bool = True,
     quiet: bool = True,
+    wan: Wan | None = None,
+    public_workers: Collection[str] = (),
 ) -> Iterator[Cluster]:
     """Control plane + one data node serving ``dataset_dir`` + ``workers`` daemons, all stopped on exit.
     ``worker_tomls``: each daemon's config template (:func:`worker_toml`); by default :data:`WORKER_TOML` for
-    all, running the worker benchmark at start unless ``benchmark`` is False (tests that need no scores)."""
+    all, running the worker benchmark at start unless ``benchmark`` is False (tests that need no scores).
+    With ``wan`` (an open ``tests/e2e/wan.py`` Wan), the control plane listens on its host address and the
+    data node (a public peer) and every daemon (a private peer, behind NAT, unless ``public_workers`` names
+    it: ``worker-<n>``, numbered from 1) run in namespaces of their own."""
     if worker_tomls is not None and len(worker_tomls) != workers:
         raise ValueError(f"{len(worker_tomls)} worker configs for {workers} workers")
-    with control_plane(mode=mode, root=root, settings=settings or {}, quiet=quiet) as plane:
+    host = wan.host_address if wan is not None else "127.0.0.1"
+    with control_plane(mode=mode, root=root, settings=settings or {}, quiet=quiet, host=host) as plane:
         api_token = plane.manage("create_user_token", "cluster-admin", "--staff")
         node_token = plane.manage("create_data_node_token", "data-node-1", "--url", "http://127.0.0.1:1")
         # Tokens go in files (0600), never on a command line, which every user of the host sees in ps.
@@ -288,6 +298,9 @@ def training_cluster(
             "--token-file", str(token_file(root / "data-node.token", node_token)),
             "--dataset", str(dataset_dir), "--port", str(free_port()), "--log-level", "WARNING",
         ]  # fmt: skip
+        if wan is not None:
+            data_node_peer = wan.add("data-node", public=True)
+            data_node_argv = data_node_peer.command([*data_node_argv, "--host", data_node_peer.address])
         data_node = plane.start("data-node", data_node_argv)
         cluster = Cluster(
             plane=plane, api_token=api_token, data_node=data_node, data_node_argv=data_node_argv
@@ -311,14 +324,15 @@ def training_cluster(
                 work_dir.mkdir(parents=True, exist_ok=True)
                 config = root / "workers" / f"{name}.toml"
                 config.write_text(template.format(work_dir=work_dir))
-                cluster.daemons[name] = plane.start(
-                    name,
-                    [
-                        str(BIN_DIR / "hypha-worker-daemon"), "--server", plane.base_url,
-                        "--token-file", str(token_file(root / "workers" / f"{name}.token", token)),
-                        "--config", str(config), "--log-level", "INFO",
-                    ],
-                )  # fmt: skip
+                daemon_argv = [
+                    str(BIN_DIR / "hypha-worker-daemon"), "--server", plane.base_url,
+                    "--token-file", str(token_file(root / "workers" / f"{name}.token", token)),
+                    "--config", str(config), "--log-level", "INFO",
+                ]  # fmt: skip
+                if wan is not None:
+                    peer = wan.add(name, public=name in public_workers)
+                    daemon_argv = peer.command([*daemon_argv, "--ps-host", peer.address])
+                cluster.daemons[name] = plane.start(name, daemon_argv)
         finally:
             plane.env = saved_env
         cluster.wait_for_dataset(dataset_dir.name)

@@ -11,7 +11,8 @@ trains three ways and evaluates each on the same held-out slices with the parame
   ``--inner-steps`` (H) AdamW steps of ``--batch-size`` samples, outer Nesterov ``--outer lr:momentum``
   (several settings: one job each, on the same cluster). Eval loss per round is the parameter server's; the
   final model is downloaded and evaluated here too, as a check. Bytes are the rounds' measured
-  ``bytes_in + bytes_out``.
+  ``bytes_in + bytes_out``. With ``--encodings`` (docs/training.md, "Encodings") one job per outer setting and
+  encoding; a last table puts each encoding's final eval loss next to float32's, as a ratio.
 * **(b) one worker**: in this process, plain torch + transformers: the same model, AdamW with the same
   learning rate (and torch's defaults, as the executor), H × rounds steps of the same batch size: the steps
   of one DiLoCo trainer with no one to average with. No communication.
@@ -33,6 +34,7 @@ Usage::
     python bench/diloco_quality.py                                 # 4 trainers, H=50, 4 rounds, outer 0.7:0.9
     python bench/diloco_quality.py --rounds 2 --inner-steps 10     # a quick run
     python bench/diloco_quality.py --outer 0.7:0.9,0.7:0.5,1.0:0 --skip-baselines   # outer-optimizer sweep
+    python bench/diloco_quality.py --encodings float32,float16,bfloat16,int8 --skip-baselines   # encodings
 
 Results and how to read them: docs/benchmarks.md.
 """
@@ -85,6 +87,15 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "the spec's default)",
     )
     parser.add_argument(
+        "--encodings",
+        default="float32",
+        help="encodings of pseudo-gradients and results, comma-separated; one DiLoCo job each per outer "
+        "setting (float32, float16, bfloat16, int8; default: float32)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=256, help="values per int8 scale (default: 256, the spec's default)"
+    )
+    parser.add_argument(
         "--eval-slices",
         default="spread:4",
         help="held-out eval slices: spread:N (N slices evenly spread over the dataset), last:N (the last N, "
@@ -123,6 +134,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--outer must be comma-separated lr:momentum pairs, not {arguments.outer!r}")
     if not arguments.outer and not arguments.skip_diloco:
         parser.error("--outer needs at least one lr:momentum pair")
+    from hypha_tensors.formats import ENCODINGS
+
+    arguments.encodings = [item.strip() for item in arguments.encodings.split(",") if item.strip()]
+    unknown = [item for item in arguments.encodings if item not in ENCODINGS]
+    if unknown or not arguments.encodings:
+        parser.error(f"--encodings takes {', '.join(ENCODINGS)}, not {arguments.encodings!r}")
     return arguments
 
 
@@ -295,7 +312,15 @@ def _time(value: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def run_diloco(cluster, *, arguments: argparse.Namespace, outer: tuple[float, float], evaluator, root: Path):
+def run_diloco(
+    cluster,
+    *,
+    arguments: argparse.Namespace,
+    outer: tuple[float, float],
+    evaluator,
+    root: Path,
+    encoding: str = "float32",
+):
     lr, momentum = outer
     spec = diloco_spec(
         dataset="stdlib",
@@ -308,12 +333,15 @@ def run_diloco(cluster, *, arguments: argparse.Namespace, outer: tuple[float, fl
         outer_momentum=momentum,
     )
     spec["evaluation"] = {"slices": arguments.held_out, "batch_size": EVAL_BATCH_SIZE}
+    spec["rounds"]["encoding"] = encoding
+    if encoding == "int8":
+        spec["rounds"]["encoding_block_size"] = arguments.block_size
     started = time.monotonic()
-    job_id = cluster.submit(spec, name=f"quality-{lr:g}-{momentum:g}")
+    job_id = cluster.submit(spec, name=f"quality-{lr:g}-{momentum:g}-{encoding}")
 
     def show(round_: dict) -> None:
         print(
-            f"  DiLoCo {lr:g}:{momentum:g}: round {round_['number']}/{arguments.rounds}: "
+            f"  DiLoCo {lr:g}:{momentum:g} {encoding}: round {round_['number']}/{arguments.rounds}: "
             f"{len(round_['participants'])} trainers, train loss {round_['mean_loss']}, "
             f"eval loss {round_['eval_loss']} ({time.monotonic() - started:.0f} s)",
             flush=True,
@@ -340,7 +368,8 @@ def run_diloco(cluster, *, arguments: argparse.Namespace, outer: tuple[float, fl
     ended = _time(job["ended_at"]) if job.get("ended_at") else _time(rounds[-1]["closed_at"])
     training_seconds = (_time(rounds[-1]["closed_at"]) - first_step).total_seconds()
     return Result(
-        name=f"(a) DiLoCo, outer {lr:g}:{momentum:g}",
+        name=f"(a) DiLoCo, outer {lr:g}:{momentum:g}"
+        + ("" if arguments.encodings == ["float32"] else f", {encoding}"),
         eval_losses=[None, *[r["eval_loss"] for r in rounds]],
         tokens=samples * SEQ_LEN,
         wall_seconds=training_seconds,
@@ -354,6 +383,9 @@ def run_diloco(cluster, *, arguments: argparse.Namespace, outer: tuple[float, fl
             "submit_to_first_step_seconds": (first_step - created).total_seconds(),
             "bytes_in": [r["bytes_in"] for r in rounds],
             "bytes_out": [r["bytes_out"] for r in rounds],
+            "outer": outer,
+            "encoding": encoding,
+            "round_encodings": [r.get("encoding") for r in rounds],
             "detail": job,
         },
     )
@@ -399,6 +431,7 @@ def print_tables(
     print("|---|" + "---:|" * arguments.rounds)
     for result in results:
         print(f"| {result.name} | " + " | ".join(_loss(v) for v in result.extra["train_losses"]) + " |")
+    print_encodings(results, arguments)
     checks = [r for r in results if "final_eval_here" in r.extra]
     if checks:
         print()
@@ -410,6 +443,32 @@ def print_tables(
                 f"{[round(b / 1e6, 2) for b in result.extra['bytes_in']]} / "
                 f"{[round(b / 1e6, 2) for b in result.extra['bytes_out']]} MB"
             )
+
+
+def print_encodings(results: list[Result], arguments: argparse.Namespace) -> None:
+    """Per outer setting, each encoding's final eval loss and bytes side by side, as a ratio to float32's."""
+    if arguments.encodings == ["float32"]:
+        return
+    diloco = [r for r in results if "encoding" in r.extra]
+    print("\nFinal eval loss and bytes per encoding, as a ratio to float32 (same outer setting):\n")
+    print("| outer | " + " | ".join(arguments.encodings) + " |")
+    print("|---|" + "---:|" * len(arguments.encodings))
+    for outer in arguments.outer:
+        row = {r.extra["encoding"]: r for r in diloco if r.extra["outer"] == outer}
+        reference = row.get("float32")
+        cells = []
+        for encoding in arguments.encodings:
+            result = row.get(encoding)
+            loss = None if result is None else result.eval_losses[-1]
+            if result is None or loss is None:
+                cells.append("—")
+            elif reference is None or reference.eval_losses[-1] is None:
+                cells.append(f"{loss:.3f}, {result.bytes_communicated / 1e6:.2f} MB")
+            else:
+                ratio = loss / reference.eval_losses[-1]
+                size = result.bytes_communicated / max(1, reference.bytes_communicated)
+                cells.append(f"{loss:.3f} (×{ratio:.4f}), bytes ×{size:.3f}")
+        print(f"| {outer[0]:g}:{outer[1]:g} | " + " | ".join(cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,9 +530,17 @@ def main(argv: list[str] | None = None) -> int:
                 root=root / "cluster", dataset_dir=dataset, workers=arguments.trainers + 1, mode=mode
             ) as cluster:
                 for outer in arguments.outer:
-                    results.append(
-                        run_diloco(cluster, arguments=arguments, outer=outer, evaluator=evaluator, root=root)
-                    )
+                    for encoding in arguments.encodings:
+                        results.append(
+                            run_diloco(
+                                cluster,
+                                arguments=arguments,
+                                outer=outer,
+                                evaluator=evaluator,
+                                root=root,
+                                encoding=encoding,
+                            )
+                        )
         results.sort(key=lambda result: result.name)
         print_tables(results, arguments, size, evaluator.loss(build_model(), build_model().state_dict()))
         print(f"\nLoad average at end: {load_average()}")

@@ -132,9 +132,10 @@ def resolve_mode(requested: str) -> str:
 
 @contextlib.contextmanager
 def control_plane(
-    *, mode: str, root: Path, settings: dict[str, str], quiet: bool = True
+    *, mode: str, root: Path, settings: dict[str, str], quiet: bool = True, host: str = "127.0.0.1"
 ) -> Iterator[ControlPlane]:
-    """A running control plane in ``mode`` with the ``HYPHA_*`` ``settings``; stopped and cleaned up on exit."""
+    """A running control plane in ``mode`` with the ``HYPHA_*`` ``settings``, listening on ``host`` (a
+    ``tests/e2e/wan.py`` Wan's ``host_address`` for peers in namespaces); stopped and cleaned up on exit."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     env = {
@@ -152,8 +153,10 @@ def control_plane(
             "PATH": f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}",
         }
     )
+    if host != "127.0.0.1":  # Django answers 400 to a Host it does not know
+        env.setdefault("ALLOWED_HOSTS", f"localhost,127.0.0.1,[::1],{host}")
     port = free_port()
-    plane = ControlPlane(mode=mode, base_url=f"http://127.0.0.1:{port}", env=env, log_dir=root / "logs")
+    plane = ControlPlane(mode=mode, base_url=f"http://{host}:{port}", env=env, log_dir=root / "logs")
     server = str(BIN_DIR / "hypha-server")
     failed = True
     with contextlib.ExitStack() as stack:
@@ -172,12 +175,12 @@ def control_plane(
         try:
             common = [server, "--log-level", log_level]
             if mode == "services":
-                plane.start("web", [*common, "web", "--host", "127.0.0.1", "--port", str(port)])
+                plane.start("web", [*common, "web", "--host", host, "--port", str(port)])
                 plane.wait_healthy()
                 plane.start("worker", [*common, "worker"])
                 plane.start("beat", [*common, "beat"])
             else:
-                plane.start("server", [*common, "--host", "127.0.0.1", "--port", str(port)])
+                plane.start("server", [*common, "--host", host, "--port", str(port)])
                 plane.wait_healthy()
             yield plane
             failed = False

@@ -1,15 +1,17 @@
 """``hypha-data-node``: serve a dataset directory's slices over HTTP and register it with the control plane.
 
     HYPHA_DATA_NODE_TOKEN=hd_… hypha-data-node --server URL --dataset DIR [--host 127.0.0.1] [--port 0] \
-        [--public-url URL]
+        [--public-url URL] [--reachable true|false|auto]
 
 The token comes from ``$HYPHA_DATA_NODE_TOKEN``, ``--token-file PATH`` or ``$HYPHA_DATA_NODE_TOKEN_FILE``;
 ``--token`` works too but puts it in the process list (``ps``) for every user of the machine to read.
 
 The dataset's name is DIR's basename; its slices are DIR/00000.safetensors, … (see ``hypha-data``). The node
 hashes every slice, starts listening, registers (retrying while the control plane is unreachable), logs one
-line, and serves until SIGTERM or SIGINT. Downloads need a slice token signed with the download key the control
-plane answers the registration with (``data_node.tokens``); until then they get 503.
+line, and serves until SIGTERM or SIGINT. With ``--reachable false`` (behind NAT) it also publishes every slice
+not published yet to the control plane's store, in the background (``data_node.publish``). Downloads need a
+slice token signed with the download key the control plane answers the registration with
+(``data_node.tokens``); until then they get 503.
 """
 
 from __future__ import annotations
@@ -61,12 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--public-url", help="base URL trainers download from (default http://HOST:PORT as bound)"
     )
+    parser.add_argument(
+        "--reachable",
+        choices=["true", "false", "auto"],
+        default="auto",
+        help="whether trainers can connect to the public URL: false behind NAT or a firewall, and the "
+        "node then publishes its slices to the control plane's store, from which trainers download them "
+        "(default auto: not said, taken as reachable; registered with the dataset)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
 async def run(
-    *, server: str, token: str, directory: Path, host: str, port: int, public_url: str | None
+    *,
+    server: str,
+    token: str,
+    directory: Path,
+    host: str,
+    port: int,
+    public_url: str | None,
+    reachable: str = "auto",
 ) -> int:
     import asyncio
     import signal
@@ -109,7 +126,13 @@ async def run(
         bound_host, bound_port = runner.addresses[0][:2]
         url = public_url or f"http://{host if ':' not in host else f'[{host}]'}:{bound_port}"
         registration = asyncio.create_task(
-            register(server=server, token=token, dataset=dataset, public_url=url.rstrip("/"))
+            register(
+                server=server,
+                token=token,
+                dataset=dataset,
+                public_url=url.rstrip("/"),
+                reachable=_reachable(reachable),
+            )
         )
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({registration, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -139,10 +162,36 @@ async def run(
             bound_port,
             server,
         )
-        await stopping
+        publishing = None
+        if reachable == "false":
+            # Nobody can download from this node: its slices go to the control plane's store, from which
+            # trainers download them, while the node serves (docs/transfers.md, "Data nodes behind NAT").
+            publishing = asyncio.create_task(_publish(server=server, token=token, dataset=dataset))
+        try:
+            await stopping
+        finally:
+            if publishing is not None and not publishing.done():
+                publishing.cancel()
+                await asyncio.gather(publishing, return_exceptions=True)
         return EXIT_OK
     finally:
         await runner.cleanup()
+
+
+async def _publish(*, server: str, token: str, dataset) -> None:
+    """Publish ``dataset``'s slices (:mod:`data_node.publish`); a refusal is logged, the node serves on."""
+    from data_node.publish import Publisher, PublishRefused
+    from data_node.server import log
+
+    try:
+        await Publisher(server=server, token=token, dataset=dataset.name, slices=dataset.slices).run()
+    except PublishRefused as error:
+        log.error("publishing the slices of %s stopped: %s", dataset.name, error)
+
+
+def _reachable(word: str) -> bool | str:
+    """``--reachable``'s word as the registration spells it: true, false or "auto"."""
+    return word if word == "auto" else word == "true"
 
 
 def _token(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> str:
@@ -186,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host=arguments.host,
             port=arguments.port,
             public_url=arguments.public_url,
+            reachable=arguments.reachable,
         )
     )
 

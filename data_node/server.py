@@ -150,10 +150,14 @@ async def register(
     token: str,
     dataset: ServedDataset,
     public_url: str,
+    reachable: bool | str = "auto",
     timeout: float = 10.0,
     max_delay: float = 30.0,
 ) -> dict:
     """POST the dataset to the control plane until it answers; returns the registered dataset's JSON.
+
+    ``reachable`` (true, false or "auto") says whether trainers can connect to ``public_url``; "auto" is not
+    sent (a control plane older than the key refuses unknown keys, and leaves it "auto" anyway).
 
     Connection errors, timeouts and 5xx answers are retried with exponential backoff and full jitter (1 s
     doubling up to ``max_delay``), forever: a data node waits for its control plane. A 401 raises
@@ -164,6 +168,8 @@ async def register(
         "url": public_url,
         "slices": [{"index": s.index, "size": s.size, "sha256": s.sha256} for s in dataset.slices],
     }
+    if reachable != "auto":
+        body["reachable"] = reachable
     url = server.rstrip("/") + REGISTER_PATH
     headers = {"Authorization": f"Bearer {token}"}
     attempt = 0

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from hypha_cli.exceptions import CLIError, ExitCode
+from hypha_tensors.formats import ENCODINGS
 
 PROG = "hypha"
 
@@ -162,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the spec: JSON (.json) or Hypha scheduler TOML (.toml); - for stdin (JSON)",
     )
     submit.add_argument("--name", metavar="NAME", help="the job's name (overrides a name in a JSON spec)")
+    submit.add_argument(
+        "--encoding",
+        choices=ENCODINGS,
+        help="how pseudo-gradients and results travel (sets rounds.encoding of a JSON spec): float32 "
+        "(exact), float16 or bfloat16 (half the bytes), int8 (a quarter); the lossy ones with error feedback",
+    )
+    submit.add_argument(
+        "--encoding-block-size",
+        type=_count,
+        metavar="N",
+        help="int8: values per scale (sets rounds.encoding_block_size; the server's default: 256)",
+    )
 
     jobs = command("jobs", "list your jobs, newest first", json_help="print the API's job objects as JSON")
     jobs.add_argument(

@@ -85,7 +85,12 @@ def logout(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
 
 
 def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
-    content, content_type = read_spec(arguments.file, name=arguments.name)
+    content, content_type = read_spec(
+        arguments.file,
+        name=arguments.name,
+        encoding=arguments.encoding,
+        block_size=arguments.encoding_block_size,
+    )
     with _client(arguments, environ=environ, transport=transport) as client:
         try:
             job = client.submit(content=content, content_type=content_type, name=arguments.name)
@@ -100,14 +105,23 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
     return ExitCode.OK
 
 
-def read_spec(file: str, *, name: str | None) -> tuple[bytes, str]:
+def read_spec(
+    file: str, *, name: str | None, encoding: str | None = None, block_size: int | None = None
+) -> tuple[bytes, str]:
     """The request body and content type of a spec file: TOML by its ``.toml`` suffix, else JSON (checked
-    here, so a syntax error names its line; ``--name`` is set in it)."""
+    here, so a syntax error names its line; ``--name``, ``--encoding`` and ``--encoding-block-size`` are
+    set in it: ``rounds.encoding``, ``rounds.encoding_block_size``; the server checks them)."""
     try:
         raw = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
     except OSError as error:
         raise UsageError(f"cannot read {file}: {error.strerror or error}") from None
     if file.lower().endswith(".toml"):
+        if encoding is not None or block_size is not None:
+            # Rewriting the user's TOML would lose its comments and layout: the key goes in the file.
+            raise UsageError(
+                "--encoding and --encoding-block-size set a JSON spec's rounds; in a TOML spec write "
+                'encoding = "int8" (and encoding_block_size = N) under [scheduler.job.rounds]'
+            )
         return raw, "application/toml"
     try:
         spec = json.loads(raw)
@@ -119,6 +133,14 @@ def read_spec(file: str, *, name: str | None) -> tuple[bytes, str]:
         )
     if name is not None:
         spec["name"] = name
+    if encoding is not None or block_size is not None:
+        rounds = spec.setdefault("rounds", {})
+        if not isinstance(rounds, dict):
+            raise RefusedError(f"{file}: rounds must be a JSON object to set the encoding in", status=0)
+        if encoding is not None:
+            rounds["encoding"] = encoding
+        if block_size is not None:
+            rounds["encoding_block_size"] = block_size
     return json.dumps(spec).encode(), "application/json"
 
 

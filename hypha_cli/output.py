@@ -197,7 +197,7 @@ def job_summary(job: dict[str, Any]) -> str:
 
 
 def round_line(round_: dict[str, Any], total: int | None) -> str:
-    """One closed round: its number, losses, trainers and duration."""
+    """One closed round: its number, losses, trainers and duration, and its encoding when it is lossy."""
     participants = round_.get("participants") or []
     left_out = round_.get("left_out") or []
     line = (
@@ -209,4 +209,7 @@ def round_line(round_: dict[str, Any], total: int | None) -> str:
         line += f" ({len(left_out)} left out)"
     if isinstance(round_.get("duration"), int | float):
         line += f" · {round_['duration']:.1f}s"
+    encoding = round_.get("encoding")
+    if isinstance(encoding, str) and encoding not in ("", "float32"):
+        line += f" · {encoding}"
     return line

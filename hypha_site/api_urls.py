@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from django.urls import path
+from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from apps.datasets import views as dataset_views
+from apps.datasets.api.publish import PublishCompleteView, PublishView
 from apps.datasets.api.views import DatasetViewSet
 from apps.jobs.api.views import (
     JobCheckpointDownloadView,
@@ -39,5 +41,21 @@ urlpatterns = [
         JobCheckpointDownloadView.as_view(),
         name="job-checkpoint-file",
     ),
+    # Data nodes behind NAT publish their slices to the relay's store; trainers download them here
+    # (docs/transfers.md, "Data nodes behind NAT").
+    path("datanodes/publish/", PublishView.as_view(), name="datanode-publish"),
+    path("datanodes/publish/complete/", PublishCompleteView.as_view(), name="datanode-publish-complete"),
+    path(
+        "datanodes/parts/<uuid:node_id>/<uuid:blob>/<int:number>",
+        dataset_views.published_part,
+        name="datanode-published-part",
+    ),
+    path(
+        "datanodes/<uuid:node_id>/datasets/<slug:name>/slices/<int:index>",
+        dataset_views.published_slice,
+        name="datanode-published-slice",
+    ),
+    # The relay's index and URLs, for a job's tasks (transfer tokens): docs/transfers.md.
+    path("relay/jobs/<uuid:job_id>/", include("apps.relay.api.urls")),
     *router.urls,
 ]

@@ -15,6 +15,7 @@ Secrets can also be given as ``<NAME>_FILE`` (a path whose contents are the valu
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 from urllib.parse import urlparse
@@ -235,6 +236,7 @@ INSTALLED_APPS = [
     "apps.market",
     "apps.datasets",
     "apps.jobs",
+    "apps.relay",
     "apps.dashboard",
 ]
 
@@ -488,9 +490,69 @@ if HYPHA_OFFER_TTL <= HYPHA_OFFER_WINDOW:
         "an offer's temporary lease must outlive the window that collects it"
     )
 
+# --- the relay (docs/transfers.md): objects every party reaches outbound, indexed here ------------------
+
+
+def relay_s3_endpoint_checked(name: str, value: str | None) -> str | None:
+    """An S3 endpoint URL (``https://s3.example.com``, ``http://127.0.0.1:9000``), or None for AWS's own."""
+    if value is None:
+        return None
+    parsed = urlparse(value.strip())
+    if parsed.scheme not in {"http", "https"} or not parsed.hostname or parsed.query or parsed.fragment:
+        raise ImproperlyConfigured(f"{name}={value!r} is not an http(s) URL (e.g. https://s3.example.com)")
+    return value.strip().rstrip("/")
+
+
+#: Where relay objects' bytes live: ``local`` (HYPHA_DATA_DIR/relay/, served by this server at /relay/ with
+#: signed URLs) or ``s3`` (any S3-compatible store, presigned URLs: bodies never pass through this server).
+HYPHA_RELAY_STORE = (env_str("HYPHA_RELAY_STORE", "local") or "local").strip().lower()
+if HYPHA_RELAY_STORE not in {"local", "s3"}:
+    raise ImproperlyConfigured(f"HYPHA_RELAY_STORE={HYPHA_RELAY_STORE!r} must be 'local' or 's3'")
+#: Seconds a minted part or object URL stays valid (S3 presigned URLs allow at most 7 days).
+HYPHA_RELAY_URL_LIFETIME = env_int("HYPHA_RELAY_URL_LIFETIME", 900, minimum=10, maximum=7 * 86400)
+#: The largest relay object (bytes); a larger declared size is a 413.
+HYPHA_RELAY_MAX_OBJECT_BYTES = env_int(
+    "HYPHA_RELAY_MAX_OBJECT_BYTES", 16 << 30, minimum=1 << 20, maximum=5 << 40
+)
+#: Bytes per uploaded part. S3 needs at least 5 MiB (all parts but the last) and at most 10,000 parts.
+HYPHA_RELAY_PART_SIZE = env_int("HYPHA_RELAY_PART_SIZE", 16 << 20, minimum=64 << 10, maximum=5 << 30)
+#: Seconds an upload may stay incomplete (and a delivered object keep its reply) before the sweep deletes it.
+HYPHA_RELAY_PENDING_TTL = env_int("HYPHA_RELAY_PENDING_TTL", 3600, minimum=60, maximum=30 * 86400)
+#: Seconds between two sweeps of the relay (beat, or the embedded runner).
+HYPHA_RELAY_SWEEP_INTERVAL = env_float("HYPHA_RELAY_SWEEP_INTERVAL", 60.0, minimum=1.0, maximum=86400.0)
+HYPHA_RELAY_S3_ENDPOINT = relay_s3_endpoint_checked(
+    "HYPHA_RELAY_S3_ENDPOINT", env_str("HYPHA_RELAY_S3_ENDPOINT")
+)
+HYPHA_RELAY_S3_BUCKET = env_str("HYPHA_RELAY_S3_BUCKET")
+HYPHA_RELAY_S3_REGION = env_str("HYPHA_RELAY_S3_REGION", "us-east-1")
+HYPHA_RELAY_S3_ACCESS_KEY_ID = env_str("HYPHA_RELAY_S3_ACCESS_KEY_ID")
+HYPHA_RELAY_S3_SECRET_ACCESS_KEY = env_str("HYPHA_RELAY_S3_SECRET_ACCESS_KEY")
+HYPHA_RELAY_S3_PREFIX = env_str("HYPHA_RELAY_S3_PREFIX", "hypha/")
+if not re.fullmatch(r"([A-Za-z0-9._-]+/)*", HYPHA_RELAY_S3_PREFIX) or {".", ".."} & set(
+    HYPHA_RELAY_S3_PREFIX.split("/")
+):
+    raise ImproperlyConfigured(
+        f"HYPHA_RELAY_S3_PREFIX={HYPHA_RELAY_S3_PREFIX!r} must be empty or path segments ending in '/' "
+        "(letters, digits, '.', '_', '-'), e.g. hypha/"
+    )
+if HYPHA_RELAY_STORE == "s3":
+    if not HYPHA_RELAY_S3_BUCKET:
+        raise ImproperlyConfigured("HYPHA_RELAY_STORE=s3 needs HYPHA_RELAY_S3_BUCKET")
+    if HYPHA_RELAY_PART_SIZE < 5 << 20:
+        raise ImproperlyConfigured(
+            f"HYPHA_RELAY_PART_SIZE ({HYPHA_RELAY_PART_SIZE}) must be at least 5 MiB (5242880) with S3"
+        )
+    # An object of more parts is refused at upload (413) whatever the store: S3 allows 10,000.
+    if HYPHA_RELAY_MAX_OBJECT_BYTES > 10_000 * HYPHA_RELAY_PART_SIZE:
+        raise ImproperlyConfigured(
+            f"HYPHA_RELAY_MAX_OBJECT_BYTES ({HYPHA_RELAY_MAX_OBJECT_BYTES}) needs more than 10,000 parts of "
+            f"HYPHA_RELAY_PART_SIZE ({HYPHA_RELAY_PART_SIZE}) bytes, S3's limit; raise the part size"
+        )
+
 CELERY_BEAT_SCHEDULE = {
     "lease-clock": {"task": "apps.jobs.tasks.tick_leases", "schedule": HYPHA_TICK_INTERVAL},
     "market-clock": {"task": "apps.jobs.tasks.tick_market", "schedule": HYPHA_TICK_INTERVAL},
+    "relay-sweep": {"task": "apps.relay.tasks.sweep_relay", "schedule": HYPHA_RELAY_SWEEP_INTERVAL},
 }
 
 # --- observability (docs/observability.md) --------------------------------------------------------------

@@ -37,6 +37,8 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     # Prometheus scrapes with a bearer token (or staff with their session); a plain view, not in the schema.
     path("metrics", metrics_view, name="metrics"),
+    # The local relay store's bytes, behind signed URLs (apps/relay/views.py); 404 with the S3 store.
+    path("relay/", include("apps.relay.urls")),
     path("admin/", admin.site.urls),
     path("api/", include("hypha_site.api_urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -5,7 +5,8 @@ Contract of :func:`parse_job`: it accepts the envelope as a JSON string or an al
 either returns a :class:`JobConfig` or raises :class:`~parameter_server.exceptions.JobConfigError` naming
 the first bad key (the process then exits with code 2). Unknown keys are ignored (Hypha's rule). Defaults:
 ``rounds.update_rounds`` 1, ``rounds.round_timeout`` 120 s, ``rounds.weighted`` true,
-``rounds.max_samples_per_update`` absent (no cap), ``rounds.update_norm_ratio`` 10, ``model.seed`` 0,
+``rounds.max_samples_per_update`` absent (no cap), ``rounds.update_norm_ratio`` 10, ``rounds.encoding``
+``float32`` (``rounds.encoding_block_size`` 256, for int8), ``rounds.checkpoint_every`` 10, ``model.seed`` 0,
 ``model.input-names`` ``[]``, ``eval`` absent. Nothing here imports torch.
 """
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from hypha_tensors.formats import DEFAULT_BLOCK_SIZE, DEFAULT_ENCODING, Encoding, EncodingError
 from parameter_server.exceptions import JobConfigError
 
 SOURCE_TYPES = ("config", "huggingface", "uri")
@@ -60,7 +63,9 @@ class CheckpointFile:
 @dataclass(frozen=True)
 class ResumeConfig:
     """``checkpoint``: the last round the job's previous parameter server saved with the control plane, to
-    resume from: its files are fetched from ``uri`` + name (a control-plane path) with the transfer token."""
+    resume from: its files are fetched from ``uri`` + name (a control-plane path) with the transfer token:
+    ``round.json``, ``weights.safetensors`` (the base round's), ``momentum.safetensors`` and
+    ``result-<round>.safetensors`` for each round since the base (``result.safetensors``: an older copy's)."""
 
     round_number: int
     uri: str
@@ -88,6 +93,11 @@ class JobConfig:
     max_samples_per_update: int | None = None
     #: ``rounds.update_norm_ratio``: an update's norm may be at most this times the round's reference norm.
     update_norm_ratio: float = 10.0
+    #: ``rounds.encoding`` and ``rounds.encoding_block_size``: how updates and results travel.
+    encoding: Encoding = Encoding()
+    #: ``rounds.checkpoint_every``: the checkpoint copy on the control plane gets the full weights every this
+    #: many rounds (a base); the rounds between send their momentum and result only.
+    checkpoint_every: int = 10
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -129,6 +139,10 @@ def _peers(value: Any, where: str) -> tuple[str, ...]:
 
 
 _CHECKPOINT_FILES = ("round.json", "weights.safetensors", "momentum.safetensors", "result.safetensors")
+#: The results of the rounds since the base round (parameter_server.checkpoints.CHAIN_RESULT).
+_CHAIN_FILE = re.compile(r"result-\d{1,9}\.safetensors")
+#: The most rounds between two bases of the checkpoint copy (the manifest lists every round between).
+MAX_CHECKPOINT_EVERY = 1000
 
 
 def _resume(value: Any) -> ResumeConfig | None:
@@ -143,7 +157,7 @@ def _resume(value: Any) -> ResumeConfig | None:
         raise JobConfigError("checkpoint.files must name round.json and weights.safetensors")
     entries = []
     for name, entry in files.items():
-        if name not in _CHECKPOINT_FILES:
+        if name not in _CHECKPOINT_FILES and not _CHAIN_FILE.fullmatch(name):
             raise JobConfigError(f"checkpoint.files: unknown file {name!r}")
         entry = _object(entry, f"checkpoint.files.{name}")
         digest = _string(entry.get("sha256"), f"checkpoint.files.{name}.sha256")
@@ -268,6 +282,17 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
     norm_ratio = _number(
         rounds.get("update_norm_ratio", 10.0), "rounds.update_norm_ratio", minimum=1, strict=True
     )
+    try:
+        encoding = Encoding(
+            rounds.get("encoding", DEFAULT_ENCODING), rounds.get("encoding_block_size", DEFAULT_BLOCK_SIZE)
+        )
+    except EncodingError as error:
+        raise JobConfigError(f"rounds.encoding: {error}") from None
+    checkpoint_every = _integer(rounds.get("checkpoint_every", 10), "rounds.checkpoint_every", minimum=1)
+    if checkpoint_every > MAX_CHECKPOINT_EVERY:
+        raise JobConfigError(
+            f"rounds.checkpoint_every must be at most {MAX_CHECKPOINT_EVERY}, got {checkpoint_every}"
+        )
 
     return JobConfig(
         job_id=job_id,
@@ -288,4 +313,6 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
         resume=_resume(config.get("checkpoint")),
         max_samples_per_update=max_samples,
         update_norm_ratio=norm_ratio,
+        encoding=encoding,
+        checkpoint_every=checkpoint_every,
     )

@@ -43,10 +43,21 @@ def _check_same_signature(
 ) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TensorRefused(name, f"{what} is a {type(tensor).__name__}, not a tensor")
-    if tensor.shape != shape:
-        raise TensorRefused(name, f"{what} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-    if tensor.dtype != dtype:
-        raise TensorRefused(name, f"{what} has dtype {tensor.dtype}, expected {dtype}")
+    _check_shape_and_dtype(name, tensor.shape, tensor.dtype, shape, dtype, what)
+
+
+def _check_shape_and_dtype(
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    expected_shape: Sequence[int],
+    expected_dtype: torch.dtype,
+    what: str,
+) -> None:
+    if tuple(shape) != tuple(expected_shape):
+        raise TensorRefused(name, f"{what} has shape {tuple(shape)}, expected {tuple(expected_shape)}")
+    if dtype != expected_dtype:
+        raise TensorRefused(name, f"{what} has dtype {dtype}, expected {expected_dtype}")
 
 
 def _check_same_names(names: Iterable[str], expected: Iterable[str], what: str) -> None:
@@ -97,24 +108,41 @@ class StreamingMean:
         self.count = 0
         """How many updates were added (including any with weight 0)."""
 
-    def add(self, update: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
-        """Add one update with the given weight (see the class docstring for what is refused)."""
+    def add(
+        self,
+        update: Mapping[str, torch.Tensor],
+        weight: float = 1.0,
+        *,
+        signatures: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        peaks: Mapping[str, float] | None = None,
+    ) -> None:
+        """Add one update with the given weight (see the class docstring for what is refused).
+
+        ``signatures`` (name → (shape, dtype)) and ``peaks`` (name → :func:`largest_magnitude`), when the
+        caller measured them already (:func:`measure` of an update that is decoded at every read), spare
+        reading the update for the checks: then each ``update[name]`` is read once, when it is added."""
         weight = float(weight)
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
         if self._accumulators is None:
-            self._start(update)
+            self._start(update, signatures)
         else:
             # Check everything before touching the accumulator, so a refused update leaves no trace.
             _check_same_names(update, self._accumulators, "this update")
             for name, accumulator in self._accumulators.items():
-                _check_same_signature(
-                    name, update[name], accumulator.shape, self._dtypes[name], "this update"
-                )
+                if signatures is None:
+                    _check_same_signature(
+                        name, update[name], accumulator.shape, self._dtypes[name], "this update"
+                    )
+                else:
+                    shape, dtype = signatures[name]
+                    _check_shape_and_dtype(
+                        name, shape, dtype, accumulator.shape, self._dtypes[name], "this update"
+                    )
         assert self._accumulators is not None
         magnitudes = {}
         for name, accumulator in self._accumulators.items():
-            peak = largest_magnitude(update[name])
+            peak = peaks[name] if peaks is not None else largest_magnitude(update[name])
             # Python floats: weight · peak is Inf rather than an error when it is past float64's range.
             magnitude = self._magnitudes.get(name, 0.0) + weight * peak
             if magnitude > torch.finfo(accumulator.dtype).max:
@@ -135,18 +163,24 @@ class StreamingMean:
         self._total_weight += weight
         self.count += 1
 
-    def _start(self, update: Mapping[str, torch.Tensor]) -> None:
+    def _start(
+        self,
+        update: Mapping[str, torch.Tensor],
+        signatures: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    ) -> None:
         accumulators: StateDict = {}
         for name in sorted(update):
-            tensor = update[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise TensorRefused(name, f"is a {type(tensor).__name__}, not a tensor")
-            if not tensor.dtype.is_floating_point:
-                raise TensorRefused(name, f"dtype {tensor.dtype} is not floating point")
-            accumulators[name] = torch.zeros(
-                tensor.shape, dtype=_compute_dtype(tensor.dtype), device=tensor.device
-            )
-            self._dtypes[name] = tensor.dtype
+            if signatures is None:
+                tensor = update[name]
+                if not isinstance(tensor, torch.Tensor):
+                    raise TensorRefused(name, f"is a {type(tensor).__name__}, not a tensor")
+                shape, dtype, device = tensor.shape, tensor.dtype, tensor.device
+            else:
+                (shape, dtype), device = signatures[name], torch.device("cpu")
+            if not dtype.is_floating_point:
+                raise TensorRefused(name, f"dtype {dtype} is not floating point")
+            accumulators[name] = torch.zeros(shape, dtype=_compute_dtype(dtype), device=device)
+            self._dtypes[name] = dtype
         self._accumulators = accumulators
 
     @property
@@ -192,6 +226,28 @@ def largest_magnitude(tensor: torch.Tensor) -> float:
     return max(-float(low), float(high))
 
 
+def measure(update: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """``(update_norm(update), {name: largest_magnitude(tensor)})`` of the floating-point tensors, reading
+    each tensor once, in sorted order (an update decoded at every read is decoded once here)."""
+    total = 0.0
+    peaks: dict[str, float] = {}
+    for name in sorted(update):
+        tensor = update[name]
+        if not tensor.dtype.is_floating_point:
+            continue
+        peaks[name] = largest_magnitude(tensor)
+        total = math.hypot(total, _norm_of(tensor))
+    return total, peaks
+
+
+def _norm_of(tensor: torch.Tensor) -> float:
+    if tensor.numel() == 0:
+        return 0.0
+    if tensor.element_size() == 1:
+        tensor = tensor.to(torch.float16)
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+
+
 def update_norm(update: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of all the floating-point tensors of ``update`` taken together (integer tensors are
     skipped). Summed in float64 and combined with ``math.hypot``: finite for any finite float32, float16 or
@@ -200,11 +256,8 @@ def update_norm(update: Mapping[str, torch.Tensor]) -> float:
     total = 0.0
     for name in sorted(update):
         tensor = update[name]
-        if not tensor.dtype.is_floating_point or tensor.numel() == 0:
-            continue
-        if tensor.element_size() == 1:
-            tensor = tensor.to(torch.float16)
-        total = math.hypot(total, float(torch.linalg.vector_norm(tensor, dtype=torch.float64)))
+        if tensor.dtype.is_floating_point:
+            total = math.hypot(total, _norm_of(tensor))
     return total
 
 

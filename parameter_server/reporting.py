@@ -9,9 +9,11 @@
   parameter server's transfer token, retrying connection errors, timeouts and 5xx with backoff until
   ``deadline`` seconds have passed; a 4xx (other than 408/429) is final. ``UploadError`` if it never succeeds.
 * :func:`upload_checkpoint` does the same for a round's checkpoint files, to
-  ``{server}/api/jobs/{job}/checkpoint/{round}/{filename}`` (the manifest ``round.json`` last: it completes
-  the copy); :func:`download_checkpoint` fetches the last saved one back (a parameter server that resumes
-  where the job's previous one stopped), checking each file's size and SHA-256.
+  ``{server}/api/jobs/{job}/checkpoint/{round}/{filename}`` (the weights at a base round only, the manifest
+  ``round.json`` last: it completes the copy); :func:`download_checkpoint` fetches the files of the control
+  plane's copy back — the base round's weights, the results since, the last momentum and manifest — for a
+  parameter server that resumes where the job's previous one stopped, checking each file's size and SHA-256
+  (``parameter_server.checkpoints.adopt_round`` replays them and checks the weights' digest).
 """
 
 from __future__ import annotations

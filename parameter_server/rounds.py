@@ -37,6 +37,15 @@ Round rules (docs/training.md, step 7):
   as they were, and the result says ``stepped=False`` and ``discarded=<reason>``. A round never ends the job.
 * Only floating-point tensors are averaged and stepped, and ``u`` holds only them: other tensors (integer
   buffers such as step counters) keep their global value, and trainers neither send nor receive them.
+* **Encodings** (:mod:`hypha_tensors.encoding`; docs/training.md, "Encodings"): an update may come as a
+  :class:`~hypha_tensors.encoding.DecodedView` (decoded at every read): its norm and peaks are measured in one
+  pass and it is added in a second, so only one decoded tensor is in memory at a time. The result is sent in
+  the job's encoding too, with error feedback: the round sends ``Q(u + e)``, keeps
+  ``e' = u + e − deQ(Q(u + e))`` and applies what trainers decode, ``θ_r = θ_{r−1} + deQ(Q(u + e))``, so a
+  trainer that merges the result holds θ_r bit for bit. ``RoundResult.update`` is that applied (decoded)
+  update, ``RoundResult.encoded`` the tensors of the result file. The residual ``e`` lives in memory only: a
+  server resumed from a checkpoint starts again from ``e = 0`` (at most half a quantum per value is lost,
+  once: the error of one round without feedback).
 * The results of the last :data:`KEEP_RESULTS` rounds are kept; an older one raises ``RoundPruned`` (410).
 """
 
@@ -53,6 +62,8 @@ from typing import NamedTuple
 
 import torch
 
+from hypha_tensors.encoding import DecodedView, EncodingError, encode, encode_with_feedback
+from hypha_tensors.formats import Encoding
 from parameter_server import weights as weights_io
 from parameter_server.exceptions import (
     RoundConflict,
@@ -61,7 +72,7 @@ from parameter_server.exceptions import (
     UnknownRound,
     UpdateRefused,
 )
-from parameter_server.math import StateDict, StreamingMean, nesterov_step, norm_limit, update_norm
+from parameter_server.math import StateDict, StreamingMean, measure, nesterov_step, norm_limit, update_norm
 from worker_daemon import telemetry
 
 logger = logging.getLogger("parameter_server")
@@ -95,6 +106,17 @@ class RoundResult:
     eval_error: str | None = None
     #: Why the round's step was thrown away (u = 0, weights and momentum kept), or None.
     discarded: str | None = None
+    #: The result file's tensors in ``encoding`` (``update`` is what they decode to); None: ``update`` itself.
+    encoded: StateDict | None = None
+    encoding: Encoding = field(default_factory=Encoding)
+
+    def file_tensors(self) -> StateDict:
+        """The tensors of the file trainers fetch: :attr:`encoded`, or :attr:`update` when it is None."""
+        return self.update if self.encoded is None else self.encoded
+
+    def file_metadata(self) -> dict[str, str]:
+        """The header metadata that says the file's encoding (``hypha.encoding``, ``hypha.block_size``)."""
+        return self.encoding.metadata()
 
 
 @dataclass
@@ -130,6 +152,9 @@ class _Step(NamedTuple):
     weights_norm: float
     stepped: bool = False
     discarded: str | None = None
+    #: ``update`` in the job's encoding (what the result file holds) and the new error-feedback residual.
+    encoded: StateDict | None = None
+    residual: StateDict | None = None
 
 
 PersistHook = Callable[[RoundResult, StateDict, StateDict | None], Awaitable[None]]
@@ -170,6 +195,7 @@ class RoundCoordinator:
         clock: Callable[[], float] = time.monotonic,
         update_norm_ratio: float = DEFAULT_UPDATE_NORM_RATIO,
         buffers: Collection[str] = (),
+        encoding: Encoding | None = None,
     ) -> None:
         self.expected = tuple(expected)
         self._told: tuple[str, ...] = ()
@@ -190,6 +216,10 @@ class RoundCoordinator:
         self.update_norm_ratio = update_norm_ratio
         #: Floating-point buffers (BatchNorm's running statistics): averaged, never stepped (θ ← the mean).
         self.buffers = frozenset(buffers)
+        #: The job's encoding of results (updates arrive decoded, :class:`DecodedView`, or as tensors).
+        self.encoding = encoding or Encoding()
+        #: The results' error-feedback residual e (empty: zero; always empty for float32). Memory only.
+        self._residual: StateDict = {}
         #: The accepted norms of the last round that took a step (the next round's reference, with its own).
         self._previous_norms: list[float] = []
         #: The global weights' norm: the reference of an update when no round gives one.
@@ -287,7 +317,12 @@ class RoundCoordinator:
             current = self._round
             assert current is not None
             weight = float(samples if samples is not None else 1) if self.weighted else 1.0
-            floating = {name: update[name] for name in self._floating}
+            # A decoded view stays one: reading its tensors here would decode them all at once.
+            floating: Mapping[str, torch.Tensor] = (
+                update.restrict(self._floating)
+                if isinstance(update, DecodedView)
+                else {name: update[name] for name in self._floating}
+            )
             try:
                 # A thread: measuring and adding a large model's tensors would stall every other request.
                 norm = await asyncio.to_thread(self._measure_and_add, current, floating, weight)
@@ -321,10 +356,16 @@ class RoundCoordinator:
                 if self._on_first_update is not None:
                     self._on_first_update(current.number, peer)
 
-    def _measure_and_add(self, current: _OpenRound, update: StateDict, weight: float) -> float:
+    def _measure_and_add(
+        self, current: _OpenRound, update: Mapping[str, torch.Tensor], weight: float
+    ) -> float:
         """Check ``update``'s norm against the round's bound and add it to the round's mean; its norm.
-        ``UpdateRefused`` (nothing added) if it is out of bounds. Runs in a thread, under the lock."""
-        norm = update_norm(update)
+        ``UpdateRefused`` (nothing added) if it is out of bounds or cannot be decoded. Runs in a thread,
+        under the lock. Each tensor is read twice: measured (norm, largest value), then added."""
+        try:
+            norm, peaks = measure(update)
+        except EncodingError as error:
+            raise UpdateRefused(str(error)) from None
         limit = norm_limit(
             current.norms, self._previous_norms, fallback=self._weights_norm, ratio=self.update_norm_ratio
         )
@@ -333,9 +374,13 @@ class RoundCoordinator:
                 f"the update's L2 norm {norm:.6g} is over this round's bound {limit:.6g} "
                 f"({self.update_norm_ratio:g}x the reference norm)"
             )
+        # A decoded view says its signatures without decoding; tensors are checked as they are.
+        signatures = (
+            {name: update.signature(name) for name in update} if isinstance(update, DecodedView) else None
+        )
         try:
-            current.mean.add(update, weight)
-        except TensorRefused as error:
+            current.mean.add(update, weight, signatures=signatures, peaks=peaks)
+        except (TensorRefused, EncodingError) as error:
             raise UpdateRefused(str(error)) from None
         return norm
 
@@ -393,9 +438,13 @@ class RoundCoordinator:
         task.add_done_callback(self._tasks.discard)
 
     def _step(self, current: _OpenRound) -> _Step:
-        """The closed round's outer step (or none: u = 0, weights and momentum kept); runs in a thread."""
+        """The closed round's outer step (or none: u = 0, weights and momentum kept); runs in a thread.
+        With a lossy encoding the step applied is the decoded ``Q(u + e)`` (see the module docstring)."""
         zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
-        kept = _Step(zeros, self.weights, self.momentum, self._weights_norm)
+        # Zeros encode exactly in every encoding; the residual is kept for the next step.
+        kept = _Step(
+            zeros, self.weights, self.momentum, self._weights_norm, encoded=encode(zeros, self.encoding)
+        )
         if current.mean.count == 0 or current.mean.total_weight == 0:
             return kept
         gradient = current.mean.take()  # the round is over: no copy
@@ -406,12 +455,21 @@ class RoundCoordinator:
             momentum_factor=self.momentum_factor,
             averaged=self.buffers,
         )
+        # Checked here rather than when saving: a step that is not finite is thrown away, the job goes on.
+        try:
+            weights_io.validate(update)
+        except TensorRefused as error:
+            return kept._replace(discarded=f"the outer step is not finite ({error.name!r} {error.reason})")
+        try:
+            sent = encode_with_feedback(update, self._residual, self.encoding, keep_decoded=True)
+        except EncodingError as error:  # past float16's range
+            return kept._replace(discarded=f"the outer step cannot be sent as {self.encoding} ({error})")
+        assert sent.decoded is not None
+        update = sent.decoded  # what trainers decode, and so what is applied here
         new_weights = {
             name: tensor + update[name] if name in update else tensor for name, tensor in self.weights.items()
         }
-        # Checked here rather than when saving: a step that is not finite is thrown away, the job goes on.
         for what, tensors in (
-            ("the outer step is", update),
             ("the new weights are", {name: new_weights[name] for name in self._floating}),
             ("the new momentum is", momentum),
         ):
@@ -420,7 +478,9 @@ class RoundCoordinator:
             except TensorRefused as error:
                 return kept._replace(discarded=f"{what} not finite ({error.name!r} {error.reason})")
         norm = update_norm({name: new_weights[name] for name in self._floating})
-        return _Step(update, new_weights, momentum, norm, stepped=True)
+        return _Step(
+            update, new_weights, momentum, norm, stepped=True, encoded=sent.encoded, residual=sent.residual
+        )
 
     async def _close(self, current: _OpenRound) -> None:
         # One span per round: its step and checkpoint, with what the round was (duration: open → close).
@@ -468,6 +528,8 @@ class RoundCoordinator:
                     stepped=step.stepped,
                     arrivals=_relative(current.accepted_at),
                     discarded=step.discarded,
+                    encoded=step.encoded,
+                    encoding=self.encoding,
                 )
                 if step.discarded is not None:
                     logger.error("round %d: its step is discarded, u = 0: %s", current.number, step.discarded)
@@ -476,6 +538,8 @@ class RoundCoordinator:
                 if self._persist is not None:
                     await self._persist(result, step.weights, step.momentum)
                 self.weights, self.momentum = step.weights, step.momentum
+                if step.residual is not None:
+                    self._residual = step.residual
                 if step.stepped:
                     self._weights_norm, self._previous_norms = step.weights_norm, list(current.norms)
                 self._publish(result)

@@ -19,7 +19,9 @@ another job is 404.
 
 Every error is JSON ``{"error": <kind>, "detail": <message>}``. Update refusals: 409 ``round_conflict``,
 404 ``unknown_round``, 413 ``too_large`` (body over 2x the global weights' size + 1 MiB), 422
-``not_safetensors`` or ``refused_tensor`` (names, shapes, dtypes, NaN/Inf), 422 ``refused_samples``
+``not_safetensors`` or ``refused_tensor`` (names, shapes, dtypes, NaN/Inf, int8 scales), 422 ``wrong_encoding``
+(the body's ``hypha.encoding``/``hypha.block_size`` are not the job's: docs/training.md, "Encodings"; a body
+without them is float32), 422 ``refused_samples``
 (X-Samples over the job's ``max_samples_per_update``, or over what the control plane counted for the trainer
 in the round — asked again before refusing; checked before the body is read), 422 ``refused_update`` (norm
 out of bounds for the round, see :mod:`parameter_server.rounds`), 400 ``bad_request`` (X-Samples not an
@@ -43,6 +45,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from hypha_tensors.encoding import DecodedView, EncodingError, check, group, wire_dtype
+from hypha_tensors.formats import Encoding
 from parameter_server import weights as weights_io
 from parameter_server.exceptions import RoundError, TensorRefused, UpdateRefused, WeightsFileError
 from parameter_server.rounds import RoundCoordinator
@@ -60,6 +64,10 @@ _SAMPLES = re.compile(r"[0-9]{1,18}")
 
 def error_response(status: int, kind: str, detail: str, **headers: str) -> web.Response:
     return web.json_response({"error": kind, "detail": detail}, status=status, headers=headers or None)
+
+
+class _WrongEncoding(Exception):
+    """An update body encoded otherwise than the job says (its metadata); the message says both."""
 
 
 class _HTTPFailure(Exception):
@@ -83,7 +91,8 @@ class ParameterServerApp:
     """Holds the request handlers; :meth:`make_app` builds the aiohttp application.
 
     ``canonicalize`` maps an update's tensor names to the global ones (tied-weight aliases);
-    ``signature`` is the global weights' name → (shape, dtype); updates must match its floating-point part.
+    ``signature`` is the global weights' name → (shape, dtype); updates must match its floating-point part,
+    in ``encoding`` (the job's: updates in another are refused, 422 ``wrong_encoding``).
     """
 
     def __init__(
@@ -100,6 +109,7 @@ class ParameterServerApp:
         admit: Callable[[str], Awaitable[bool]] | None = None,
         max_samples_per_update: int | None = None,
         count_samples: Callable[[str, int], Awaitable[int | None]] | None = None,
+        encoding: Encoding | None = None,
     ) -> None:
         self.job_id = job_id
         self.transfer_key = transfer_key
@@ -109,6 +119,11 @@ class ParameterServerApp:
         # tensor a trainer sends anyway is ignored, as long as it is one of the model's.
         self.signature = {name: sig for name, sig in signature.items() if sig[1].is_floating_point}
         self.ignored_names = frozenset(signature) - frozenset(self.signature)
+        self.encoding = encoding or Encoding()
+        #: What an update's tensors must be on the wire: the global shapes, in the encoding's dtype.
+        self.wire_signature = {
+            name: (shape, wire_dtype(self.encoding, dtype)) for name, (shape, dtype) in self.signature.items()
+        }
         self.incoming_dir = incoming_dir
         self.canonicalize = canonicalize
         #: Asked about a trainer of the job that is not expected (a replacement): True if it now is.
@@ -294,13 +309,34 @@ class ParameterServerApp:
         self.coordinator.count_bytes_in(round_number, size)
         return path
 
-    def _parse_update(self, path: Path) -> dict[str, torch.Tensor]:
-        update = self.canonicalize(weights_io.load(path))
+    def _parse_update(self, path: Path) -> DecodedView:
+        """The update in ``path``, checked against the global weights, as a view that decodes a tensor at
+        every read (the round measures, then adds, one tensor at a time). ``_WrongEncoding`` when its
+        metadata names another encoding than the job's; ``WeightsFileError``, ``TensorRefused`` (names,
+        shapes, wire dtypes, NaN/Inf) or ``EncodingError`` (int8 scales) when it is unusable."""
+        try:
+            encoding = Encoding.from_metadata(weights_io.read_metadata(path))
+        except EncodingError as error:
+            raise _WrongEncoding(f"the update's encoding is unusable: {error}") from None
+        if encoding != self.encoding:
+            raise _WrongEncoding(
+                f"the update is encoded as {encoding}; this job's updates are {self.encoding}"
+            )
+        update = self.canonicalize(group(weights_io.load(path), self.encoding))
         for name in self.ignored_names & update.keys():
             del update[name]
-        # load() refused NaN and Inf already; what is left to check is the names, shapes and dtypes.
-        weights_io.validate(update, reference=self.signature, check_finite=False)
-        return update
+        # load() refused NaN and Inf already; what is left to check is the names, shapes and dtypes (on the
+        # wire), then each int8 tensor's scales.
+        weights_io.validate(
+            {name: entry.values for name, entry in update.items()},
+            reference=self.wire_signature,
+            check_finite=False,
+        )
+        for name in sorted(update):
+            check(update[name], self.encoding, name=name)
+        return DecodedView(
+            update, self.encoding, dtypes={name: dtype for name, (_, dtype) in self.signature.items()}
+        )
 
     async def _update(self, request: web.Request) -> web.Response:
         """A span per update (when tracing is on): ``hypha.outcome`` accepted or refused, with the reason."""
@@ -353,9 +389,12 @@ class ParameterServerApp:
                 raise _HTTPFailure(
                     422, "not_safetensors", f"the body is not a usable safetensors file: {error.reason}"
                 ) from None
-            except TensorRefused as error:
+            except (TensorRefused, EncodingError) as error:
                 self.coordinator.record_refusal(peer, round_number, str(error))
                 raise _HTTPFailure(422, "refused_tensor", str(error)) from None
+            except _WrongEncoding as error:
+                self.coordinator.record_refusal(peer, round_number, str(error))
+                raise _HTTPFailure(422, "wrong_encoding", str(error)) from None
         finally:
             path.unlink(missing_ok=True)
         await self.coordinator.submit(peer, round_number, update, samples)

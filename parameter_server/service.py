@@ -5,7 +5,8 @@
 1. Build or fetch the initial model (:mod:`parameter_server.model`); if ``work_dir/checkpoints`` has a
    round, or the job's ``checkpoint`` names a later one the control plane keeps (this server replaces a lost
    one), restore its weights, momentum, round number and last result instead, else save round 0. Every round
-   (round 0 included) is uploaded to the control plane before it is published.
+   (round 0 included) is uploaded to the control plane before it is published: its momentum and result, and
+   its weights every ``rounds.checkpoint_every`` rounds (the copy replays the results since on them).
 2. Bind the HTTP API, then report ``{"ready": {"url", "round"}}`` through the bridge.
 3. For each round the coordinator publishes: compute the eval loss (if the job has ``eval``) in a thread,
    then report ``{"round": {...}}``. When a round accepts its first update, report ``{"waiting": {"round"}}``
@@ -57,6 +58,7 @@ from parameter_server.model import (
     InitialModel,
     prepare_model,
 )
+from parameter_server.relay_pump import RelayPump, loopback_host
 from parameter_server.reporting import (
     BridgeReporter,
     download_checkpoint,
@@ -65,6 +67,7 @@ from parameter_server.reporting import (
 )
 from parameter_server.rounds import KEEP_RESULTS, RoundCoordinator, RoundResult
 from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http
+from worker_daemon.relay import RelayClient
 
 logger = logging.getLogger("parameter_server")
 
@@ -116,6 +119,10 @@ class Stopped(Exception):
     """SIGTERM (or SIGINT) arrived: stop serving now."""
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 def _round_file(directory: Path, round_number: int) -> Path:
     return directory / f"round-{round_number:09d}.safetensors"
 
@@ -152,6 +159,14 @@ class ParameterServer:
         self._background: set[asyncio.Task[None]] = set()
         self._runner: Any = None
         self._session: aiohttp.ClientSession | None = None
+        #: Moves bytes through the control plane's relay when the trainers cannot reach this server.
+        self.relay: RelayPump | None = None
+        self._relay_session: aiohttp.ClientSession | None = None
+        self._bound_port = 0
+        #: The checkpoint copy on the control plane: the round whose weights it holds (its base) and the
+        #: rounds since, whose results it replays on them (parameter_server/checkpoints.py).
+        self._checkpoint_base = 0
+        self._checkpoint_chain: tuple[checkpoints.ChainLink, ...] = ()
 
     # --- start -----------------------------------------------------------------------------------------------
 
@@ -173,6 +188,8 @@ class ParameterServer:
                 weights=weights,
                 momentum=None,
                 keep=2,
+                base_round=0,
+                digest=await asyncio.to_thread(weights_io.digest, weights),
             )
         else:
             expected = weights_io.signature(initial.weights)
@@ -180,6 +197,9 @@ class ParameterServer:
                 raise CheckpointError("the checkpoint's weights do not match the job's model")
             weights, momentum, completed = state.weights, state.momentum, state.round_number
             logger.info("resuming after round %d from %s", completed, self.checkpoint_dir)
+            # A round saved without a base (an older server's) was uploaded with its weights: a base.
+            self._checkpoint_base = completed if state.base_round is None else state.base_round
+            self._checkpoint_chain = state.chain
             if state.result is not None and completed > 0:
                 # Trainers that sent this round's update may not have fetched u_r from the previous server.
                 result_path = _round_file(self.results_dir, completed)
@@ -187,8 +207,8 @@ class ParameterServer:
                 await asyncio.to_thread(
                     weights_io.save,
                     result_path,
-                    state.result,
-                    metadata=FILE_METADATA,
+                    state.result,  # in the job's encoding, as the round's result file was
+                    metadata={**FILE_METADATA, **self.job.encoding.metadata()},
                     round_number=completed,
                     weights_digest=published,
                 )
@@ -234,6 +254,7 @@ class ParameterServer:
             last_result=last_result,
             update_norm_ratio=self.job.update_norm_ratio,
             buffers=initial.buffers,
+            encoding=self.job.encoding,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -248,10 +269,12 @@ class ParameterServer:
             admit=self._admit,
             max_samples_per_update=self.job.max_samples_per_update,
             count_samples=self._count_samples,
+            encoding=self.job.encoding,
         )
         self._runner, port = await start_http(
             self.app.make_app(), host=self.settings.host, port=self.settings.port
         )
+        self._bound_port = port
         self.public_url = self.settings.public_url or f"http://{self.settings.host}:{port}"
         logger.info(
             "serving job %s at %s (listening on %s:%d), round %d of %d",
@@ -292,6 +315,14 @@ class ParameterServer:
             raise CheckpointError(
                 f"the control plane's checkpoint holds round {state.round_number}, not {resume.round_number}"
             )
+        if state.base_round is not None and state.base_round < state.round_number:
+            logger.info(
+                "round %d replayed from round %d's weights and %d results: the digest %s checks",
+                state.round_number,
+                state.base_round,
+                len(state.chain),
+                state.digest,
+            )
         return state
 
     async def _upload_checkpoint(self, round_number: int) -> None:
@@ -309,24 +340,36 @@ class ParameterServer:
         the round published: a round trainers saw is never lost with this server."""
         assert self.app is not None
         number = result.round_number
+        # θ_r's digest goes with everything published of round r: trainers check their merge against it,
+        # and a server resumed from the control plane's copy checks its replay against it.
+        result.digest = await asyncio.to_thread(weights_io.digest, weights)
+        # The copy gets the full weights every checkpoint_every rounds; between, the round's result only.
+        base = self._checkpoint_base
+        chain = (*self._checkpoint_chain, checkpoints.ChainLink(number, result.stepped))
+        if number - base >= self.job.checkpoint_every:
+            base, chain = number, ()
         await asyncio.to_thread(
             checkpoints.save_round,
             self.checkpoint_dir,
             round_number=number,
             weights=weights,
             momentum=momentum,
-            result=result.update,
+            result=result.file_tensors(),
             participants=result.participants,
             keep=2,
+            base_round=base,
+            chain=chain,
+            digest=result.digest,
+            result_metadata=result.file_metadata(),
         )
+        self._checkpoint_base, self._checkpoint_chain = base, chain
         await self._upload_checkpoint(number)
         weights_path = _round_file(self.global_dir, number)
         result_path = _round_file(self.results_dir, number)
-        # θ_r's digest goes with everything published of round r: trainers check their merge against it.
-        result.digest = await asyncio.to_thread(weights_io.digest, weights)
         published = {"metadata": FILE_METADATA, "round_number": number, "weights_digest": result.digest}
         await asyncio.to_thread(weights_io.save, weights_path, weights, **published)
-        await asyncio.to_thread(weights_io.save, result_path, result.update, **published)
+        encoded = {**published, "metadata": {**FILE_METADATA, **result.file_metadata()}}
+        await asyncio.to_thread(weights_io.save, result_path, result.file_tensors(), **encoded)
         logger.info("round %d: the global weights' digest is %s", number, result.digest)
         result.path = result_path
         # One assignment: a download sees the old (file, round) or the new one, never a mix.
@@ -334,6 +377,8 @@ class ParameterServer:
             files_dir=self.app.files.files_dir, weights_path=weights_path, rounds_completed=number
         )
         self._weights_after[number] = weights
+        if self.relay is not None:
+            self.relay.publish_result(result)
         _prune(self.global_dir, number - 1)
         _prune(self.results_dir, number - KEEP_RESULTS + 1)
 
@@ -344,7 +389,11 @@ class ParameterServer:
         raises ``Stopped`` when ``stop`` is set and ``ParameterServerError`` on a fatal failure."""
         coordinator = self.coordinator
         assert coordinator is not None and self.app is not None
-        await self.reporter.send({"ready": {"url": self.public_url, "round": coordinator.rounds_completed}})
+        ready = await self.reporter.send(
+            {"ready": {"url": self.public_url, "round": coordinator.rounds_completed}}
+        )
+        if isinstance(ready, dict) and ready.get("path") == "relay":
+            self._start_relay()
         stop_waiter = asyncio.ensure_future(stop.wait())
         try:
             # Until no round is open (or closing) and every published round is reported: a Done reply may
@@ -368,6 +417,47 @@ class ParameterServer:
         finally:
             stop_waiter.cancel()
         return 0
+
+    def _start_relay(self) -> None:
+        """The control plane says trainers reach this server through the relay: move their bytes there."""
+        coordinator = self.coordinator
+        assert coordinator is not None and self.app is not None
+        self._relay_session = aiohttp.ClientSession()
+        client = RelayClient(
+            self.settings.server_url,
+            self.job.job_id,
+            self.settings.current_token,
+            self._relay_session,
+        )
+        self.relay = RelayPump(
+            client=client,
+            session=self._relay_session,
+            job_id=self.job.job_id,
+            transfer_key=self.settings.transfer_key,
+            local_base=f"http://{_url_host(loopback_host(self.settings.host))}:{self._bound_port}",
+            coordinator=coordinator,
+            incoming_dir=self.work_dir / "incoming",
+            model_file=self._model_file,
+        )
+        self.relay.start()
+        logger.info("trainers reach this server through the control plane's relay")
+        last = coordinator.result(coordinator.rounds_completed)
+        if last is not None and last.path is not None:
+            self.relay.publish_result(last)  # a resumed server: u_r again for trainers that missed it
+
+    def _model_file(self, filename: str) -> tuple[Path, int, str | None] | None:
+        """(path, round, θ's digest) of a current global-model file, None for a name the model lacks."""
+        assert self.app is not None
+        files = self.app.files
+        if filename == files.weights_filename:
+            _, digest = weights_io.publication(files.weights_path)
+            return files.weights_path, files.rounds_completed, digest
+        if "\0" in filename:
+            return None
+        path = (files.files_dir / filename).resolve()
+        if not path.is_relative_to(files.files_dir.resolve()) or not path.is_file():
+            return None
+        return path, files.rounds_completed, None
 
     def _first_update(self, round_number: int, peer: str) -> None:
         task = asyncio.create_task(self._ask_expected(round_number), name=f"expect round {round_number}")
@@ -434,6 +524,11 @@ class ParameterServer:
         weights = self._weights_after.pop(result.round_number, None)
         if self.evaluator is not None and weights is not None:
             result.eval_loss, result.eval_error = await self._eval_loss(weights)
+        bytes_out = self.app.take_bytes_out()
+        relay_in = relay_out = 0
+        if self.relay is not None:
+            await self.relay.settle(result.round_number)  # the result's upload counts in its round
+            relay_in, relay_out = self.relay.take_bytes()
         body = {
             "round": result.round_number,
             "participants": list(result.participants),
@@ -443,7 +538,14 @@ class ParameterServer:
             "samples": result.samples,
             "duration": result.duration,
             "bytes_in": result.bytes_in,
-            "bytes_out": self.app.take_bytes_out(),
+            "bytes_out": bytes_out,
+            "encoding": result.encoding.name,
+            # Which path the bytes took (docs/transfers.md): relay updates reach the API on loopback, so
+            # bytes_in counts them too.
+            "transfers": {
+                "direct": {"in": max(result.bytes_in - relay_in, 0), "out": bytes_out},
+                "relay": {"in": relay_in, "out": relay_out},
+            },
             "eval_loss": result.eval_loss,
             "eval_error": result.eval_error,
             "discarded": result.discarded,
@@ -494,7 +596,13 @@ class ParameterServer:
             raise Stopped()
         upload.result()  # UploadError propagates: exit 1
         fetched = asyncio.ensure_future(self.coordinator.wait_last_result_fetched(self.settings.final_wait))
+        readers = None
+        if self.relay is not None:
+            readers = asyncio.ensure_future(self.relay.count_readers(self.coordinator.rounds_completed))
+            fetched.add_done_callback(lambda _: readers.cancel())
         done, _ = await asyncio.wait({fetched, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if readers is not None:
+            readers.cancel()
         if fetched not in done:
             fetched.cancel()
             raise Stopped()
@@ -505,6 +613,11 @@ class ParameterServer:
     async def aclose(self) -> None:
         for task in list(self._background):
             task.cancel()
+        if self.relay is not None:
+            await self.relay.aclose()
+        if self._relay_session is not None:
+            await self._relay_session.close()
+            self._relay_session = None
         if self._runner is not None:
             await stop_http(self._runner)
             self._runner = None

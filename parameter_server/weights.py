@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, TensorSpec, safe_open, serialize_file
 
+from hypha_tensors.formats import METADATA_KEYS as ENCODING_METADATA_KEYS
 from parameter_server.exceptions import TensorRefused, WeightsFileError
 
 Signature = tuple[tuple[int, ...], torch.dtype]
@@ -260,7 +261,8 @@ def save(
     * Every value must be a tensor with no NaN or Inf, else ``TensorRefused`` and nothing is written (the
       old file at ``path``, if any, is untouched). Tensors are copied to the CPU and made contiguous as needed.
     * Tied weights (several names for the same tensor) are stored once; see the module docstring.
-    * ``metadata`` adds string entries to the header (keys starting with ``hypha.`` are reserved,
+    * ``metadata`` adds string entries to the header (keys starting with ``hypha.`` are reserved but for
+      the encoding's, ``hypha.encoding`` and ``hypha.block_size``: :mod:`hypha_tensors.formats`;
       ``ValueError``); ``round_number`` and ``weights_digest`` write ``hypha.round`` and ``hypha.digest``
       (a published file: the rounds completed, the global weights' :func:`digest`).
     * I/O errors raise ``OSError``; no temporary file is left behind either way.
@@ -269,7 +271,7 @@ def save(
         raise NotImplementedError("saving on a big-endian host")
     path = Path(path)
     extra = dict(metadata or {})
-    reserved = sorted(key for key in extra if key.startswith("hypha."))
+    reserved = sorted(key for key in extra if key.startswith("hypha.") and key not in ENCODING_METADATA_KEYS)
     if reserved:
         raise ValueError(f"metadata key {reserved[0]!r} is reserved")
     validate(tensors)

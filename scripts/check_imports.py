@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMON_PACKAGES = ("worker_daemon", "parameter_server", "data_node", "hypha_cli")
+DAEMON_PACKAGES = ("worker_daemon", "parameter_server", "data_node", "hypha_cli", "hypha_tensors")
 FORBIDDEN = frozenset(
     {
         "apps",

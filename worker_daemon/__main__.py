@@ -45,7 +45,7 @@ environment:
 
 config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
 [offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured.
-Ours: kill_grace, benchmark, slowdown, [parameter_server] host/port/public_url.
+Ours: kill_grace, benchmark, slowdown, [parameter_server] host/port/public_url/reachable.
 
 benchmark:
   At start (unless --no-benchmark or benchmark = false) and when the control plane asks, the daemon runs a
@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--ps-public-url",
         metavar="URL",
         help="base URL trainers use to reach the parameter server (overrides parameter_server.public_url)",
+    )
+    parser.add_argument(
+        "--reachable",
+        choices=["true", "false", "auto"],
+        help="whether trainers can connect to the parameter server's public URL: false behind NAT or a "
+        "firewall (the control plane's relay carries the transfers) (overrides parameter_server.reachable; "
+        "default auto: not said)",
     )
     parser.add_argument(
         "--benchmark",
@@ -286,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps_host=args.ps_host,
             ps_port=args.ps_port,
             ps_public_url=args.ps_public_url,
+            reachable=args.reachable,
             benchmark=args.benchmark,
             slowdown=args.slowdown,
         )

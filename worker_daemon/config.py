@@ -31,13 +31,18 @@ Our own keys (not Hypha's)::
     host = "127.0.0.1"
     port = 0                         # 0: any free port
     public_url = "http://gpu-01:8470"  # what trainers use; default: http://host:port once bound
+    reachable = "auto"               # true: trainers can connect to public_url; false: they cannot (NAT,
+                                     # firewall: the control plane's relay carries the transfers);
+                                     # "auto" (default): not said, the control plane finds out
 
 The original's libp2p and telemetry keys (``cert_pem``, ``gateway_addresses``, ``telemetry_*``, …) are
 accepted and ignored with one info line; other unknown keys get a warning naming them, never an error.
+``relay_circuit`` is among them: in Hypha it *adds* relayed listen addresses to the direct ones (its ``init``
+writes ``true`` for every node), so it says nothing about whether this host is reachable — ``reachable`` does.
 
 Layering, as in the original: the TOML file, then ``HYPHA_*`` env vars for top-level keys
 (``HYPHA_WORK_DIR``), then CLI flags (``--work-dir``, ``--price``, ``--floor``, ``--ps-host``, ``--ps-port``,
-``--ps-public-url``, ``--benchmark``/``--no-benchmark``, ``--slowdown``). Any invalid value raises
+``--ps-public-url``, ``--reachable``, ``--benchmark``/``--no-benchmark``, ``--slowdown``). Any invalid value raises
 :class:`~worker_daemon.exceptions.ConfigError` with a message naming the key.
 """
 
@@ -185,6 +190,23 @@ class ParameterServerConfig(_ConfigModel):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=0, ge=0, le=65535, strict=True)
     public_url: str | None = Field(default=None, min_length=1)
+    reachable: protocol.Reachable = Field(
+        default="auto",
+        description="Whether trainers can connect to public_url (true), cannot (false: NAT, a firewall), or "
+        '"auto": not said.',
+    )
+
+    @field_validator("reachable", mode="before")
+    @classmethod
+    def _reachable_word(cls, value: Any) -> Any:
+        # Strictly true, false or "auto" ("true"/"false" as strings too: a CLI flag or a quoted TOML value);
+        # pydantic's lax bool would also take 1, "yes" or "on", which are more likely a mistake here.
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "auto"):
+            word = value.strip().lower()
+            return word if word == "auto" else word == "true"
+        if isinstance(value, bool):
+            return value
+        raise ValueError('must be true, false or "auto"')
 
     @field_validator("public_url")
     @classmethod
@@ -324,11 +346,13 @@ class WorkerConfig(_ConfigModel):
         capacity = self.capacity
         executors = ", ".join(f"{e.executor_class}/{e.name}" for e in self.executors)
         slowed = f" slowdown={self.slowdown:g}" if self.slowdown != 1.0 else ""
+        reachable = self.parameter_server.reachable
+        said = f" reachable={str(reachable).lower()}" if reachable != "auto" else ""
         return (
             f"work_dir={self.work_dir} resources=cpu:{capacity.cpu:g} memory:{capacity.memory:g}GB "
             f"storage:{capacity.storage:g}GB gpu:{capacity.gpu:g}GB price={self.offer.price:g} "
             f"floor={self.offer.floor:g} strategy={self.strategy} executors=[{executors}]"
-            f"{slowed}"
+            f"{slowed}{said}"
         )
 
 
@@ -367,6 +391,7 @@ def load_config(
     ps_host: str | None = None,
     ps_port: int | None = None,
     ps_public_url: str | None = None,
+    reachable: str | bool | None = None,
     benchmark: bool | None = None,
     slowdown: float | None = None,
 ) -> WorkerConfig:
@@ -410,7 +435,7 @@ def load_config(
             if floor is not None:
                 offer["floor"] = floor
             data["offer"] = offer
-    overrides = {"host": ps_host, "port": ps_port, "public_url": ps_public_url}
+    overrides = {"host": ps_host, "port": ps_port, "public_url": ps_public_url, "reachable": reachable}
     if any(value is not None for value in overrides.values()):
         table = data.get("parameter_server")
         if table is None or isinstance(table, dict):

@@ -172,6 +172,7 @@ class WorkerSession:
             strategy=self.config.strategy,
             leases=self.book.lease_ids(),
             benchmark=self.benchmark,
+            reachable=self.config.parameter_server.reachable,
         )
 
     def handle(self, message: protocol.ServerMessage) -> Outcome:

@@ -21,7 +21,8 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
 3. posts ``job_started``; re-logs every line of the child's stdout and stderr (prefixed with the task id);
 4. when the process ends, by itself or cancelled (``cancel_job``, its lease gone, daemon shutdown: SIGTERM to
    the process group, SIGKILL after ``kill_grace`` seconds), stops the bridge, removes the work dir and posts
-   ``job_exited`` with the exit code or signal and the last lines of output.
+   ``job_exited`` with the exit code or signal and the last lines of output (a failure's ``reason`` is the
+   failure its output tells of, not the launcher's wrapper of it: :mod:`worker_daemon.failures`).
 
 A dispatch that is refused is answered at once with a ``job_exited`` whose ``reason`` says why. Frames go
 through a :class:`~worker_daemon.link.ControlLink`, so a task that ends while the daemon is disconnected
@@ -52,6 +53,7 @@ from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.bridge.authorisation import DEFAULT_GRACE as DEFAULT_AUTH_GRACE
 from worker_daemon.bridge.remote import RemoteBackend
 from worker_daemon.config import ExecutorConfig, WorkerConfig, http_base_url
+from worker_daemon.failures import root_cause
 from worker_daemon.leases import LeaseBook
 from worker_daemon.link import ControlLink
 
@@ -280,15 +282,19 @@ class JobManager:
         if existing is not None:
             # A repeated dispatch (after a reconnect, or to say where its peers are now): the task runs already;
             # say so again, and take the peers' addresses, which the control plane may have learnt since.
-            if dispatch.peers != existing.dispatch.peers:
-                logger.info("task %s: peers now %s", dispatch.task_id, dispatch.peers)
-                existing.dispatch = existing.dispatch.model_copy(update={"peers": dispatch.peers})
+            if dispatch.peers != existing.dispatch.peers or dispatch.relay != existing.dispatch.relay:
+                logger.info(
+                    "task %s: peers now %s (relay: %s)", dispatch.task_id, dispatch.peers, dispatch.relay
+                )
+                existing.dispatch = existing.dispatch.model_copy(
+                    update={"peers": dispatch.peers, "relay": dispatch.relay}
+                )
             else:
                 logger.info("task %s is already running; its peers told again", dispatch.task_id)
             if existing.backend is not None and dispatch.peers:
                 # Even at the same address, a parameter server may have been restarted: the bridge sends
                 # it an update it may have lost.
-                existing.backend.update_peers(dispatch.peers)
+                existing.backend.update_peers(dispatch.peers, relay=dispatch.relay)
             if existing.started:
                 self.link.post(protocol.JobStarted(task_id=dispatch.task_id))
             return None
@@ -478,6 +484,8 @@ class JobManager:
             link=self.link,
             work_dir=work_dir,
             peers=dispatch.peers,
+            relay_peers=dispatch.relay,
+            server_url=self.server_url,
             transfer_token=dispatch.transfer_token,
             on_authorisation_lost=lambda reason: self.fail(dispatch.task_id, reason=reason),
             **backend_options,
@@ -606,7 +614,8 @@ class JobManager:
         elif signal_number is not None:
             reason = f"killed by signal {signal_number}"
         else:
-            reason = "" if code == 0 else f"exited with code {code}"
+            # The executor's own failure, not the launcher's wrapper of it (worker_daemon.failures).
+            reason = "" if code == 0 else root_cause(task.output) or f"exited with code {code}"
         return protocol.JobExited(
             task_id=task.task_id,
             exit_code=exit_code,

@@ -30,6 +30,8 @@ Conversation (``→`` daemon to control plane, ``←`` control plane to daemon):
     → fetch_slice                a trainer's bridge wants the next data slice of the job
     ← slice_assigned             which slice, its size and digest, and the data nodes that serve it
     → slice_ack                  the executor has the slice: it becomes USED
+    → transfer_problem           a task cannot reach a peer (parameter server, data node): where, why, since when
+    → transfer_ok                that peer answers again: the problem is over
     ← run_benchmark              measure this worker's speed now (an operator asked)
     → benchmark_result           a benchmark finished (or failed): its score and details
     ← error                      the last frame was malformed, unknown, or refused; nothing changed
@@ -55,6 +57,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -76,6 +79,10 @@ MAX_SLOWDOWN = 100.0
 #: Weights of the capacity score, from the original's resource evaluator (reference §3.3, §3.4):
 #: a GB of VRAM is worth 25 cores, a GB of memory 0.1 cores, a GB of storage 0.01 cores.
 RESOURCE_WEIGHTS = {"gpu": 25.0, "cpu": 1.0, "memory": 0.1, "storage": 0.01}
+
+#: Whether a worker or data node accepts inbound connections at its public URL: ``true``, ``false``, or
+#: ``"auto"`` (not said: to be found out). The config files, ``--reachable`` and ``hello`` spell it the same way.
+Reachable = bool | Literal["auto"]
 
 
 class CloseCode(enum.IntEnum):
@@ -233,6 +240,11 @@ class Hello(_Message):
     benchmark: BenchmarkResult | None = Field(
         default=None, description="The daemon's last benchmark, if one finished before this hello."
     )
+    reachable: Reachable = Field(
+        default="auto",
+        description="Whether the worker accepts inbound connections at its parameter server's public URL: "
+        'true, false, or "auto" (not said; also what an older daemon that sends nothing means).',
+    )
 
 
 class Offer(_Message):
@@ -330,6 +342,38 @@ class SliceAck(_Message):
     index: int = Field(ge=0)
 
 
+class TransferProblem(_Message):
+    """A task's transfer cannot reach a peer: sent once a call has failed more times in a row than the bridge
+    retries quietly (3), then again with each further failure (at most one every few seconds: the retries back
+    off), until a :class:`TransferOk` for the same peer. The control plane keeps the latest per (task, peer)
+    and shows it on the job (``transfer_problems``); a task that then fails is said to have failed of it."""
+
+    type: Literal["transfer_problem"] = "transfer_problem"
+    task_id: uuid.UUID
+    peer: str = Field(
+        min_length=1, max_length=200, description="The parameter server's peer id, or the data node's host."
+    )
+    role: Literal["parameter_server", "data_node"]
+    url: str = Field(max_length=500, description="What was called, without its query (tokens live there).")
+    operation: str = Field(
+        min_length=1, max_length=200, description="e.g. 'round 3 update', 'slice download'"
+    )
+    cause: str = Field(
+        min_length=1, max_length=1000, description="The last failure, e.g. 'Connect call failed'"
+    )
+    attempts: int = Field(ge=1, description="Failed attempts in a row so far.")
+    since: AwareDatetime = Field(description="When the first of those attempts failed (with its time zone).")
+
+
+class TransferOk(_Message):
+    """The peer of an earlier :class:`TransferProblem` of the task answered again (even with an HTTP error:
+    it is reachable); the control plane drops the problem."""
+
+    type: Literal["transfer_ok"] = "transfer_ok"
+    task_id: uuid.UUID
+    peer: str = Field(min_length=1, max_length=200)
+
+
 DaemonMessage = Annotated[
     Hello
     | Offer
@@ -342,6 +386,8 @@ DaemonMessage = Annotated[
     | StatusReport
     | FetchSlice
     | SliceAck
+    | TransferProblem
+    | TransferOk
     | BenchmarkReport,
     Field(discriminator="type"),
 ]
@@ -439,6 +485,9 @@ class DispatchJob(_Message):
     role: str
     spec: dict[str, Any]
     peers: dict[str, str] = Field(default_factory=dict)
+    #: Peer ids (of ``peers``) this task reaches through the control plane's relay instead of their URL:
+    #: they accept no inbound connections (docs/transfers.md). Older daemons ignore it.
+    relay: list[str] = Field(default_factory=list, max_length=64)
     transfer_token: str | None = None
     transfer_key: str | None = None
 

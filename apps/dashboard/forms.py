@@ -45,6 +45,8 @@ FIELD_OF_PATH = {
     "rounds.update_rounds": "update_rounds",
     "rounds.inner_steps": "inner_steps",
     "rounds.round_timeout": "round_timeout",
+    "rounds.encoding": "encoding",
+    "rounds.encoding_block_size": "encoding_block_size",
     "batch_size": "batch_size",
     "num_trainers": "num_trainers",
     "evaluation": "holdout",
@@ -136,6 +138,25 @@ class DiLoCoJobForm(_SpecForm):
     update_rounds = _number("Rounds", 10, "outer rounds", integer=True)
     inner_steps = _number("Inner steps (H)", 50, "optimizer steps per trainer per round", integer=True)
     round_timeout = _number("Round timeout", 120.0, "seconds the parameter server waits for stragglers")
+    encoding = forms.ChoiceField(
+        label="Encoding",
+        choices=[
+            ("float32", "float32 (exact)"),
+            ("float16", "float16 (½ the bytes)"),
+            ("bfloat16", "bfloat16 (½ the bytes)"),
+            ("int8", "int8 (¼ the bytes)"),
+        ],
+        initial="float32",
+        help_text="how pseudo-gradients and results travel; the lossy ones carry their rounding over "
+        "(error feedback)",
+    )
+    encoding_block_size = _number(
+        "int8 block size",
+        None,
+        "int8 only: values per scale (empty: 256)",
+        integer=True,
+        required=False,
+    )
     inner_learning_rate = _number("Inner learning rate", 3e-3, "AdamW on the trainers")
     outer_learning_rate = _number("Outer learning rate", 0.7, "Nesterov on the parameter server")
     outer_momentum = _number("Outer momentum", 0.9)
@@ -174,6 +195,8 @@ class DiLoCoJobForm(_SpecForm):
                 "update_rounds",
                 "inner_steps",
                 "round_timeout",
+                "encoding",
+                "encoding_block_size",
                 "inner_learning_rate",
                 "outer_learning_rate",
                 "outer_momentum",
@@ -230,6 +253,7 @@ class DiLoCoJobForm(_SpecForm):
                 "update_rounds": data["update_rounds"],
                 "inner_steps": data["inner_steps"],
                 "round_timeout": data["round_timeout"],
+                "encoding": data["encoding"],
             },
             "batch_size": data["batch_size"],
             "num_trainers": data["num_trainers"],
@@ -237,6 +261,8 @@ class DiLoCoJobForm(_SpecForm):
             "trainer": _role(data, "trainer"),
             "parameter_server": _role(data, "ps"),
         }
+        if data.get("encoding_block_size") is not None:
+            spec["rounds"]["encoding_block_size"] = data["encoding_block_size"]
         if data.get("holdout"):
             spec["evaluation"] = {"holdout": data["holdout"], "batch_size": data["eval_batch_size"]}
         return spec

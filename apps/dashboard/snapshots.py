@@ -162,12 +162,22 @@ def job_page(job: Job) -> dict:
                 "leases": [lease for lease in leases if lease["role"] == role],
             }
         )
+    tasks = job_tasks(job)
     return {
         "roles": roles,
         "events": JobEventSerializer(job.events.order_by("-at", "-id")[:30], many=True).data,
-        "tasks": job_tasks(job),
+        "tasks": tasks,
+        "transfer_problems": transfer_problems(tasks),
         "spec": job.spec,
     }
+
+
+def transfer_problems(tasks: list[dict]) -> list[dict]:
+    """The transfer problems of the serialized ``tasks`` (``job_tasks``), each with its task's worker, the
+    oldest first: what ``GET /api/jobs/<id>/`` lists as ``transfer_problems`` (the page's script builds the
+    same rows from the tasks of each live event)."""
+    found = [{**problem, "worker": task["worker"]} for task in tasks for problem in task["transfer_problems"]]
+    return sorted(found, key=lambda problem: (problem["since"], problem["peer"]))
 
 
 # --- the overview -----------------------------------------------------------------------------------------

@@ -5,7 +5,15 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db import models
 
-from apps.datasets.models import DataNode, Dataset, DatasetReplica, JobSlice, Slice, SliceEvent
+from apps.datasets.models import (
+    DataNode,
+    Dataset,
+    DatasetReplica,
+    JobSlice,
+    PublishedSlice,
+    Slice,
+    SliceEvent,
+)
 from hypha_site.admin_base import ReadOnlyModelAdmin, ReadOnlyTabularInline
 
 
@@ -31,8 +39,8 @@ class DatasetAdmin(ReadOnlyModelAdmin):
 
 @admin.register(DataNode)
 class DataNodeAdmin(ReadOnlyModelAdmin):
-    list_display = ["name", "owner", "url", "online", "last_seen_at", "created_at"]
-    list_filter = ["online"]
+    list_display = ["name", "owner", "url", "reachable", "online", "last_seen_at", "created_at"]
+    list_filter = ["online", "reachable"]
     search_fields = ["name", "url", "owner__username"]
     list_select_related = ["owner"]
     exclude = ["token_hash"]
@@ -69,3 +77,13 @@ class SliceEventAdmin(ReadOnlyModelAdmin):
     list_filter = ["kind"]
     search_fields = ["=job_slice__job__id", "=lease__id", "detail"]
     list_select_related = ["job_slice", "lease__worker"]
+
+
+@admin.register(PublishedSlice)
+class PublishedSliceAdmin(ReadOnlyModelAdmin):
+    """Copies of slices that data nodes behind NAT published to the relay's store."""
+
+    list_display = ["slice", "node", "status", "size", "created_at", "completed_at"]
+    list_filter = ["status"]
+    search_fields = ["node__name", "slice__dataset__name", "=blob"]
+    list_select_related = ["node", "slice__dataset"]

@@ -9,7 +9,13 @@ DatasetError
 │   └── JobAlreadyPrepared    the job was already prepared for another dataset
 ├── LeaseNotEligible          the lease is not a live (ACTIVE) lease of this job
 ├── SliceNotFound             the job has no slice of that index in its current epoch
-└── SliceTransitionRefused    the job slice's state machine does not allow this transition now
+├── SliceTransitionRefused    the job slice's state machine does not allow this transition now
+└── PublicationRefused        a data node's publication of a slice to the store (or a download of the
+    │                         published copy) is refused; ``status`` is the HTTP answer (400 bad input, 404
+    │                         missing, 409 state, 413 too large, 422 content mismatch, 503 not published yet)
+    └── PublicationPartsMissing   complete asked while parts are missing (400, ``missing`` their numbers)
+
+The store's own failures are :mod:`apps.relay.exceptions`' ``StoreError`` (the store is the relay's).
 """
 
 from __future__ import annotations
@@ -56,3 +62,30 @@ class SliceTransitionRefused(DatasetError):
         super().__init__(f"job slice {job_slice.pk}: {transition} refused: {message}")
         self.job_slice = job_slice
         self.transition = transition
+
+
+class PublicationRefused(DatasetError):
+    """The publication (or download) of a published slice is refused: ``status`` is the HTTP answer and
+    ``field`` names the bad input field of a 400."""
+
+    def __init__(self, detail: str, *, status: int, field: str | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+        self.field = field
+
+    def body(self) -> dict:
+        """The JSON answer: a 400 names its field like every 400 of the API; the others are ``detail``."""
+        if self.status == 400 and self.field:
+            return {self.field: [self.detail]}
+        return {"detail": self.detail}
+
+
+class PublicationPartsMissing(PublicationRefused):
+    def __init__(self, missing: list[int]) -> None:
+        shown = ", ".join(map(str, missing[:20])) + (" …" if len(missing) > 20 else "")
+        super().__init__(f"parts not uploaded yet: {shown}", status=400)
+        self.missing = missing
+
+    def body(self) -> dict:
+        return {"detail": self.detail, "missing": self.missing}

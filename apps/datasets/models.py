@@ -25,7 +25,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.datasets.exceptions import SliceTransitionRefused
-from apps.workers.models import hash_token, new_token
+from apps.workers.models import Reachable, hash_token, new_token
 
 DATA_NODE_TOKEN_PREFIX = "hd_"
 
@@ -54,6 +54,21 @@ class DataNode(models.Model):
     )
     name = models.SlugField(max_length=100, unique=True)
     url = models.URLField(max_length=500, help_text="Public base URL the slices are downloaded from.")
+    reachable = models.CharField(
+        max_length=8,
+        choices=Reachable.choices,
+        default=Reachable.AUTO,
+        help_text="Whether trainers can connect to its URL, as it declares when it registers (--reachable).",
+    )
+    #: The control plane's base URL as this node reached it when it last registered. A node that accepts no
+    #: inbound connections (``reachable`` false) publishes its slices to the relay's store, and trainers get
+    #: its slices at this address instead of its own (apps/datasets/publishing.py).
+    control_plane_url = models.URLField(
+        max_length=500,
+        blank=True,
+        help_text="The control plane's URL as the node reached it at its last registration: slices of a node "
+        "that is not reachable are downloaded from the control plane at this address (its published copies).",
+    )
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
     last_seen_at = models.DateTimeField(null=True, blank=True)
     online = models.BooleanField(default=False)
@@ -234,3 +249,54 @@ class SliceEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.from_status}→{self.to_status}"
+
+
+class PublishedSlice(models.Model):
+    """A copy of one slice of a data node that accepts no inbound connections, in the relay's object store
+    (apps/datasets/publishing.py): the node uploads it once, and every job's trainers download it from there.
+
+    ``PENDING`` while the node uploads its parts, ``COMPLETE`` once the store holds exactly the registered size
+    (and, on the local store, SHA-256). The bytes are addressed by ``(publisher, blob)``; each upload attempt
+    gets a fresh ``blob``, so bytes deleted after a commit never belong to a newer attempt. A deleted node or
+    dataset leaves the row with ``node`` or ``slice`` null: the sweep deletes its bytes, then the row."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "pending"
+        COMPLETE = "complete", "complete"
+
+    node = models.ForeignKey(
+        DataNode, on_delete=models.SET_NULL, null=True, blank=True, related_name="published_slices"
+    )
+    slice = models.ForeignKey(
+        Slice, on_delete=models.SET_NULL, null=True, blank=True, related_name="published_copies"
+    )
+    #: The node's id, kept after the node is deleted: its bytes are under it in the store.
+    publisher = models.UUIDField(editable=False)
+    blob = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    part_size = models.PositiveBigIntegerField()
+    #: The S3 multipart upload's id while PENDING ("" for the local store, or before the store answered).
+    upload_id = models.CharField(max_length=1024, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    created_at = models.DateTimeField(auto_now_add=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "slice"], name="datasets_one_published_copy_per_node")
+        ]
+        indexes = [models.Index(fields=["status", "created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.slice} published by {self.node} ({self.status})"
+
+    @property
+    def part_count(self) -> int:
+        """Parts of the upload: the last may be shorter."""
+        return max(1, -(-self.size // self.part_size))
+
+    def part_length(self, number: int) -> int:
+        """The size of part ``number`` (1-based)."""
+        return max(0, min(self.part_size, self.size - (number - 1) * self.part_size))

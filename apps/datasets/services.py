@@ -61,6 +61,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count, Exists, Max, OuterRef, Q
 from django.utils import timezone
 
+from apps.datasets import publishing
 from apps.datasets.exceptions import (
     DatasetConflict,
     DatasetNotFound,
@@ -72,7 +73,7 @@ from apps.datasets.exceptions import (
 )
 from apps.datasets.models import DataNode, Dataset, DatasetReplica, JobSlice, Slice
 from apps.leases.models import Lease
-from apps.workers.models import hash_token
+from apps.workers.models import Reachable, hash_token
 from data_node import tokens as slice_tokens
 
 SLUG = re.compile(r"^[-a-zA-Z0-9_]+$")
@@ -210,13 +211,18 @@ def slice_urls(
     """``GET`` URLs of slice ``index`` of ``dataset`` at each data node serving it (online ones first), each
     with a ``token`` query parameter signed with that node's :func:`download_key`: it names the dataset, the
     slice, job ``job_id`` and ``peer`` (the downloading worker's id, or
-    :data:`PARAMETER_SERVER_PEER`) and expires ``lifetime`` seconds from now."""
+    :data:`PARAMETER_SERVER_PEER`) and expires ``lifetime`` seconds from now.
+
+    A node that accepts no inbound connections (``reachable`` false) is stood for by the control plane
+    (:func:`apps.datasets.publishing.slice_base_url`): the same path and token there serve the copy the node
+    published to the relay's store (503 until it has), for as long as the token lives."""
     if lifetime is None:
         lifetime = settings.HYPHA_SLICE_TOKEN_LIFETIME
     expires = int(time.time() + lifetime)
     urls = []
     for node in replicas(dataset):
-        if not node.url:
+        base = publishing.slice_base_url(node) if publishing.publishes(node) else node.url
+        if not base:
             continue
         token = slice_tokens.sign(
             download_key(node),
@@ -227,7 +233,7 @@ def slice_urls(
             expires=expires,
         )
         query = urllib.parse.urlencode({"token": token})
-        urls.append(f"{node.url.rstrip('/')}/datasets/{dataset.name}/slices/{index}?{query}")
+        urls.append(f"{base.rstrip('/')}/datasets/{dataset.name}/slices/{index}?{query}")
     return urls
 
 
@@ -423,17 +429,34 @@ def progress(job) -> dict:
 
 
 def register_from_node(
-    node: DataNode, *, name: str, url: str, slices: Iterable[tuple[int, int, str]]
+    node: DataNode,
+    *,
+    name: str,
+    url: str,
+    slices: Iterable[tuple[int, int, str]],
+    reachable: bool | str = "auto",
+    control_plane_url: str = "",
 ) -> tuple[Dataset, bool]:
-    """A data node's own announcement: record its public ``url`` and :func:`register_dataset` ``name``.
+    """A data node's own announcement: record its public ``url`` and whether trainers can connect to it
+    (``reachable``: true, false or "auto"), and :func:`register_dataset` ``name``.
+
+    ``control_plane_url`` is this server's base URL as the node reached it (kept unless empty): a node that
+    is not reachable is downloaded from through the control plane at that address, from the copies it
+    publishes (:mod:`apps.datasets.publishing`). A node serves one dataset: its published copies of any other
+    dataset are dropped, and all of them when it registers as reachable (bytes deleted after the commit).
 
     Returns the dataset and whether this call created it. All or nothing: when the registration is refused
-    (:class:`InvalidDataset`, :class:`DatasetConflict`) the node's URL is left unchanged too.
+    (:class:`InvalidDataset`, :class:`DatasetConflict`) the node's URL and reachability are left unchanged too.
     """
+    declared = Reachable.of(reachable)
     with transaction.atomic():
         existed = Dataset.objects.filter(name=name).exists()
-        if node.url != url:
-            DataNode.objects.filter(pk=node.pk).update(url=url)
-            node.url = url
+        if node.url != url or node.reachable != declared:
+            DataNode.objects.filter(pk=node.pk).update(url=url, reachable=declared)
+            node.url, node.reachable = url, declared
+        if control_plane_url and node.control_plane_url != control_plane_url:
+            DataNode.objects.filter(pk=node.pk).update(control_plane_url=control_plane_url)
+            node.control_plane_url = control_plane_url
         dataset = register_dataset(node, name, slices)
+        publishing.drop_publications(node, keep=dataset if publishing.publishes(node) else None)
     return dataset, not existed

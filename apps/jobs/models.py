@@ -44,6 +44,8 @@ class RoleRequirement:
     executor: ExecutorDescriptor
     bid: float
     max_price: float
+    #: How its advert weighs reachable workers: "any", "prefer" or "require" (``apps.market.targeting``).
+    reachable: str = "any"
 
 
 class Job(models.Model):
@@ -82,7 +84,8 @@ class Job(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     status_reason = models.CharField(max_length=500, blank=True)
     num_trainers = models.PositiveIntegerField(default=2)
-    #: ``{role: {"resources": {...}, "executor": {"class", "name"}, "bid": float, "max": float}}``
+    #: ``{role: {"resources": {...}, "executor": {"class", "name"}, "bid": float, "max": float}}``, and the
+    #: parameter server's ``"reachable"``: "prefer" | "require" | "any" (absent: "prefer")
     requirements = models.JSONField()
     #: The rest of the DiLoCo specification (model, data, optimizers, rounds), kept for dispatch.
     spec = models.JSONField(default=dict, blank=True)
@@ -116,6 +119,8 @@ class Job(models.Model):
             executor=ExecutorDescriptor.model_validate(entry.get("executor") or DEFAULT_EXECUTORS[role]),
             bid=float(entry["bid"]),
             max_price=float(entry["max"]),
+            # A job stored before the key existed prefers, as a new one does by default.
+            reachable=entry.get("reachable", "prefer") if role == PARAMETER_SERVER else "any",
         )
 
     def transition(self, to: str, *, reason: str) -> None:
@@ -198,10 +203,17 @@ class Task(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.DISPATCHED)
     #: The parameter server's public base URL, once it listens.
     url = models.CharField(max_length=500, blank=True)
+    #: A parameter server's: how trainers reach it, decided when it reports ready (docs/transfers.md).
+    transfer_path = models.CharField(
+        max_length=8, blank=True, choices=[("direct", "direct"), ("relay", "relay")]
+    )
     exit_code = models.IntegerField(null=True, blank=True)
     signal = models.IntegerField(null=True, blank=True)
     reason = models.CharField(max_length=2000, blank=True)
     log_tail = models.TextField(blank=True)
+    #: Peers its transfers cannot reach, the latest report per peer (``apps.jobs.training.problems``):
+    #: ``{peer: {"role", "url", "operation", "cause", "attempts", "since", "updated_at"}}``.
+    transfer_problems = models.JSONField(default=dict, blank=True)
     sync_state = models.CharField(max_length=16, choices=Sync.choices, default=Sync.TRAINING)
     #: Rounds this trainer has completed (merged the parameter server's update of).
     round = models.PositiveIntegerField(default=0)
@@ -275,6 +287,19 @@ class Round(models.Model):
     duration = models.FloatField(null=True, blank=True, help_text="Seconds from first update to close.")
     bytes_in = models.PositiveBigIntegerField(default=0)
     bytes_out = models.PositiveBigIntegerField(default=0)
+    transfers = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='Bytes at the parameter server by path and direction: {"direct": {"in": n, "out": n}, '
+        '"relay": {"in": n, "out": n}} (docs/transfers.md).',
+    )
+    encoding = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        help_text="How the round's updates and result travelled: float32, float16, bfloat16 or int8 "
+        "(empty: the parameter server did not say).",
+    )
     eval_loss = models.FloatField(null=True, blank=True)
     eval_error = models.CharField(
         max_length=500,

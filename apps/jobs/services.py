@@ -17,6 +17,7 @@ from apps.datasets import services as dataset_services
 from apps.jobs import spec_checks, tasks, training
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
 from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
+from apps.jobs.training import problems as transfer_problems
 from apps.leases import services as lease_services
 from apps.leases.exceptions import LeaseTransitionRefused
 from apps.leases.models import Lease
@@ -126,6 +127,7 @@ def allocate(job_id) -> None:
                     executor=requirement.executor,
                     bid=requirement.bid,
                     max_price=requirement.max_price,
+                    reachable=requirement.reachable,
                 )
         refresh_status(job)
 
@@ -373,15 +375,41 @@ def task_output(*, worker: Worker, message: protocol.TaskLog) -> None:
     training.append_output(worker, message.task_id, message.lines)
 
 
+def transfer_problem_reported(*, worker: Worker, message: protocol.TransferProblem) -> bool:
+    """A task of the worker cannot reach a peer: keep the report (shown on the job) while the task is live.
+    Raises TaskRefused for another worker's task; False when the task has ended (nothing changes)."""
+    with transaction.atomic():
+        task = training.own_task(worker, message.task_id, lock=True)
+        return transfer_problems.record(task, message)
+
+
+def transfer_recovered(*, worker: Worker, message: protocol.TransferOk) -> bool:
+    """A peer of an earlier transfer problem answers again: drop the problem (False when there was none)."""
+    with transaction.atomic():
+        task = training.own_task(worker, message.task_id, lock=True)
+        return transfer_problems.clear(task, message.peer)
+
+
 def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protocol.StatusReply:
     """The reply to a progress value from a task's bridge (``{"type": "Error"}`` when it is refused)."""
+    probed = None
+    url = training.ready_url(message.progress)
+    # Before any transaction: the check of a parameter server's URL may take seconds. Only the URL of a
+    # parameter-server task of this worker's is tried (no one else makes the control plane call an address),
+    # and what it answered is never shown beyond its status code.
+    if (
+        url is not None
+        and training.transfers.wants_probe(worker)
+        and training.task_role(worker, message.task_id)[0] == PARAMETER_SERVER
+    ):
+        probed = training.transfers.probe(url)
     with transaction.atomic():
         role, job_id = training.task_role(worker, message.task_id)
         if role == PARAMETER_SERVER:
             # Its reports dispatch trainers and move the job: lock order job → task. A trainer's per-step
             # report locks only its own task row, so trainers never queue behind one another on the job.
             _lock_job(job_id)
-        reply, continue_for = training.handle_status(worker, message)
+        reply, continue_for = training.handle_status(worker, message, probed=probed)
     return protocol.StatusReply(request_id=message.request_id, reply=reply, continue_for=continue_for)
 
 

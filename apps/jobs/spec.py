@@ -30,8 +30,18 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from apps.jobs.exceptions import SpecError
+from hypha_tensors.formats import (
+    DEFAULT_BLOCK_SIZE,
+    ENCODINGS,
+    FLOAT32,
+    INT8,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+)
 
 MAX_TRAINERS = 256
+#: Rounds between two full-weight uploads of the checkpoint copy (``rounds.checkpoint_every``).
+DEFAULT_CHECKPOINT_EVERY = 10
 DEFAULT_BID = 100.0
 DEFAULT_MAX_PRICE = 100.0
 #: The largest value of the executor's i32 schedule fields.
@@ -268,6 +278,25 @@ class RoundsSpec(_Spec):
         description="Seconds the parameter server waits, after a round's first update, for the others.",
     )
     weighted: bool = Field(default=True, description="Weight each trainer's update by its samples.")
+    encoding: Literal[ENCODINGS] = Field(  # type: ignore[valid-type]
+        default=FLOAT32,
+        description="How pseudo-gradients and results travel: float32 (exact), float16, bfloat16 or int8 "
+        "(per-block absmax scales), the lossy ones with error feedback (docs/training.md, Encodings).",
+    )
+    encoding_block_size: Integer | None = Field(
+        default=None,
+        ge=MIN_BLOCK_SIZE,
+        le=MAX_BLOCK_SIZE,
+        description=f"int8 only: values per scale (default {DEFAULT_BLOCK_SIZE}).",
+    )
+    checkpoint_every: Integer = Field(
+        default=DEFAULT_CHECKPOINT_EVERY,
+        ge=1,
+        le=1000,
+        description="The parameter server uploads the full weights to the control plane's checkpoint copy "
+        "every this many rounds; the rounds between upload their momentum and result only "
+        "(docs/training.md, A parameter server lost).",
+    )
 
     @model_validator(mode="after")
     def _one_sync_rule(self) -> RoundsSpec:
@@ -279,6 +308,28 @@ class RoundsSpec(_Spec):
                 {"given": "both" if given == 2 else "neither"},
             )
         return self
+
+    @field_validator("encoding_block_size")
+    @classmethod
+    def _blocks_of_int8(cls, value: int | None, info: ValidationInfo) -> int | None:
+        encoding = info.data.get("encoding")
+        if value is not None and encoding is not None and encoding != INT8:
+            raise PydanticCustomError(
+                "encoding_block_size",
+                "Only the int8 encoding has blocks (this job's is {encoding}).",
+                {"encoding": encoding},
+            )
+        return value
+
+    def encoding_json(self) -> dict[str, Any]:
+        """The job JSON's ``encoding`` and (int8) ``encoding_block_size`` for executors; nothing for float32,
+        the executors' default, so that a float32 job's JSON stays exactly Hypha's."""
+        if self.encoding == FLOAT32:
+            return {}
+        if self.encoding != INT8:
+            return {"encoding": self.encoding}
+        size = self.encoding_block_size if self.encoding_block_size is not None else DEFAULT_BLOCK_SIZE
+        return {"encoding": INT8, "encoding_block_size": size}
 
 
 class EvaluationSpec(_Spec):
@@ -331,6 +382,15 @@ class RoleSpec(_Spec):
     price: PriceSpec = Field(default_factory=PriceSpec)
 
 
+class ParameterServerSpec(RoleSpec):
+    """The parameter server's role, and whether its worker must accept inbound connections (``reachable``):
+    ``prefer`` (default) ranks workers that declare ``reachable = true`` first (a worker that does not is
+    ranked 5 % dearer, and only reachable offers settle the advert before its window closes); ``require`` takes
+    only those; ``any`` ignores it. An unreachable parameter server is served through the relay (slower)."""
+
+    reachable: Literal["prefer", "require", "any"] = "prefer"
+
+
 class DiLoCoSpec(_Spec):
     """A DiLoCo training job: the model, data, both optimizers, the rounds, and what each role needs and pays.
 
@@ -346,7 +406,7 @@ class DiLoCoSpec(_Spec):
     batch_size: Integer = Field(default=1, ge=1, le=1_000_000)
     num_trainers: Integer = Field(default=2, ge=1, le=MAX_TRAINERS)
     trainer: RoleSpec = Field(default_factory=RoleSpec)
-    parameter_server: RoleSpec = Field(default_factory=RoleSpec)
+    parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
     evaluation: EvaluationSpec | None = None
     seed: Integer = Field(default=0, ge=0, le=2**31 - 1, description="Seeds a model built from a config.")
 
@@ -410,7 +470,10 @@ def to_requirements(spec: DiLoCoSpec) -> dict:
     """The ``Job.requirements`` JSON: per role its minimum resources, executor, public bid and private max."""
     return {
         "trainer": _requirement(spec.trainer, TRAINER_EXECUTOR),
-        "parameter_server": _requirement(spec.parameter_server, PARAMETER_SERVER_EXECUTOR),
+        "parameter_server": {
+            **_requirement(spec.parameter_server, PARAMETER_SERVER_EXECUTOR),
+            "reachable": spec.parameter_server.reachable,
+        },
     }
 
 
@@ -499,6 +562,8 @@ def to_train_job_json(
             "epsilon": optimizer.epsilon,
         },
         "batch_size": size,
+        # Ours, for lossy encodings only (Hypha's executors ignore it: they can take part in float32 jobs only).
+        **spec.rounds.encoding_json(),
     }
     if spec.preprocessor is not None:
         artifact = preprocessor_reference
@@ -553,6 +618,13 @@ def to_aggregate_job_json(
             "update_rounds": spec.rounds.update_rounds,
             "round_timeout": spec.rounds.round_timeout,
             "weighted": spec.rounds.weighted,
+            **spec.rounds.encoding_json(),
+            # Ours (only when not the parameter server's default, so that a default job's JSON stays Hypha's).
+            **(
+                {"checkpoint_every": spec.rounds.checkpoint_every}
+                if spec.rounds.checkpoint_every != DEFAULT_CHECKPOINT_EVERY
+                else {}
+            ),
         },
         "eval": evaluation,
     }

@@ -35,6 +35,9 @@ BYTES_PER_PARAMETER = 4
 TRAINER_COPIES = 5
 #: Copies the parameter server holds: the model, the global weights, the Nesterov momentum and the round's sum.
 PARAMETER_SERVER_COPIES = 4
+#: A lossy encoding (float16, bfloat16, int8) adds one copy to each role: its error-feedback residual
+#: (docs/training.md, "Encodings").
+RESIDUAL_COPIES = 1
 #: Above this many layers the count is extrapolated from models of one and two layers, which a config of a
 #: million layers would otherwise take minutes to build even on the meta device.
 EXACT_LAYER_LIMIT = 64
@@ -146,10 +149,15 @@ def size_problem(spec: DiLoCoSpec, *, max_parameters: int) -> str | None:
             f"The model has {count:,} parameters, more than this control plane accepts "
             f"({max_parameters:,}, {MAX_PARAMETERS_SETTING})."
         )
+    residual = RESIDUAL_COPIES if spec.rounds.encoding != "float32" else 0
     short = [
-        _shortfall("trainer", spec.trainer, count, TRAINER_COPIES, gpu_counts=True),
+        _shortfall("trainer", spec.trainer, count, TRAINER_COPIES + residual, gpu_counts=True),
         _shortfall(
-            "parameter_server", spec.parameter_server, count, PARAMETER_SERVER_COPIES, gpu_counts=False
+            "parameter_server",
+            spec.parameter_server,
+            count,
+            PARAMETER_SERVER_COPIES + residual,
+            gpu_counts=False,
         ),
     ]
     short = [line for line in short if line]

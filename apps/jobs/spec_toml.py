@@ -160,8 +160,13 @@ class _TomlTranslation:
                 "max_batch_size",
                 "round_timeout",
                 "weighted",
+                # Ours: how pseudo-gradients and results travel (float32, float16, bfloat16, int8).
+                "encoding",
+                "encoding_block_size",
             ):
-                value = self.take(rounds, ("rounds",), (key, key.replace("_", "-")), f"rounds.{key}")
+                # One spelling for a key without "_" (``weighted``): two equal ones read as a duplicate.
+                spellings = tuple(dict.fromkeys((key, key.replace("_", "-"))))
+                value = self.take(rounds, ("rounds",), spellings, f"rounds.{key}")
                 if value is not None:
                     data["rounds"][key] = value
             self.unknown(rounds, ("rounds",))

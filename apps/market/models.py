@@ -33,6 +33,14 @@ class Advertisement(ResourceColumns):
         FILLED = "filled", "filled"
         CANCELLED = "cancelled", "cancelled"
 
+    class Reachability(models.TextChoices):
+        """How the advert weighs whether a worker accepts inbound connections (:mod:`apps.market.targeting`,
+        "Reachability")."""
+
+        ANY = "any", "any"
+        PREFER = "prefer", "prefer reachable"
+        REQUIRE = "require", "require reachable"
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="advertisements")
     role = models.CharField(max_length=32)
@@ -40,6 +48,12 @@ class Advertisement(ResourceColumns):
     executors = models.JSONField(default=list)
     bid = models.FloatField(help_text="Public price per worker, broadcast to daemons.")
     max_price = models.FloatField(help_text="Private maximum; offers above it are declined.")
+    reachable = models.CharField(
+        max_length=8,
+        choices=Reachability.choices,
+        default=Reachability.ANY,
+        help_text="Whether workers that accept inbound connections are preferred, required, or neither.",
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
     attempt = models.PositiveIntegerField(default=0)
     window_closes_at = models.DateTimeField(help_text="When the current attempt stops collecting offers.")

@@ -4,7 +4,8 @@ Selection (reference §3.4, improved): offers above the advertisement's private 
 on arrival; the rest are ranked by *price per weighted capacity* (lower wins; the capacity counted is what
 the worker's benchmark supports at the fleet's rate, within the operator's cap: :mod:`apps.market.targeting`,
 "Measured capacity"), at most one offer per worker per advertisement (a database constraint), and the best
-``wanted`` ones have their TEMPORARY leases activated. An advertisement settles as soon as it has as many open offers as it wants, or when its
+``wanted`` ones have their TEMPORARY leases activated; an advert's reachability policy (``any``, ``prefer``,
+``require``: :mod:`apps.market.targeting`, "Reachability") refuses or re-orders them. An advertisement settles as soon as it has as many open offers as it wants, or when its
 window closes; if it is still short it re-advertises after a bounded exponential backoff.
 
 These functions decide and record; they tell daemons what happened (after commit) but leave the job's
@@ -29,7 +30,7 @@ from apps.market import targeting
 from apps.market.exceptions import AdvertisementClosed, OfferRefused, UnknownAdvertisement
 from apps.market.models import Advertisement, Offer
 from apps.workers import services as worker_services
-from apps.workers.models import Worker
+from apps.workers.models import Reachable, Worker
 from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ def advertise(
     executor: protocol.ExecutorDescriptor,
     bid: float,
     max_price: float,
+    reachable: str = Advertisement.Reachability.ANY,
 ) -> Advertisement:
-    """Open an advertisement for ``wanted`` workers of ``role`` and send it to the daemons that could take it."""
+    """Open an advertisement for ``wanted`` workers of ``role`` and send it to the daemons that could take it
+    (``reachable``: its reachability policy, :class:`Advertisement.Reachability`)."""
     now = timezone.now()
     ad = Advertisement(
         job=job,
@@ -82,6 +85,7 @@ def advertise(
         executors=[executor.model_dump(by_alias=True)],
         bid=bid,
         max_price=max_price,
+        reachable=reachable,
         window_closes_at=now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW),
     )
     _choose_targets(ad, now=now)
@@ -104,6 +108,7 @@ def _choose_targets(ad: Advertisement, *, now, exclude: frozenset = frozenset())
             minimum=settings.HYPHA_ADVERT_MIN_TARGETS,
         ),
         asked=ad.asked,
+        reachable=ad.reachable,
     )
     ad.targets = [str(worker_id) for worker_id in targets]
     ad.asked = targeting.count_asked(ad.asked, targets)
@@ -126,6 +131,7 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
             price_floor=worker.price_floor,
             strategy=worker.strategy,
             benchmark_score=worker.benchmark_score,
+            reachable=worker.reachable,
         )
         for worker in workers.only(*_CANDIDATE_FIELDS)
     ]
@@ -133,7 +139,7 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
 
 #: What the market reads of a worker: its declared resources, the operator's caps, its terms and benchmark.
 _CAPACITY_FIELDS = ("cpu", "memory", "storage", "gpu", *Worker.CAP_FIELDS.values(), "benchmark_score")
-_CANDIDATE_FIELDS = ("id", *_CAPACITY_FIELDS, "executors", "price_floor", "strategy")
+_CANDIDATE_FIELDS = ("id", *_CAPACITY_FIELDS, "executors", "price_floor", "strategy", "reachable")
 
 
 def fleet_yardstick() -> targeting.Yardstick | None:
@@ -170,6 +176,7 @@ def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
             resources=ad.resources,
             executors=ad.executor_keys(),
             bid=ad.bid,
+            reachable=ad.reachable,
         )
     ]
 
@@ -204,6 +211,13 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
         missing = ad.executor_keys() - worker.executor_keys()
         if missing:
             raise OfferRefused(f"worker does not offer executor(s) {sorted(missing)}")
+        if ad.reachable == Advertisement.Reachability.REQUIRE and not targeting.is_reachable(
+            worker.reachable
+        ):
+            raise OfferRefused(
+                f"the job requires a {ad.role.replace('_', ' ')} that accepts inbound connections; this worker "
+                f"declares reachable = {worker.reachable} ([parameter_server] reachable, --reachable)"
+            )
         if not ad.resources.fits_within(message.resources):
             raise OfferRefused("offered resources are below the advertised minimum")
         if not message.resources.fits_within(worker.resources):
@@ -246,8 +260,10 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             raise OfferRefused(f"worker is leased to capacity: {error}") from None
         except IntegrityError:
             raise OfferRefused("this worker already has an open offer on the advertisement") from None
-        open_offers = ad.offers.filter(status=Offer.Status.OPEN, price__lte=ad.max_price).count()
-        return OfferOutcome(offer=offer, ready=open_offers >= ad.wanted)
+        open_offers = ad.offers.filter(status=Offer.Status.OPEN, price__lte=ad.max_price)
+        if _waits_for_reachable(ad):
+            open_offers = open_offers.filter(worker__reachable=Reachable.TRUE)  # targeting.is_reachable
+        return OfferOutcome(offer=offer, ready=open_offers.count() >= ad.wanted)
 
 
 def check_offer_window(message: protocol.Offer) -> None:
@@ -306,9 +322,9 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             .select_related("lease", "worker")
             .order_by("score", "created_at")
         )
-        if not closing and len(candidates) < ad.wanted:
+        if not closing and _settling_count(candidates, ad) < ad.wanted:
             return Settlement(advertisement=ad)
-        candidates = _ranked(candidates)
+        candidates = _ranked(candidates, reachable=ad.reachable)
         result = Settlement(advertisement=ad)
         for offer in candidates:
             if len(result.accepted) < ad.wanted:
@@ -360,16 +376,36 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
     return result
 
 
-def _ranked(offers: list[Offer]) -> list[Offer]:
+def _waits_for_reachable(ad: Advertisement) -> bool:
+    """Whether only reachable offers may settle ``ad`` before its window closes: under ``prefer``, when its
+    attempt was sent to a worker declared reachable. An unreachable offer must not win just by coming first
+    while a reachable one may still come (a window, 1 s by default); with none asked there is nothing to wait
+    for."""
+    return (
+        ad.reachable == Advertisement.Reachability.PREFER
+        and Worker.objects.filter(pk__in=ad.targets, reachable=Reachable.TRUE).exists()
+    )
+
+
+def _settling_count(offers: list[Offer], ad: Advertisement) -> int:
+    """How many of the open ``offers`` may settle ``ad`` before its window closes (:func:`_waits_for_reachable`)."""
+    if not _waits_for_reachable(ad):
+        return len(offers)
+    return sum(targeting.is_reachable(offer.worker.reachable) for offer in offers)
+
+
+def _ranked(offers: list[Offer], *, reachable: str = Advertisement.Reachability.ANY) -> list[Offer]:
     """``offers`` best first, each re-scored with the capacity its worker's benchmark supports at the fleet's
-    rate (the score is saved with the decision), the better-supported first at equal scores; see
-    :mod:`apps.market.targeting`, "Measured capacity"."""
+    rate (the score is saved with the decision), ordered under the advert's reachability policy ``reachable``,
+    the better-supported first at equal ranks; see :mod:`apps.market.targeting`, "Measured capacity" and
+    "Reachability"."""
     stick = fleet_yardstick()
     keyed = []
     for offer in offers:
         share = targeting.supported_share(offer.worker.capacity, offer.worker.benchmark_score, stick)
         offer.score = offer_score(price=offer.price, resources=offer.resources, share=share)
-        keyed.append(((targeting.rank_key(offer.score), -share, offer.created_at), offer))
+        rank = targeting.reachability_rank(offer.score, offer.worker.reachable, reachable)
+        keyed.append(((*rank, -share, offer.created_at), offer))
     return [offer for _, offer in sorted(keyed, key=lambda item: item[0])]
 
 

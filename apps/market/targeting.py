@@ -44,6 +44,19 @@ So a daemon declaring the maxima with an ordinary benchmark counts as much as an
 speed, and loses the tie; an honest worker whose capacity per speed is above the fleet's median counts at the
 median's rate (its extra declared capacity is not what its speed shows). Declared capacity still decides what
 fits (:func:`could_offer`); only the ranking is tempered.
+
+**Reachability** (a parameter server's advert; the job's ``parameter_server.reachable``). A worker whose
+parameter server trainers cannot connect to is served through the control plane's relay: every update and
+result crosses twice, so the job prefers reachable ones. The advert's policy:
+
+* ``any`` — reachability plays no part (every trainer advert);
+* ``prefer`` (a job's default) — a worker not declared reachable (``false``, or ``auto``: not said) is ranked
+  as if its score were :data:`UNREACHABLE_PENALTY` times its own (5 % dearer), and at equal ranks ``true``
+  comes before ``auto`` before ``false``: a reachable worker wins unless another is more than 5 % cheaper per
+  capacity. The offer keeps its own score; only the order changes. And when the attempt went to a reachable
+  worker, only reachable offers settle the advert before its window closes (an unreachable one must not win
+  by coming first: ``apps.market.services``);
+* ``require`` — only workers declared reachable (:func:`is_reachable`) are asked and their offers taken.
 """
 
 from __future__ import annotations
@@ -70,6 +83,8 @@ class Candidate:
     strategy: str
     #: Training samples/s on the standard benchmark; None until its daemon reported one.
     benchmark_score: float | None = None
+    #: What its daemon declared: "true", "false" or "auto" (``apps.workers.models.Reachable``).
+    reachable: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,16 +127,47 @@ def rank_key(score: float) -> float:
     return float(f"{score:.9g}")
 
 
+#: The advert policies of reachability (``apps.market.models.Advertisement.reachable``).
+ANY, PREFER, REQUIRE = "any", "prefer", "require"
+#: Under ``prefer``, the factor on the score of a worker not declared reachable when offers are ranked.
+UNREACHABLE_PENALTY = 1.05
+_TIERS = {"true": 0, "auto": 1, "false": 2}
+
+
+def is_reachable(declared: str) -> bool:
+    """Whether a worker that declared ``declared`` counts as reachable for ``require``: only ``"true"`` (an
+    ``auto`` the control plane has verified would count too, once such a state exists)."""
+    return declared == "true"
+
+
+def reachability_rank(score: float, declared: str, policy: str) -> tuple[float, int]:
+    """The first two parts of an offer's rank (lower wins) under the advert's ``policy``: its score (to nine
+    digits, :func:`rank_key`), :data:`UNREACHABLE_PENALTY` times it under ``prefer`` when the worker is not
+    declared reachable; then, under ``prefer``, ``true`` before ``auto`` before ``false``."""
+    if policy != PREFER:
+        return rank_key(score), 0
+    factor = 1.0 if is_reachable(declared) else UNREACHABLE_PENALTY
+    return rank_key(score * factor), _TIERS.get(declared, 1)
+
+
 def offered_resources(candidate: Candidate, *, resources: Resources) -> Resources:
     """What the worker's daemon would offer on an advert for ``resources`` (``worker_daemon.arbiter.offer_terms``)."""
     return candidate.capacity if candidate.strategy == "whole" else resources
 
 
 def could_offer(
-    candidate: Candidate, *, resources: Resources, executors: Iterable[tuple[str, str]], bid: float
+    candidate: Candidate,
+    *,
+    resources: Resources,
+    executors: Iterable[tuple[str, str]],
+    bid: float,
+    reachable: str = ANY,
 ) -> bool:
-    """Whether the worker's daemon would offer on the advert, and the market would take the offer."""
+    """Whether the worker's daemon would offer on the advert, and the market would take the offer (under the
+    advert's reachability policy ``reachable``)."""
     if not set(executors) <= candidate.executors:
+        return False
+    if reachable == REQUIRE and not is_reachable(candidate.reachable):
         return False
     if bid < candidate.price_floor or not resources.fits_within(candidate.capacity):
         return False
@@ -157,10 +203,12 @@ def choose_targets(
     limit: int | None,
     asked: Mapping[str, int] | None = None,
     rng: random.Random | None = None,
+    reachable: str = ANY,
 ) -> list[uuid.UUID]:
     """The workers to send an advert attempt to, best rank first (see the module docstring).
 
-    ``asked`` counts how many earlier attempts of the advert each worker (by ``str`` of its id) was sent.
+    ``asked`` counts how many earlier attempts of the advert each worker (by ``str`` of its id) was sent;
+    ``reachable`` is the advert's reachability policy.
     """
     rng = rng or random.Random()
     asked = asked or {}
@@ -171,15 +219,19 @@ def choose_targets(
         (
             (
                 asked.get(str(candidate.worker_id), 0),
-                rank_key(best_score(candidate, resources=resources, bid=bid, stick=stick)),
+                *reachability_rank(
+                    best_score(candidate, resources=resources, bid=bid, stick=stick),
+                    candidate.reachable,
+                    reachable,
+                ),
                 -share_of(candidate, stick),
                 rng.random(),
                 candidate,
             )
             for candidate in candidates
-            if could_offer(candidate, resources=resources, executors=executors, bid=bid)
+            if could_offer(candidate, resources=resources, executors=executors, bid=bid, reachable=reachable)
         ),
-        key=lambda item: item[:4],
+        key=lambda item: item[:5],
     )
     chosen = ranked if limit is None else ranked[:limit]
     return [candidate.worker_id for *_, candidate in chosen]

@@ -28,9 +28,10 @@ class WorkerAdmin(admin.ModelAdmin):
         "memory",
         "gpu",
         "benchmark_score",
+        "reachable",
         "revoked",
     ]
-    list_filter = ["status", ("token_revoked_at", admin.EmptyFieldListFilter)]
+    list_filter = ["status", "reachable", ("token_revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["name"]
     list_select_related = ["owner"]
     raw_id_fields = ["owner"]
@@ -49,6 +50,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "executors",
         "price_floor",
         "strategy",
+        "reachable",
         "connection_info",
         "benchmark_score",
         "benchmark",
@@ -61,7 +63,18 @@ class WorkerAdmin(admin.ModelAdmin):
         ("Presence", {"fields": ["status", "last_seen_at", "connected_at", "connection_info"]}),
         (
             "Reported by its daemon",
-            {"fields": ["cpu", "memory", "storage", "gpu", "executors", "price_floor", "strategy"]},
+            {
+                "fields": [
+                    "cpu",
+                    "memory",
+                    "storage",
+                    "gpu",
+                    "executors",
+                    "price_floor",
+                    "strategy",
+                    "reachable",
+                ]
+            },
         ),
         (
             "Operator's cap (blank: none; the market counts no more than this)",

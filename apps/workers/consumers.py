@@ -283,12 +283,21 @@ class WorkerGatewayConsumer(AsyncWebsocketConsumer):
                     worker=self.worker, message=message
                 )
                 await self.send(text_data=protocol.encode(reply))
-            case protocol.SliceAck() | protocol.JobStarted() | protocol.JobExited() | protocol.TaskLog():
+            case (
+                protocol.SliceAck()
+                | protocol.JobStarted()
+                | protocol.JobExited()
+                | protocol.TaskLog()
+                | protocol.TransferProblem()
+                | protocol.TransferOk()
+            ):
                 handler = {
                     "slice_ack": job_services.slice_acknowledged,
                     "job_started": job_services.task_started,
                     "job_exited": job_services.task_exited,
                     "task_log": job_services.task_output,
+                    "transfer_problem": job_services.transfer_problem_reported,
+                    "transfer_ok": job_services.transfer_recovered,
                 }[message.type]
                 try:
                     await database_sync_to_async(handler)(worker=self.worker, message=message)

@@ -51,6 +51,22 @@ class ResourceColumns(models.Model):
         )
 
 
+class Reachable(models.TextChoices):
+    """Whether a host accepts inbound connections at its public URL, as its daemon or data node declares it
+    (``worker_daemon.protocol.Reachable``: true, false or "auto"; "auto" until it says)."""
+
+    TRUE = "true", "reachable"
+    FALSE = "false", "not reachable"
+    AUTO = "auto", "auto (not said)"
+
+    @classmethod
+    def of(cls, declared: bool | str) -> Reachable:
+        """The choice for a declared value: ``True``, ``False`` or ``"auto"``."""
+        if isinstance(declared, bool):
+            return cls.TRUE if declared else cls.FALSE
+        return cls.AUTO
+
+
 class Worker(ResourceColumns):
     class Status(models.TextChoices):
         ONLINE = "online", "online"
@@ -67,6 +83,13 @@ class Worker(ResourceColumns):
     executors = models.JSONField(default=list, blank=True, help_text='[{"class": "train", "name": "…"}, …]')
     price_floor = models.FloatField(default=0)
     strategy = models.CharField(max_length=16, default="whole")
+    reachable = models.CharField(
+        max_length=8,
+        choices=Reachable.choices,
+        default=Reachable.AUTO,
+        help_text="Whether trainers can connect to its parameter server's public URL, as its daemon declares "
+        "([parameter_server] reachable, --reachable).",
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.OFFLINE)
     last_seen_at = models.DateTimeField(null=True, blank=True)
     connected_at = models.DateTimeField(null=True, blank=True)
@@ -150,6 +173,7 @@ class Worker(ResourceColumns):
         price_floor: float,
         strategy: str,
         info: dict,
+        reachable: bool | str = "auto",
     ) -> None:
         """Record a (re)connection; the newest connection wins the worker."""
         now = timezone.now()
@@ -161,6 +185,7 @@ class Worker(ResourceColumns):
         self.executors = [descriptor.model_dump(by_alias=True) for descriptor in executors]
         self.price_floor = price_floor
         self.strategy = strategy
+        self.reachable = Reachable.of(reachable)
         self.connection_info = info
         self.save(
             update_fields=[
@@ -175,6 +200,7 @@ class Worker(ResourceColumns):
                 "executors",
                 "price_floor",
                 "strategy",
+                "reachable",
                 "connection_info",
             ]
         )

@@ -85,6 +85,7 @@ def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hell
             price_floor=hello.price_floor,
             strategy=hello.strategy,
             info=info,
+            reachable=hello.reachable,
         )
         if hello.benchmark is not None:
             worker.record_benchmark(hello.benchmark)

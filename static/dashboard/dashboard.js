@@ -176,6 +176,25 @@
       });
     }
 
+    function renderProblems() {
+      // The same rows as GET /api/jobs/<id>/'s transfer_problems: each task's, with its worker, oldest first.
+      var problems = [];
+      (state.tasks || []).forEach(function (task) {
+        (task.transfer_problems || []).forEach(function (problem) {
+          problems.push(Object.assign({ worker: task.worker }, problem));
+        });
+      });
+      problems.sort(function (a, b) { return a.since < b.since ? -1 : a.since > b.since ? 1 : 0; });
+      document.getElementById("problems-card").hidden = !problems.length;
+      replaceRows(document.getElementById("problems"), problems.map(function (problem) {
+        return row([
+          problem.worker, problem.role + " " + problem.peer, { text: problem.url, className: "mono small" },
+          problem.operation, { text: problem.cause, className: "error" }, num(problem.attempts),
+          { text: problem.since, className: "mono small" }
+        ]);
+      }), "None.", 7);
+    }
+
     function sortedRounds() {
       return (state.rounds || []).slice().sort(function (a, b) { return a.number - b.number; });
     }
@@ -273,12 +292,13 @@
     function apply(event) {
       if (event.type === "snapshot") {
         state = event;
-        renderHead(); renderLeases(); renderLogs(); renderTrainers(); renderData(); renderRounds(); renderChart();
+        renderHead(); renderLeases(); renderProblems(); renderLogs(); renderTrainers(); renderData(); renderRounds();
+        renderChart();
       } else if (event.type === "job") {
         recordHistory(state.job, event.job);
         state.job = event.job; state.leases = event.leases; state.tasks = event.tasks; state.data = event.data;
         state.workers = Object.assign(state.workers || {}, event.workers || {});
-        renderHead(); renderLeases(); renderLogs(); renderData();
+        renderHead(); renderLeases(); renderProblems(); renderLogs(); renderData();
       } else if (event.type === "round") {
         upsertRound(event.round);
         state.trainers = event.trainers; state.data = event.data;

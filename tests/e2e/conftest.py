@@ -38,6 +38,7 @@ import pytest
 
 from bench.cluster import WORKER_TOML
 from tests.e2e.isolation import claimed_redis_database, free_port, stop_with_parent, throwaway_database
+from tests.e2e.wan import Peer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(sys.executable).parent
@@ -349,11 +350,12 @@ def child_environment(data_dir: Path, **overrides: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def start_control_plane(root: Path) -> Iterator[ControlPlane]:
-    """Start the control plane in the current mode under ``root``; stop it (and clean up) on exit."""
+def start_control_plane(root: Path, *, host: str = "127.0.0.1") -> Iterator[ControlPlane]:
+    """Start the control plane in the current mode under ``root``, listening on ``host`` (a Wan's
+    ``host_address`` for peers in namespaces, ``tests/e2e/wan.py``); stop it (and clean up) on exit."""
     group = ProcessGroup(root / "logs")
     port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = f"http://{host}:{port}"
     server = str(BIN_DIR / "hypha-server")
     with contextlib.ExitStack() as stack:
         if services_mode():
@@ -364,11 +366,13 @@ def start_control_plane(root: Path) -> Iterator[ControlPlane]:
         stack.callback(group.stop_all)
         if services_mode():
             env = child_environment(root / "data", DATABASE_URL=database_url, REDIS_URL=redis_url)
+            if host != "127.0.0.1":  # Django answers 400 to a Host it does not know
+                env.setdefault("ALLOWED_HOSTS", f"localhost,127.0.0.1,[::1],{host}")
             if not env.get("SECRET_KEY") and not env.get("SECRET_KEY_FILE"):
                 env["SECRET_KEY"] = f"e2e-{secrets.token_urlsafe(40)}"
             plane = ControlPlane(mode="services", base_url=base_url, env=env, group=group)
             plane.components["web"] = group.start(
-                "web", [server, "web", "--host", "127.0.0.1", "--port", str(port)], env=env
+                "web", [server, "web", "--host", host, "--port", str(port)], env=env
             )
             # The worker and beat only run tasks once jobs exist, which needs web's migrations first.
             wait_for_healthz(base_url, children=list(plane.components.values()))
@@ -378,9 +382,11 @@ def start_control_plane(root: Path) -> Iterator[ControlPlane]:
             plane.components["beat"] = group.start("beat", [server, *quiet, "beat"], env=env)
         else:
             env = child_environment(root / "data")
+            if host != "127.0.0.1":
+                env.setdefault("ALLOWED_HOSTS", f"localhost,127.0.0.1,[::1],{host}")
             plane = ControlPlane(mode="embedded", base_url=base_url, env=env, group=group)
             plane.components["server"] = group.start(
-                "server", [server, "--host", "127.0.0.1", "--port", str(port)], env=env
+                "server", [server, "--host", host, "--port", str(port)], env=env
             )
             wait_for_healthz(base_url, children=list(plane.components.values()))
         plane.api_token = plane.manage("create_user_token", "e2e-admin", "--staff")
@@ -408,9 +414,12 @@ def start_daemon(
     root: Path,
     benchmark: bool = False,
     options: tuple[str, ...] = (),
+    peer: Peer | None = None,
 ) -> Child:
     """Start ``hypha-worker-daemon`` as worker ``name`` with a 2-cpu/4-GB config under ``root``; without its
-    start benchmark (seconds of CPU per daemon) unless ``benchmark``."""
+    start benchmark (seconds of CPU per daemon) unless ``benchmark``. With ``peer`` (``tests/e2e/wan.py``) it
+    runs in the peer's namespace, its parameter server bound to the peer's address (``plane`` must listen
+    on the Wan's ``host_address``)."""
     work_dir = root / name
     work_dir.mkdir(parents=True, exist_ok=True)
     config = root / f"{name}.toml"
@@ -430,6 +439,8 @@ def start_daemon(
         *([] if benchmark else ["--no-benchmark"]),
         *options,
     ]  # fmt: skip
+    if peer is not None:
+        argv = peer.command([*argv, "--ps-host", peer.address])
     return group.start(f"daemon-{name}", argv, env=env)
 
 

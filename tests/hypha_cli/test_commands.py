@@ -188,6 +188,35 @@ def test_a_refused_submission_with_json_prints_the_apis_error_body(api, hypha, t
     assert json.loads(capsys.readouterr().out) == body
 
 
+def test_submit_with_an_encoding_sets_it_in_the_json_specs_rounds(api, hypha, tmp_path):
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"rounds": {"update_rounds": 3}, "num_trainers": 2}))
+    api.routes[("POST", "/api/jobs/diloco/")] = json_response(201, job("pending"))
+
+    assert hypha("submit", str(spec), "--encoding", "int8", "--encoding-block-size", "64") == ExitCode.OK
+
+    (request,) = api.requests
+    assert json.loads(request.content) == {
+        "rounds": {"update_rounds": 3, "encoding": "int8", "encoding_block_size": 64},
+        "num_trainers": 2,
+    }
+
+
+def test_an_encoding_flag_with_a_toml_spec_or_an_unknown_encoding_is_a_usage_error(
+    api, hypha, tmp_path, capsys
+):
+    spec = tmp_path / "job.toml"
+    spec.write_text("[scheduler.job]\nnum_trainers = 2\n")
+
+    assert hypha("submit", str(spec), "--encoding", "float16") == ExitCode.USAGE
+    assert "under [scheduler.job.rounds]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        hypha("submit", str(tmp_path / "job.json"), "--encoding", "int4")
+    assert exit_.value.code == ExitCode.USAGE
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    assert api.requests == []
+
+
 def test_submitting_invalid_json_is_refused_before_any_request(api, hypha, tmp_path, capsys):
     spec = tmp_path / "job.json"
     spec.write_text("{oops")
@@ -573,3 +602,17 @@ def test_help_is_fast_and_imports_neither_httpx_nor_rich():
     )
     assert result.stderr.strip() == "0 []"
     assert "exit codes:" in result.stdout
+
+
+def test_a_rounds_line_names_a_lossy_encoding_only():
+    from hypha_cli.output import round_line
+
+    plain = closed_round(2, loss=4.5, eval_loss=None)
+    assert round_line({**plain, "encoding": "int8"}, 3) == (
+        "round 2/3: loss 4.5000 · eval - · 2 trainers · 3.5s · int8"
+    )
+    assert (
+        round_line({**plain, "encoding": "float32"}, 3)
+        == round_line(plain, 3)
+        == ("round 2/3: loss 4.5000 · eval - · 2 trainers · 3.5s")
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import shutil
 import tempfile
 import time
@@ -155,7 +156,9 @@ async def bridge(short_tmp: Path, status_backend: StatusBackend) -> AsyncIterato
 class Receiver:
     """The control plane's model and checkpoint endpoints and a data node's slice endpoint, on one local
     port. ``checkpoints`` keeps what was uploaded per round; ``saved`` is the last round completed by its
-    ``round.json``, which ``GET …/checkpoint/<filename>`` serves."""
+    ``round.json``; ``copy`` is what the control plane keeps of them (apps/jobs/training/checkpoints.py: the
+    base round's weights, the results since as ``result-<n>.safetensors``, the last momentum and manifest),
+    which ``GET …/checkpoint/<filename>`` serves."""
 
     url: str = ""
     uploads: dict[str, bytes] = field(default_factory=dict)
@@ -164,6 +167,7 @@ class Receiver:
     slices: dict[int, bytes] = field(default_factory=dict)
     checkpoints: dict[int, dict[str, bytes]] = field(default_factory=dict)
     saved: int | None = None
+    copy: dict[str, bytes] = field(default_factory=dict)
 
     async def put_model(self, request: web.Request) -> web.Response:
         self.authorizations.append(request.headers.get("Authorization", ""))
@@ -180,18 +184,25 @@ class Receiver:
         self.checkpoints.setdefault(number, {})[filename] = await request.read()
         if filename == "round.json":
             self.saved = number
+            uploaded = self.checkpoints[number]
+            base = json.loads(uploaded["round.json"]).get("base_round", number)
+            kept = {f"result-{n}.safetensors" for n in range(base + 1, number)} | {"weights.safetensors"}
+            self.copy = {name: data for name, data in self.copy.items() if name in kept}
+            for name, data in uploaded.items():
+                self.copy[f"result-{number}.safetensors" if name == "result.safetensors" else name] = data
+            if base < number:
+                assert "weights.safetensors" not in uploaded and "weights.safetensors" in self.copy
         return web.json_response({"name": filename}, status=201)
 
     async def get_checkpoint(self, request: web.Request) -> web.Response:
         self.authorizations.append(request.headers.get("Authorization", ""))
-        files = self.checkpoints.get(self.saved, {}) if self.saved is not None else {}
-        if request.match_info["filename"] not in files:
+        if request.match_info["filename"] not in self.copy:
             return web.json_response({"detail": "no such file"}, status=404)
-        return web.Response(body=files[request.match_info["filename"]])
+        return web.Response(body=self.copy[request.match_info["filename"]])
 
     def resume_entry(self) -> dict:
         """The job JSON's ``checkpoint`` naming the saved round, as the control plane sends it."""
-        files = self.checkpoints[self.saved]
+        files = self.copy
         return {
             "round": self.saved,
             "uri": f"/api/jobs/{JOB_ID}/checkpoint/",

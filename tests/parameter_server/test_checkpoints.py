@@ -9,9 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from hypha_tensors.encoding import decode, encode
+from hypha_tensors.formats import Encoding
 from parameter_server import checkpoints
-from parameter_server.checkpoints import RoundState, adopt_round, load_latest, round_files, save_round
+from parameter_server.checkpoints import (
+    ChainLink,
+    RoundState,
+    adopt_round,
+    chain_result_name,
+    load_latest,
+    round_files,
+    save_round,
+)
 from parameter_server.exceptions import CheckpointError, TensorRefused
+from parameter_server.weights import digest
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -240,3 +251,166 @@ def test_a_manifest_that_does_not_match_its_directory_is_an_error(tmp_path):
     (latest / "round.json").write_text(json.dumps({"format": 1, "round_number": 8, "has_momentum": False}))
     with pytest.raises(CheckpointError, match="says round 8"):
         load_latest(tmp_path)
+
+
+# --- incremental copies: the control plane keeps a base round's weights and the results since -----------------
+
+
+def float32_weights(seed: int) -> dict[str, torch.Tensor]:
+    """float32 master weights as the parameter server holds them: tied names, signed zeros, an integer buffer."""
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(8, 4, generator=generator)
+    return {
+        "transformer.wte.weight": embedding,
+        "lm_head.weight": embedding,  # tied
+        "transformer.ln_f.bias": torch.tensor([0.0, -0.0, 1.0, -1.0]),
+        "block.weight": torch.randn(4, 300, generator=generator),
+        "block.num_batches_tracked": torch.tensor(7),
+    }
+
+
+def run_rounds(
+    directory: Path, encoding: Encoding, *, rounds: int, every: int, unstepped: tuple[int, ...] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, bytes]]:
+    """Save rounds 0..``rounds`` as the parameter server does (θ_r = θ_{r-1} + deQ(Q(u_r)), a new base every
+    ``every`` rounds, the rounds in ``unstepped`` keeping θ) and keep what the control plane keeps of the
+    uploads. Returns the last θ, the last momentum and the copy (download name → bytes)."""
+    weights = float32_weights(0)
+    save_round(
+        directory, round_number=0, weights=weights, momentum=None, base_round=0, digest=digest(weights)
+    )
+    copy = {name: path.read_bytes() for name, path in round_files(directory, 0).items()}
+    base, chain, momentum = 0, (), None
+    floating = [name for name, tensor in weights.items() if tensor.dtype.is_floating_point]
+    for number in range(1, rounds + 1):
+        generator = torch.Generator().manual_seed(100 + number)
+        stepped = number not in unstepped
+        update = {
+            name: torch.randn(weights[name].shape, generator=generator) * 0.01 * stepped for name in floating
+        }
+        update["lm_head.weight"] = update["transformer.wte.weight"]
+        encoded = encode(update, encoding)
+        if stepped:
+            applied = decode(encoded, encoding)
+            weights = {
+                name: tensor + applied[name] if name in applied else tensor
+                for name, tensor in weights.items()
+            }
+        momentum = {name: torch.randn(weights[name].shape, generator=generator) for name in floating}
+        chain = (*chain, ChainLink(number, stepped))
+        if number - base >= every:
+            base, chain = number, ()
+        save_round(
+            directory,
+            round_number=number,
+            weights=weights,
+            momentum=momentum,
+            result=encoded,
+            keep=2,
+            base_round=base,
+            chain=chain,
+            digest=digest(weights),
+            result_metadata=encoding.metadata(),
+        )
+        files = round_files(directory, number)
+        if "weights.safetensors" in files:
+            copy = {}
+        for name, path in files.items():
+            copy[chain_result_name(number) if name == "result.safetensors" else name] = path.read_bytes()
+        # The results replayed (the base's own is not) and the round's own, to serve it again.
+        wanted = {chain_result_name(n) for n in (*range(base + 1, number + 1), number)}
+        copy = {name: data for name, data in copy.items() if not name.startswith("result-") or name in wanted}
+    return weights, momentum, copy
+
+
+def adopt_copy(directory: Path, copy: dict[str, bytes]):
+    partial = directory / ".partial-download-x"
+    partial.mkdir(parents=True)
+    for name, data in copy.items():
+        (partial / name).write_bytes(data)
+    return adopt_round(directory, partial)
+
+
+@pytest.mark.parametrize("encoding", [Encoding("float32"), Encoding("int8", 16), Encoding("bfloat16")])
+def test_an_incremental_copy_replays_to_the_saved_weights_bit_for_bit(tmp_path, encoding):
+    # given rounds 0..5 with a base every 3 rounds: the copy holds round 3's weights and the results of 4 and 5
+    weights, momentum, copy = run_rounds(tmp_path / "lost", encoding, rounds=5, every=3)
+    assert sorted(copy) == [
+        "momentum.safetensors",
+        "result-4.safetensors",
+        "result-5.safetensors",
+        "round.json",
+        "weights.safetensors",
+    ]
+    assert list(round_files(tmp_path / "lost", 5)) == [
+        "momentum.safetensors",
+        "result.safetensors",
+        "round.json",
+    ]
+    run_rounds(tmp_path / "base", encoding, rounds=3, every=3)
+    assert list(round_files(tmp_path / "base", 3)) == [
+        "weights.safetensors",
+        "momentum.safetensors",
+        "result.safetensors",
+        "round.json",
+    ]
+
+    # when another server adopts it
+    state = adopt_copy(tmp_path / "elsewhere", copy)
+
+    # then it holds round 5's weights and momentum bit for bit, its result as published, and the chain
+    assert state.round_number == 5
+    assert_bit_identical(state.weights, weights)
+    assert_bit_identical(state.momentum, momentum)
+    assert state.digest == digest(weights) == digest(state.weights)
+    assert (state.base_round, state.chain) == (3, (ChainLink(4, True), ChainLink(5, True)))
+    lost = load_latest(tmp_path / "lost")
+    assert_bit_identical(state.result, lost.result)
+    assert entries(tmp_path / "elsewhere") == ["round-000000005"]
+    assert entries(tmp_path / "elsewhere" / "round-000000005") == [
+        "momentum.safetensors",
+        "result.safetensors",
+        "round.json",
+        "weights.safetensors",
+    ]
+
+
+def test_a_round_that_took_no_step_is_not_added_in_the_replay(tmp_path):
+    # given rounds 1 and 2 took no step: θ kept as it was, −0.0 included (adding their zeros would give +0.0)
+    weights, _, copy = run_rounds(
+        tmp_path / "lost", Encoding("float32"), rounds=2, every=10, unstepped=(1, 2)
+    )
+    assert raw_bytes(weights["transformer.ln_f.bias"])[4:8].tolist() == [0, 0, 0, 128]  # −0.0
+
+    state = adopt_copy(tmp_path / "elsewhere", copy)
+
+    assert state.chain == (ChainLink(1, False), ChainLink(2, False))
+    assert_bit_identical(state.weights, weights)
+
+
+def test_a_chain_that_replays_to_other_weights_is_refused_with_the_digests(tmp_path):
+    # given a copy whose round 2 result is another (valid) file: its SHA-256 would match what the job names
+    _, _, copy = run_rounds(tmp_path / "lost", Encoding("int8", 16), rounds=3, every=10)
+    _, _, other = run_rounds(tmp_path / "other", Encoding("int8", 16), rounds=3, every=10, unstepped=(2,))
+    copy["result-2.safetensors"] = other["result-2.safetensors"]
+    said = json.loads(copy["round.json"])["digest"]
+
+    # when / then
+    with pytest.raises(CheckpointError) as refused:
+        adopt_copy(tmp_path / "elsewhere", copy)
+    message = str(refused.value)
+    assert message.startswith(
+        "round 3's weights replayed from round 0's weights and the results of rounds 1 to 3 have the digest sha256:"
+    )
+    assert message.endswith(
+        f"but its round.json says {said}: the control plane's copy is inconsistent; not resuming from it"
+    )
+    assert entries(tmp_path / "elsewhere") == []
+
+
+def test_a_copy_missing_a_result_of_its_chain_is_refused(tmp_path):
+    _, _, copy = run_rounds(tmp_path / "lost", Encoding("float32"), rounds=3, every=10)
+    del copy["result-2.safetensors"]
+    with pytest.raises(CheckpointError, match="result-2.safetensors cannot be replayed"):
+        adopt_copy(tmp_path / "elsewhere", copy)
+    assert entries(tmp_path / "elsewhere") == []

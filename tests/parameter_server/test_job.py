@@ -43,6 +43,7 @@ def test_defaults_of_the_optional_keys():
 
     assert (job.update_rounds, job.round_timeout, job.weighted, job.eval) == (1, 120.0, True, None)
     assert (job.max_samples_per_update, job.update_norm_ratio) == (None, 10.0)
+    assert job.checkpoint_every == 10
 
 
 def test_the_update_bounds_parse():
@@ -71,6 +72,21 @@ def test_the_update_bounds_parse():
         (("executor", "config", "rounds", "update_norm_ratio"), 1, "update_norm_ratio"),
         (("executor", "config", "rounds", "update_norm_ratio"), float("inf"), "update_norm_ratio"),
         (("executor", "config", "eval"), {"batch_size": 1, "slices": []}, "eval.slices"),
+        (
+            ("executor", "config", "rounds", "checkpoint_every"),
+            0,
+            "rounds.checkpoint_every must be an integer",
+        ),
+        (("executor", "config", "rounds", "checkpoint_every"), 1001, "checkpoint_every must be at most 1000"),
+        (
+            ("executor", "config", "checkpoint"),
+            {
+                "round": 3,
+                "uri": "/c/",
+                "files": {"result-x.safetensors": {}, "round.json": {}, "weights.safetensors": {}},
+            },
+            "unknown file 'result-x.safetensors'",
+        ),
     ],
 )
 def test_bad_values_name_their_key(path, value, message):
@@ -82,6 +98,23 @@ def test_bad_values_name_their_key(path, value, message):
 
     with pytest.raises(JobConfigError, match=message):
         parse_job(document)
+
+
+def test_the_checkpoint_copy_names_its_chain_and_the_rounds_between_bases():
+    entry = {"size": 10, "sha256": "a" * 64}
+    files = ("round.json", "weights.safetensors", "momentum.safetensors", "result-4.safetensors")
+    document = aggregate_job(peers=[ALICE])
+    document["executor"]["config"]["rounds"]["checkpoint_every"] = 3
+    document["executor"]["config"]["checkpoint"] = {
+        "round": 4,
+        "uri": "/api/jobs/j/checkpoint/",
+        "files": {name: entry for name in files},
+    }
+
+    job = parse_job(document)
+
+    assert job.checkpoint_every == 3
+    assert (job.resume.round_number, [file.name for file in job.resume.files]) == (4, list(files))
 
 
 def test_not_json_is_a_job_error():

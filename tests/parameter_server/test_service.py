@@ -164,6 +164,12 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
         "duration": report_1["duration"],
         "bytes_in": len(body_a) + len(body_b),
         "bytes_out": report_1["bytes_out"],
+        # no relay (the control plane said nothing of a path): every byte went directly
+        "transfers": {
+            "direct": {"in": len(body_a) + len(body_b), "out": report_1["bytes_out"]},
+            "relay": {"in": 0, "out": 0},
+        },
+        "encoding": "float32",
         "eval_loss": report_1["eval_loss"],
         "eval_error": None,
         "discarded": None,
@@ -359,13 +365,10 @@ async def test_a_server_started_elsewhere_resumes_from_the_control_planes_copy_b
     stop.set()
     with pytest.raises(Stopped):
         await asyncio.wait_for(lost, 10)
+    # round 1 builds on round 0's weights: it uploaded its momentum and result only
     saved = dict(receiver.checkpoints[1])
-    assert sorted(saved) == [
-        "momentum.safetensors",
-        "result.safetensors",
-        "round.json",
-        "weights.safetensors",
-    ]
+    assert sorted(saved) == ["momentum.safetensors", "result.safetensors", "round.json"]
+    assert sorted(receiver.checkpoints[0]) == ["round.json", "weights.safetensors"]
 
     # when: a new server starts on an empty work dir with the job's checkpoint, and the trainers send round 2
     # (alice again: her update was lost with the server)
@@ -390,6 +393,11 @@ async def test_a_server_started_elsewhere_resumes_from_the_control_planes_copy_b
     restored = tmp_path / "resumed" / "checkpoints" / "round-000000001"
     for name, data in saved.items():
         assert (restored / name).read_bytes() == data, name
+    # θ_1 replayed from θ_0 and u_1: the lost server's, bit for bit
+    lost_round = tmp_path / "lost" / "checkpoints" / "round-000000001"
+    assert_bit_identical(
+        weights_io.load(restored / "weights.safetensors"), weights_io.load(lost_round / "weights.safetensors")
+    )
     assert status_backend.values.count({"ready": {"url": url, "round": 1}}) == 1
     uninterrupted = asyncio.create_task(
         run(parse_job(job_json), settings(tmp_path / "whole", bridge, receiver), asyncio.Event())

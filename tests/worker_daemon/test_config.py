@@ -387,7 +387,12 @@ def test_invalid_cli_value_names_the_key(tmp_path):
 def test_parameter_server_table_kill_grace_and_their_cli_overrides(tmp_path):
     # given defaults
     config = load_config(None, environ={})
-    assert config.parameter_server.model_dump() == {"host": "127.0.0.1", "port": 0, "public_url": None}
+    assert config.parameter_server.model_dump() == {
+        "host": "127.0.0.1",
+        "port": 0,
+        "public_url": None,
+        "reachable": "auto",
+    }
     assert config.kill_grace == 5.0
 
     # when a file sets them, and flags override some
@@ -399,6 +404,7 @@ def test_parameter_server_table_kill_grace_and_their_cli_overrides(tmp_path):
         "host": "0.0.0.0",
         "port": 8470,
         "public_url": "http://gpu-01:8470",
+        "reachable": "auto",
     }
     config = load_config(path, environ={}, ps_port=9000, ps_public_url="https://ps.example")
 

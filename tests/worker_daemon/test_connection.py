@@ -70,6 +70,7 @@ async def test_daemon_says_hello_with_its_token(control_plane, daemons, worker_c
         "strategy": "whole",
         "leases": [],
         "benchmark": None,  # no benchmark at start for a WorkerDaemon unless asked (the CLI asks)
+        "reachable": "auto",  # [parameter_server] reachable: not said
     }
     assert connection.headers["Authorization"] == "Bearer secret-token"
     assert connection.headers["User-Agent"] == f"hypha-worker-daemon/{daemon_version()}"

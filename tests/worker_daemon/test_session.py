@@ -51,6 +51,7 @@ def test_hello_claims_only_active_leases(session, make):
         "strategy": "whole",
         "leases": [str(uuid.UUID(int=7))],
         "benchmark": None,
+        "reachable": "auto",
     }
 
 

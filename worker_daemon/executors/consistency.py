@@ -16,6 +16,10 @@ of θ_r); our bridge announces each result with its ``round`` and its own file. 
 
 Files without Hypha's metadata (another parameter server, Hypha's own bridge) are merged as before: there is
 nothing to compare with.
+
+A result comes in the encoding its header says (``hypha.encoding``; float32 without it) and is decoded with
+:func:`hypha_tensors.encoding.decode` — the very function the parameter server applied — before the merge,
+so the merged weights are its θ_r bit for bit (docs/training.md, "Encodings").
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hypha_tensors.encoding import decode
+from hypha_tensors.formats import Encoding, EncodingError
 from parameter_server import weights
 from parameter_server.exceptions import ParameterServerError
 from worker_daemon.executors.exceptions import UpdateError
@@ -75,6 +81,14 @@ def published(path: Path) -> Published:
     except ParameterServerError as error:
         raise UpdateError(f"{path.name} is unusable: {error}") from error
     return Published(round_number, digest, dtypes)
+
+
+def load_result(path: Path) -> StateDict:
+    """A result file's tensors decoded from the encoding its metadata says: ``u`` as the parameter server
+    applied it (float32). ``ParameterServerError`` for a file that is not usable safetensors,
+    :class:`EncodingError` for one that cannot be decoded."""
+    encoding = Encoding.from_metadata(weights.read_metadata(path))
+    return decode(weights.load(path), encoding)
 
 
 def state_digest(state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> str:
@@ -169,8 +183,8 @@ def receive_round(
             )
         break
     try:
-        update = weights.load(path)
-    except ParameterServerError as error:
+        update = load_result(path)
+    except (ParameterServerError, EncodingError) as error:
         raise UpdateError(f"round {round_number}: the update {received.path} is unusable: {error}") from error
     global_new = merge(global_previous, update)
     if publication.digest is None:

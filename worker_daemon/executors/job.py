@@ -11,8 +11,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hypha_tensors.formats import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_ENCODING,
+    ENCODINGS,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+)
 from worker_daemon.executors.exceptions import JobConfigError
 
 # Rust's kebab-case ModelType → candidate transformers Auto classes, the first that exists wins. Hypha's Python
@@ -132,6 +139,16 @@ class TrainConfig(_Shape):
     preprocessor: PreprocessorSpec | None = None
     scheduler: Annotated[WarmupSchedule | WsdSchedule, Field(discriminator="type")] | None = None
     progress: ProgressSpec | None = None
+    #: Ours, not Hypha's: how the pseudo-gradients travel and the results come (docs/training.md, "Encodings").
+    encoding: str = DEFAULT_ENCODING
+    encoding_block_size: Annotated[int, Field(ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)] = DEFAULT_BLOCK_SIZE
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str) -> str:
+        if value not in ENCODINGS:
+            raise ValueError(f"unknown encoding {value!r}; expected one of {', '.join(ENCODINGS)}")
+        return value
 
 
 class TrainJob(_Shape):

@@ -17,6 +17,11 @@ Contracts every function here keeps:
 * **The live model is never modified** except by :func:`load_into`, and only after everything it loads has
   been computed and checked: a refused update leaves the model and the previous global weights as they were
   (Hypha's executor subtracts in place and trains on from the delta when a merge fails, §9).
+* **Encodings** (docs/training.md, "Encodings"): :func:`encode_update` sends ``Q(delta + e)`` in the job's
+  encoding and keeps the new residual ``e`` in its :class:`~hypha_tensors.encoding.ErrorFeedback` — in the
+  executor's memory, for the whole run: across rounds it was left out of, and across a fetch of the full
+  global weights (the residual is what this trainer's own updates have not delivered yet, not a property of
+  the weights it holds). It is lost when the executor exits (a replacement starts from zero).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
+from hypha_tensors.encoding import ErrorFeedback
 from parameter_server.weights import view_key
 from worker_daemon.executors.exceptions import UpdateError
 
@@ -93,6 +99,20 @@ def compute_delta(
         for name in group:
             deltas[name] = delta
     return deltas
+
+
+def encode_update(
+    delta: Mapping[str, torch.Tensor], feedback: ErrorFeedback | None
+) -> tuple[StateDict, dict[str, str]]:
+    """The tensors and header metadata of the update file for ``delta`` (:func:`compute_delta`'s, tied names
+    sharing one tensor): ``feedback``'s encoding of ``delta`` plus its residual (whose new value it keeps),
+    tied names still sharing their encoded tensors, so the file stores them once; without ``feedback``,
+    ``delta`` itself and no metadata (float32, as Hypha's executors write it). A delta that cannot be
+    encoded (NaN, Inf, past float16's range) raises :class:`~hypha_tensors.formats.EncodingError` and
+    leaves the residual as it was."""
+    if feedback is None:
+        return dict(delta), {}
+    return feedback.encode(delta), feedback.metadata()
 
 
 def merge(global_previous: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> StateDict:

@@ -13,7 +13,8 @@ variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``)::
    optional LR schedule); the data loader fetches a slice of the ``data`` reference whenever it needs one;
 3. every round: train, reporting ``{"status": {"batch_size", "loss", "step_time"}}`` after every optimizer
    step, until the scheduler's counter says stop (below); send ``"update"``; write
-   ``delta = θ_local − θ_global_prev`` to ``updates/<round>.safetensors`` and send it to ``updates``; report
+   ``delta = θ_local − θ_global_prev`` to ``updates/<round>.safetensors`` (in the job's ``encoding``, with
+   error feedback: docs/training.md, "Encodings") and send it to ``updates``; report
    the round's metrics (``loss``, ``samples``, ``steps``, ``samples_per_second``, and ``train_seconds``: the
    sum of its steps' ``step_time``); wait for the parameter server's update ``u`` on the receive stream;
    load ``θ_global_prev + u`` into the model; send ``"update-received"``: ``Done`` ends the job (exit 0),
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
+    from hypha_tensors.encoding import ErrorFeedback
     from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
     from worker_daemon.executors.consistency import Merged
     from worker_daemon.executors.job import PreprocessorSpec, TrainConfig, TrainJob
@@ -411,6 +413,7 @@ def synchronise(
     round_number: int,
     stats: RoundStats,
     published_dtypes: dict[str, torch.dtype] | None = None,
+    feedback: ErrorFeedback | None = None,
 ) -> tuple[dict[str, Any], Merged]:
     """The outer step: send the pseudo-gradient and metrics, merge the parameter server's update.
 
@@ -420,23 +423,32 @@ def synchronise(
     that is not the event's, a digest that differs), the full global weights are fetched instead and the
     returned ``rounds_completed`` says which round they are. The model is modified only by the final in-place
     load, after the weights were read and checked. ``published_dtypes``: the names and dtypes of the
-    parameter server's global weights (the digest is taken in them).
+    parameter server's global weights (the digest is taken in them). ``feedback``: the job's encoding and
+    this trainer's error-feedback residual (None: float32 without metadata).
     """
+    from hypha_tensors.formats import EncodingError
     from parameter_server import weights
     from parameter_server.exceptions import ParameterServerError
     from worker_daemon.executors import consistency
     from worker_daemon.executors.exceptions import DivergedError
-    from worker_daemon.executors.pseudo_gradient import compute_delta, float_state, load_into
+    from worker_daemon.executors.pseudo_gradient import (
+        compute_delta,
+        encode_update,
+        float_state,
+        load_into,
+    )
 
     client.status("update")
     delta = compute_delta(float_state(model), global_previous)
     relative = f"{UPDATES_DIR}/{round_number}.safetensors"
     (work_dir / UPDATES_DIR).mkdir(exist_ok=True)
     try:
-        weights.save(work_dir / relative, delta)  # tied weights stored once, the others as aliases
-    except ParameterServerError as error:
+        tensors, metadata = encode_update(delta, feedback)
+        # Tied weights stored once, the others as aliases.
+        weights.save(work_dir / relative, tensors, metadata=metadata)
+    except (ParameterServerError, EncodingError) as error:
         raise DivergedError(f"round {round_number}: the pseudo-gradient is unusable: {error}") from error
-    del delta
+    del delta, tensors
     client.send(config.updates, relative)
     # The bridge sends in the background: earlier rounds' files are surely sent by now (their results came back).
     for older in (work_dir / UPDATES_DIR).glob("*.safetensors"):
@@ -495,6 +507,8 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
     import transformers
     from accelerate import Accelerator
 
+    from hypha_tensors.encoding import ErrorFeedback
+    from hypha_tensors.formats import Encoding
     from worker_daemon.executors import consistency
     from worker_daemon.executors.bridge_client import BridgeClient
     from worker_daemon.executors.exceptions import JobConfigError
@@ -541,6 +555,8 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
         global_previous = snapshot(float_state(unwrapped))
         consistency.check_start(start, global_previous)
         published_dtypes = dict(start.dtypes)
+        # The residual of the job's encoding: kept for the whole run, across full-weight fetches too.
+        feedback = ErrorFeedback(Encoding(config.encoding, config.encoding_block_size))
         parameters = sum(parameter.numel() for parameter in unwrapped.parameters())
         logger.info(
             "job %s: model %s (%s, %d parameters) loaded on %s, batch size %d, lr %g",
@@ -586,6 +602,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 round_number=round_number,
                 stats=stats,
                 published_dtypes=published_dtypes,
+                feedback=feedback,
             )
             global_previous = merged.weights
             logger.info(

@@ -102,11 +102,15 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
     @extend_schema(
         summary="Register a dataset a data node serves",
         description=(
-            "Called by a data node with its own token. Records the node's public URL and marks it online. "
+            "Called by a data node with its own token. Records the node's public URL (and whether trainers "
+            "can connect to it: `reachable`) and marks it online. "
             "The first registration of a name creates the dataset (201); registering identical slices again, "
             "or from another node (a replica), changes nothing else (200). Different slices under a registered "
             "name are refused (409). The answer carries the node's `download_key`: the node serves a slice "
-            "only to a request whose token is signed with it."
+            "only to a request whose token is signed with it. A node registered with `reachable: false` "
+            "publishes its slices to the relay's store (`POST /api/datanodes/publish/`) and trainers download "
+            "them from there; its copies of another dataset, or all of them once it registers as reachable, "
+            "are dropped."
         ),
         request=DatasetRegistrationSerializer,
         responses={
@@ -134,6 +138,9 @@ class DatasetViewSet(viewsets.ReadOnlyModelViewSet):
                 name=data["name"],
                 url=data["url"],
                 slices=[(entry["index"], entry["size"], entry["sha256"]) for entry in data["slices"]],
+                reachable=data["reachable"],
+                # Trainers download a node that is not reachable from the control plane at this address.
+                control_plane_url=request.build_absolute_uri("/"),
             )
         except InvalidDataset as error:
             return Response({"slices": [str(error)]}, status=status.HTTP_400_BAD_REQUEST)

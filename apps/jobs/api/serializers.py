@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db import models
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
@@ -17,6 +18,7 @@ from apps.jobs.models import (
     Task,
     Upload,
 )
+from apps.jobs.training import problems as transfer_problems
 from apps.leases.models import Lease
 from hypha_site.api import (
     EnumField,
@@ -93,11 +95,30 @@ class TrainerInputSerializer(_RoleInputSerializer):
     role = TRAINER
 
 
+class ReachablePolicy(models.TextChoices):
+    """How a job weighs whether its parameter server's worker accepts inbound connections
+    (``apps.market.models.Advertisement.Reachability``, which the market applies)."""
+
+    PREFER = "prefer", "prefer"
+    REQUIRE = "require", "require"
+    ANY = "any", "any"
+
+
+REACHABLE_HELP = (
+    "whether its worker must accept inbound connections: `prefer` (default) ranks workers that declare "
+    "`reachable = true` first (others count 5 % dearer), `require` takes only those, `any` ignores it; an "
+    "unreachable parameter server is served through the relay"
+)
+
+
 @extend_schema_serializer(component_name="ParameterServerRequirement")
 class ParameterServerInputSerializer(_RoleInputSerializer):
-    """What the parameter server must have, what the job pays it, and the executor it runs."""
+    """What the parameter server must have, what the job pays it, the executor it runs, and whether its worker
+    must accept inbound connections."""
 
     role = PARAMETER_SERVER
+
+    reachable = EnumField(ReachablePolicy, default=ReachablePolicy.PREFER, help_text=REACHABLE_HELP)
 
 
 @extend_schema_serializer(component_name="JobSubmission")
@@ -131,12 +152,15 @@ class JobCreateSerializer(StrictSerializer):
 
 def _stored_requirement(block: dict) -> dict:
     """The submitted role block in the shape :meth:`apps.jobs.models.Job.requirement` reads."""
-    return {
+    stored = {
         "resources": dict(block["resources"]),
         "executor": dict(block["executor"]),
         "bid": block["price"]["bid"],
         "max": block["price"]["max"],
     }
+    if "reachable" in block:
+        stored["reachable"] = block["reachable"]
+    return stored
 
 
 # --- jobs -------------------------------------------------------------------------------------------------
@@ -157,14 +181,23 @@ class RoleRequirementSerializer(serializers.Serializer):
     executor = ExecutorSerializer(read_only=True)
 
 
+class ParameterServerRoleSerializer(RoleRequirementSerializer):
+    """The parameter server's role as it was submitted (defaults filled in)."""
+
+    reachable = EnumField(ReachablePolicy, read_only=True, help_text=REACHABLE_HELP)
+
+
 def submitted_role(job: Job, role: str) -> dict:
     """The stored requirement of ``role`` in the shape it was submitted in."""
     entry = job.requirements.get(role) or {}
-    return {
+    submitted = {
         "resources": {name: entry.get("resources", {}).get(name, 0.0) for name in DEFAULT_RESOURCES},
         "price": {"bid": entry.get("bid"), "max": entry.get("max")},
         "executor": entry.get("executor") or DEFAULT_EXECUTORS[role],
     }
+    if role == PARAMETER_SERVER:
+        submitted["reachable"] = entry.get("reachable", "prefer")  # absent: "prefer", as Job.requirement
+    return submitted
 
 
 class DataProgressSerializer(serializers.Serializer):
@@ -231,7 +264,7 @@ class JobSerializer(serializers.ModelSerializer):
     def get_trainer(self, job: Job) -> dict:
         return submitted_role(job, TRAINER)
 
-    @extend_schema_field(RoleRequirementSerializer)
+    @extend_schema_field(ParameterServerRoleSerializer)
     def get_parameter_server(self, job: Job) -> dict:
         return submitted_role(job, PARAMETER_SERVER)
 
@@ -253,6 +286,8 @@ class RoundSerializer(serializers.ModelSerializer):
             "arrivals",
             "bytes_in",
             "bytes_out",
+            "transfers",
+            "encoding",
             "mean_loss",
             "eval_loss",
             "eval_error",
@@ -263,6 +298,32 @@ class RoundSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class TransferProblemSerializer(serializers.Serializer):
+    """A peer a task's transfers cannot reach (the latest report; it goes once the peer answers again)."""
+
+    peer = serializers.CharField(
+        read_only=True,
+        help_text="the parameter server's peer id (its worker id), or the data node's host:port",
+    )
+    role = serializers.ChoiceField(
+        choices=["parameter_server", "data_node"], read_only=True, help_text="what the peer is"
+    )
+    url = serializers.CharField(read_only=True, help_text="what was called, without its query")
+    operation = serializers.CharField(read_only=True, help_text="e.g. 'round 3 update', 'slice download (…)'")
+    cause = serializers.CharField(read_only=True, help_text="the last failure, e.g. 'Connect call failed …'")
+    attempts = serializers.IntegerField(read_only=True, help_text="failed attempts in a row")
+    since = serializers.DateTimeField(read_only=True, help_text="when the first of them failed")
+    updated_at = serializers.DateTimeField(read_only=True, help_text="when the last report came")
+
+
+class JobTransferProblemSerializer(TransferProblemSerializer):
+    """A transfer problem of one of the job's tasks, and whose."""
+
+    task = serializers.UUIDField(read_only=True, help_text="the task that reported it")
+    task_status = EnumField(Task.Status, read_only=True)
+    worker = serializers.CharField(read_only=True, help_text="the name of the task's worker")
+
+
 class TaskSerializer(serializers.ModelSerializer):
     """A role's process on a worker: its status, exit, and (trainers) its progress in the sync protocol."""
 
@@ -270,6 +331,9 @@ class TaskSerializer(serializers.ModelSerializer):
     worker_id = serializers.UUIDField(source="lease.worker_id", read_only=True)
     status = EnumField(Task.Status, read_only=True)
     sync_state = EnumField(Task.Sync, read_only=True)
+    transfer_problems = serializers.SerializerMethodField(
+        help_text="peers its transfers cannot reach now (or could not when it failed), the oldest first"
+    )
 
     class Meta:
         model = Task
@@ -292,6 +356,7 @@ class TaskSerializer(serializers.ModelSerializer):
             "signal",
             "reason",
             "log_tail",
+            "transfer_problems",
             "dispatched_at",
             "started_at",
             "first_step_at",
@@ -299,10 +364,19 @@ class TaskSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
+    @extend_schema_field(TransferProblemSerializer(many=True))
+    def get_transfer_problems(self, task: Task) -> list[dict]:
+        shown = transfer_problems.entries(task) if transfer_problems.shown(task) else []
+        return TransferProblemSerializer(shown, many=True).data
+
 
 class JobDetailSerializer(JobSerializer):
     """A job with its leases, tasks, rounds, data-slice progress, model files and the history of its status."""
 
+    transfer_problems = serializers.SerializerMethodField(
+        help_text="peers (parameter server, data nodes) the job's running or failed tasks cannot reach, the "
+        "oldest first; each goes once its peer answers again"
+    )
     events = JobEventSerializer(many=True, read_only=True)
     tasks = TaskSerializer(many=True, read_only=True)
     rounds = RoundSerializer(many=True, read_only=True)
@@ -312,8 +386,20 @@ class JobDetailSerializer(JobSerializer):
     )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "tasks", "rounds", "data", "model_files", "events"]
+        fields = [
+            *JobSerializer.Meta.fields,
+            "transfer_problems",
+            "tasks",
+            "rounds",
+            "data",
+            "model_files",
+            "events",
+        ]
         read_only_fields = fields
+
+    @extend_schema_field(JobTransferProblemSerializer(many=True))
+    def get_transfer_problems(self, job: Job) -> list[dict]:
+        return JobTransferProblemSerializer(transfer_problems.of_job(job), many=True).data
 
     @extend_schema_field(DataProgressSerializer)
     def get_data(self, job: Job) -> dict:

@@ -269,7 +269,11 @@ class JobCheckpointUploadView(APIView):
             "Called by the job's live parameter server after each round (and for round 0), with its transfer "
             "token. The files of the round come first, its manifest `round.json` last: the round then "
             "replaces the job's saved checkpoint, which a parameter server started after this one was lost "
-            "resumes from. A round older than the saved one is refused (409); the saved one again is a no-op."
+            "resumes from. The copy is incremental: `weights.safetensors` only at a base round (the "
+            "manifest's `base_round` is the round itself; every `rounds.checkpoint_every` rounds), "
+            "`momentum.safetensors` and `result.safetensors` every round; a round on an earlier base must "
+            "follow the saved round on the same base (409 otherwise). A round older than the saved one is "
+            "refused (409); the saved one again is a no-op."
         ),
         parameters=[
             OpenApiParameter(
@@ -315,13 +319,19 @@ class JobCheckpointDownloadView(APIView):
 
     @extend_schema(
         summary="Fetch a file of the job's saved round (the job's parameter server only)",
+        description=(
+            "The files the job's `checkpoint` names: the saved round's `round.json` and "
+            "`momentum.safetensors`, its base round's `weights.safetensors` and `result-<n>.safetensors` "
+            "for each round n after the base up to the saved one, which a resuming server replays on the "
+            'base weights (docs/training.md, "A parameter server lost").'
+        ),
         parameters=[
             OpenApiParameter(
                 "filename",
                 OpenApiTypes.STR,
                 OpenApiParameter.PATH,
-                enum=list(training.CHECKPOINT_FILES),
-                description="the file",
+                pattern=r"^(round\.json|weights\.safetensors|momentum\.safetensors|result(-[0-9]{1,9})?\.safetensors)$",
+                description="a file the job's checkpoint names",
             )
         ],
         responses={

@@ -25,6 +25,7 @@ Tests that drive the sync clock patch :data:`apps.jobs.training.status.sync_cloc
 
 from __future__ import annotations
 
+from apps.jobs.training import transfers
 from apps.jobs.training.checkpoints import (
     CHECKPOINT_FILES,
     CHECKPOINT_MANIFEST,
@@ -77,6 +78,7 @@ from apps.jobs.training.status import (
     MAX_CONTINUE_SECONDS,
     handle_status,
     locked_round,
+    ready_url,
     task_started,
 )
 from apps.jobs.training.storage import MODEL_FILENAME
@@ -120,6 +122,8 @@ __all__ = [
     "evaluation_indices",
     "fresh_tokens",
     "handle_status",
+    "ready_url",
+    "transfers",
     "is_training_job",
     "jobs_waiting_for_trainers",
     "locked_round",

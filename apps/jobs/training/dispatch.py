@@ -225,6 +225,7 @@ def dispatch_trainers(job: Job, server: Task) -> int:
                 role=TRAINER,
                 spec=envelope,
                 peers={server_peer: server.url} if server.url else {},
+                relay=[server_peer] if server.transfer_path == "relay" else [],
                 transfer_token=transfer_token(lease),
             ),
         )
@@ -370,8 +371,11 @@ def point_trainers(job: Job, server: Task) -> int:
     for task in job.tasks.filter(role=TRAINER, status__in=Task.LIVE).select_related("lease"):
         # The peer id the trainer's spec names for its parameter server: the first server's, also after a
         # restart elsewhere (the daemon maps it to whichever address it is given).
-        peers = {_server_peer_of(task, default=str(server.lease.worker_id)): server.url}
-        message = protocol.DispatchJob.model_validate({**task.dispatch_message, "peers": peers})
+        peer = _server_peer_of(task, default=str(server.lease.worker_id))
+        relay = [peer] if server.transfer_path == "relay" else []
+        message = protocol.DispatchJob.model_validate(
+            {**task.dispatch_message, "peers": {peer: server.url}, "relay": relay}
+        )
         _dispatch(task, message)
         told += 1
     return told

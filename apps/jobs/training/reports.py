@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from django.db import transaction
 
 from apps.jobs import observers
 from apps.jobs.exceptions import TaskRefused
 from apps.jobs.models import PARAMETER_SERVER, Job, Task
+from apps.jobs.training import problems
 from worker_daemon import protocol
 
 # --- what daemons report about their tasks ----------------------------------------------------------------------
@@ -67,12 +70,30 @@ def append_output(worker, task_id, lines: list[str]) -> None:
         observers.job_changed(task.job)
 
 
+#: What a daemon says when it knows nothing more of a failure than its exit (older daemons always did).
+_BARE_REASON = re.compile(r"^(exited with code -?\d+|killed by signal \d+)$")
+#: Output lines that say nothing of a failure's cause: a launcher re-raising its child's failure
+#: (``accelerate launch``: ``subprocess.CalledProcessError: Command '[…]' returned non-zero exit status 3.``),
+#: and a traceback's header, frames, source lines and carets.
+_NOISE = re.compile(
+    r"^(Traceback \(most recent call last\):|\s.*|(\w+\.)*(CalledProcessError|ChildFailedError)\b.*)$"
+)
+
+
 def describe_exit(task: Task) -> str:
+    """Why the ended ``task`` failed, in one sentence for its job's status: how it ended, then its root cause —
+    a transfer problem reported shortly before the end (:func:`.problems.failure_cause`), else the reason its
+    daemon found in the output (``worker_daemon.failures``), else its last output line that is not a
+    launcher's wrapper or traceback noise."""
     how = f"exit code {task.exit_code}" if task.exit_code is not None else f"signal {task.signal}"
     label = "parameter server" if task.role == PARAMETER_SERVER else "trainer"
-    detail = f": {task.reason}" if task.reason else ""
-    last_line = next((line for line in reversed(task.log_tail.splitlines()) if line.strip()), "")
-    tail = f" — last output: {last_line[:200]}" if last_line else ""
+    said = task.reason if task.reason and not _BARE_REASON.match(task.reason) else ""
+    cause = problems.failure_cause(task) or said
+    detail = f": {cause}" if cause else ""
+    last_line = next(
+        (line for line in reversed(task.log_tail.splitlines()) if line.strip() and not _NOISE.match(line)), ""
+    )
+    tail = f" — last output: {last_line[:200]}" if last_line and not said else ""
     return f"the {label} on {task.lease.worker.name} failed with {how}{detail}{tail}"
 
 

@@ -14,9 +14,11 @@ from django.utils import timezone
 
 from apps.jobs import observers, sync
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
+from apps.jobs.training import transfers
 from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
 from apps.jobs.training.plans import plan
 from apps.jobs.training.reports import own_task
+from hypha_tensors.formats import ENCODINGS
 from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
@@ -61,9 +63,13 @@ def _kind(progress: dict | str) -> str:
     return ""
 
 
-def handle_status(worker, message: protocol.StatusReport) -> tuple[dict, int]:
+def handle_status(
+    worker, message: protocol.StatusReport, *, probed: tuple[bool, str] | None = None
+) -> tuple[dict, int]:
     """The reply to one progress value a task's bridge forwarded (``{"type": "Error"}`` when refused), and how
-    many of the trainer's next step reports its daemon may answer ``Continue`` itself (``continue_for``)."""
+    many of the trainer's next step reports its daemon may answer ``Continue`` itself (``continue_for``).
+    ``probed``: for a parameter server's ``ready``, whether the control plane reached its URL
+    (:func:`apps.jobs.training.transfers.probe`, run before the transaction)."""
     with transaction.atomic():
         task = own_task(worker, message.task_id, lock=True)
         if task.last_status_request == message.request_id:
@@ -73,7 +79,7 @@ def handle_status(worker, message: protocol.StatusReport) -> tuple[dict, int]:
         if not task.is_live or job.status != Job.Status.RUNNING:
             reply = ERROR
         elif task.role == PARAMETER_SERVER:
-            reply = _server_status(task, message.progress)
+            reply = _server_status(task, message.progress, probed=probed)
         else:
             reply, changes = _trainer_status(task, message.progress)
         # One UPDATE per report: the trainer's progress and the reply kept for a repeat of this request.
@@ -367,28 +373,56 @@ def _record_trainer_metrics(task: Task, body: Any) -> None:
     observers.trainer_metrics(task, round_number=number, metrics=clean)
 
 
+def _transfers(value: Any) -> dict:
+    """A round report's ``transfers`` (bytes by path and direction), keeping only well-formed counts."""
+    if not isinstance(value, dict):
+        return {}
+    kept: dict[str, dict[str, int]] = {}
+    for path in (transfers.DIRECT, transfers.RELAY):
+        counts = value.get(path)
+        if isinstance(counts, dict):
+            kept[path] = {
+                direction: count
+                for direction in ("in", "out")
+                if isinstance(count := counts.get(direction), int) and not isinstance(count, bool) and count >= 0
+            }
+    return kept
+
+
 def locked_round(job: Job, number: int) -> Round:
     Round.objects.get_or_create(job=job, number=number)
     return Round.objects.select_for_update().get(job=job, number=number)
 
 
-def _server_status(task: Task, progress: dict | str) -> dict:
+def ready_url(progress: dict | str) -> str | None:
+    """The URL of a parameter server's ``{"ready": {"url": …}}`` report, None for anything else or a bad URL."""
+    if _kind(progress) != "ready" or not isinstance(progress, dict):
+        return None
+    body = progress["ready"] if isinstance(progress["ready"], dict) else {}
+    url = body.get("url")
+    if not isinstance(url, str) or not re.match(r"^https?://\S+$", url) or len(url) > 500:
+        return None
+    return url
+
+
+def _server_status(task: Task, progress: dict | str, *, probed: tuple[bool, str] | None = None) -> dict:
     kind = _kind(progress)
     job = task.job
     if kind == "ready":
-        body = progress["ready"] if isinstance(progress["ready"], dict) else {}
-        url = body.get("url")
-        if not isinstance(url, str) or not re.match(r"^https?://\S+$", url) or len(url) > 500:
+        url = ready_url(progress)
+        if url is None:
             return ERROR
         Task.objects.filter(pk=task.pk).update(url=url, status=Task.Status.RUNNING)
         task.url = url
+        path, why = transfers.choose_path(task.lease.worker, url, probed)
+        transfers.set_path(task, path)
         dispatch_trainers(job, task)
         count = point_trainers(job, task)
-        job.transition(
-            Job.Status.RUNNING,
-            reason=f"RUNNING: parameter server listening at {url}; {count} trainers told",
-        )
-        return OK
+        reason = f"RUNNING: parameter server listening at {url}; {count} trainers told"
+        if path == transfers.RELAY:
+            reason += f"; they reach it through the relay: {why}"
+        job.transition(Job.Status.RUNNING, reason=reason)
+        return {**OK, "path": path}
     if kind == "round":
         return _record_round(task, progress["round"])
     if kind == "waiting":
@@ -492,6 +526,10 @@ def _record_round(task: Task, body: Any) -> dict:
             field,
             value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0,
         )
+    round_.transfers = _transfers(body.get("transfers"))
+    encoding = body.get("encoding")
+    # The encoding the round's bytes travelled in (bytes_in/bytes_out count them encoded); "" when not said.
+    round_.encoding = encoding if isinstance(encoding, str) and encoding in ENCODINGS else ""
     round_.duration = _finite(body.get("duration"))
     round_.eval_loss = _finite(body.get("eval_loss"))
     eval_error = body.get("eval_error")

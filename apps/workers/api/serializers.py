@@ -6,7 +6,7 @@ from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
 from apps.leases.models import Lease
-from apps.workers.models import Worker
+from apps.workers.models import Reachable, Worker
 from hypha_site.api import EnumField, ExecutorSerializer, ResourcesSerializer, StrictSerializer
 
 
@@ -52,6 +52,12 @@ class WorkerSerializer(serializers.ModelSerializer):
         help_text="true once its token is revoked: its daemon cannot connect",
     )
     leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
+    reachable = EnumField(
+        Reachable,
+        read_only=True,
+        help_text="whether trainers can connect to its parameter server's public URL, as its daemon declares: "
+        '"true", "false", or "auto" (not said); the market prefers "true" for parameter servers',
+    )
     benchmark_score = serializers.FloatField(
         read_only=True,
         allow_null=True,
@@ -75,6 +81,7 @@ class WorkerSerializer(serializers.ModelSerializer):
             "executors",
             "price_floor",
             "strategy",
+            "reachable",
             "benchmark_score",
             "benchmark",
             "status",

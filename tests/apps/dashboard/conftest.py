@@ -38,9 +38,8 @@ def training_job(job_owner, online_rigs, tiny_text, django_capture_on_commit_cal
     job = create_running_job(SPEC, job_owner, online_rigs, django_capture_on_commit_callbacks)
     rig_c = online_rigs[2]
     with django_capture_on_commit_callbacks(execute=True):
-        assert status(rig_c, task_of(job, rig_c), {"ready": {"url": "http://10.0.0.3:7070", "round": 0}}) == {
-            "type": "Ok"
-        }
+        reply = status(rig_c, task_of(job, rig_c), {"ready": {"url": "http://10.0.0.3:7070", "round": 0}})
+        assert reply == {"type": "Ok", "path": "direct"}
     job.refresh_from_db()
     assert job.status == Job.Status.RUNNING, job.status_reason
     return job

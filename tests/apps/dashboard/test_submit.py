@@ -96,6 +96,24 @@ def test_bad_values_are_shown_next_to_their_fields_and_nothing_is_created(ada_br
     assert Job.objects.count() == 0
 
 
+def test_the_form_takes_an_encoding_and_int8_block_size(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(encoding="int8", encoding_block_size=64))
+
+    job = Job.objects.get()
+    assert response.status_code == 302
+    assert (job.spec["rounds"]["encoding"], job.spec["rounds"]["encoding_block_size"]) == ("int8", 64)
+
+
+def test_a_block_size_for_an_encoding_without_blocks_is_shown_next_to_it(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(encoding="float16", encoding_block_size=64))
+
+    assert response.status_code == 400
+    assert errors_next_to(response.content.decode(), "encoding_block_size") == [
+        "Only the int8 encoding has blocks (this job&#x27;s is float16)."
+    ]
+    assert Job.objects.count() == 0
+
+
 def test_a_model_config_that_is_not_json_or_has_no_model_type_is_refused(ada_browser, tiny_text):
     not_json = ada_browser.post("/jobs/new/", default_fields(model_config="{not json"))
     no_type = ada_browser.post("/jobs/new/", default_fields(model_config=json.dumps({"n_layer": 2})))

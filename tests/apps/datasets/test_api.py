@@ -21,7 +21,13 @@ def replicated(tiny_text, east, west):
 
 
 def node_json(node: DataNode) -> dict:
-    return {"name": node.name, "url": node.url, "online": node.online, "last_seen_at": iso(node.last_seen_at)}
+    return {
+        "name": node.name,
+        "url": node.url,
+        "reachable": node.reachable,
+        "online": node.online,
+        "last_seen_at": iso(node.last_seen_at),
+    }
 
 
 def test_the_list_shows_each_dataset_with_its_nodes_online_first(carol, replicated, east, west):

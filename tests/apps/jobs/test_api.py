@@ -44,6 +44,7 @@ def job_body(job: Job, *, trainer: dict, parameter_server: dict, leases: list, e
         "allocated_at": iso(job.allocated_at),
         "ended_at": iso(job.ended_at),
         # A job without a DiLoCo spec is never dispatched: no tasks, rounds, slices or model.
+        "transfer_problems": [],
         "tasks": [],
         "rounds": [],
         "data": {"epoch": None, "available": 0, "assigned": 0, "used": 0, "total": 0},
@@ -89,6 +90,7 @@ def test_submitting_a_job_creates_it_and_advertises_every_role(alice):
             "executor": {"class": "aggregate", "name": "parameter-server"},
             "bid": 10.0,
             "max": 15.0,
+            "reachable": "prefer",
         },
     }
     assert response.json() == job_body(
@@ -102,6 +104,7 @@ def test_submitting_a_job_creates_it_and_advertises_every_role(alice):
             "resources": {"cpu": 1.0, "memory": 4.0, "storage": 0.0, "gpu": 0.0},
             "price": {"bid": 10.0, "max": 15.0},
             "executor": {"class": "aggregate", "name": "parameter-server"},
+            "reachable": "prefer",
         },
         leases=[],
         events=[
@@ -175,12 +178,14 @@ def test_an_empty_submission_gets_every_default(alice):
         "resources": {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0},
         "price": {"bid": 100.0, "max": 100.0},
         "executor": {"class": "aggregate", "name": "parameter-server"},
+        "reachable": "prefer",
     }
     assert Job.objects.get().requirements["parameter_server"] == {
         "resources": {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0},
         "executor": {"class": "aggregate", "name": "parameter-server"},
         "bid": 100.0,
         "max": 100.0,
+        "reachable": "prefer",
     }
     assert Advertisement.objects.filter(job_id=body["id"], status="open").count() == 2
 

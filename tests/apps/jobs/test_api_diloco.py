@@ -61,6 +61,9 @@ def test_a_json_spec_creates_a_job_with_its_requirements_and_spec(alice):
         "max_batch_size": None,
         "round_timeout": 120.0,
         "weighted": True,
+        "encoding": "float32",
+        "encoding_block_size": None,
+        "checkpoint_every": 10,
     }
     assert job.spec["model"]["type"] == "causal-lm"
     wanted = dict(Advertisement.objects.filter(job=job).values_list("role", "wanted"))

@@ -194,6 +194,7 @@ def test_the_originals_default_scheduler_toml_parses_to_its_values():
             "executor": {"class": "aggregate", "name": "parameter-server"},
             "bid": 100.0,
             "max": 100.0,
+            "reachable": "prefer",
         },
     }
 
@@ -717,3 +718,144 @@ def test_the_toml_takes_our_evaluation_timeout_and_seed_keys():
     with pytest.raises(SpecError) as refused:
         parse_toml(text.replace("holdout = 2", "holdout = 2\nslices = [1]"))
     assert [error["field"] for error in refused.value.errors] == ["scheduler.job.evaluation"]
+
+
+# --- encodings (docs/training.md, "Encodings") ----------------------------------------------------------------
+
+
+def _executor_jsons(spec: DiLoCoSpec) -> tuple[dict, dict]:
+    train = to_train_job_json(
+        spec,
+        job_id="j",
+        data_reference={"type": "scheduler", "peer": SCHEDULER_PEER, "dataset": "mnist"},
+        updates_reference=peers(PS_PEER),
+        results_reference=peers(PS_PEER),
+    )["executor"]["config"]
+    aggregate = to_aggregate_job_json(
+        spec, job_id="j", updates_reference=peers("t"), results_reference=peers("t")
+    )["executor"]["config"]
+    return train, aggregate
+
+
+def test_an_int8_job_tells_both_executors_its_encoding_and_block_size():
+    rounds = {"update_rounds": 2, "inner_steps": 5, "encoding": "int8", "encoding_block_size": 64}
+
+    train, aggregate = _executor_jsons(parse_json(lenet_json(rounds=rounds)))
+
+    assert (train["encoding"], train["encoding_block_size"]) == ("int8", 64)
+    assert (aggregate["rounds"]["encoding"], aggregate["rounds"]["encoding_block_size"]) == ("int8", 64)
+
+
+def test_int8_without_a_block_size_gets_256_and_half_precision_has_none():
+    int8 = parse_json(lenet_json(rounds={"update_rounds": 2, "inner_steps": 5, "encoding": "int8"}))
+    half = parse_json(lenet_json(rounds={"update_rounds": 2, "inner_steps": 5, "encoding": "bfloat16"}))
+
+    assert int8.rounds.encoding_block_size is None
+    assert _executor_jsons(int8)[0]["encoding_block_size"] == 256
+    train, aggregate = _executor_jsons(half)
+    assert (train["encoding"], "encoding_block_size" in train) == ("bfloat16", False)
+    assert aggregate["rounds"]["encoding"] == "bfloat16"
+
+
+def test_checkpoint_every_reaches_the_parameter_server_only_when_not_its_default():
+    default = parse_json(lenet_json())
+    every_3 = parse_json(lenet_json(rounds={"update_rounds": 2, "inner_steps": 5, "checkpoint_every": 3}))
+
+    assert default.rounds.checkpoint_every == 10
+    assert "checkpoint_every" not in _executor_jsons(default)[1]["rounds"]
+    train, aggregate = _executor_jsons(every_3)
+    assert aggregate["rounds"]["checkpoint_every"] == 3 and "checkpoint_every" not in train
+    for wrong, message in ((0, "greater than or equal to 1"), (1001, "less than or equal to 1000")):
+        data = lenet_json(rounds={"update_rounds": 2, "inner_steps": 5, "checkpoint_every": wrong})
+        (error,) = errors_of(parse_json, data)
+        assert error["field"] == "rounds.checkpoint_every" and message in error["message"]
+
+
+def test_a_float32_job_writes_no_encoding_so_its_json_stays_hyphas():
+    spec = parse_json(lenet_json())
+
+    train, aggregate = _executor_jsons(spec)
+
+    assert spec.rounds.encoding == "float32"
+    assert "encoding" not in train and "encoding" not in aggregate["rounds"]
+
+
+@pytest.mark.parametrize(
+    ("rounds", "field", "message"),
+    [
+        (
+            {"encoding": "int4"},
+            "rounds.encoding",
+            "Input should be 'float32', 'float16', 'bfloat16' or 'int8'",
+        ),
+        (
+            {"encoding": "float16", "encoding_block_size": 64},
+            "rounds.encoding_block_size",
+            "Only the int8 encoding has blocks (this job's is float16).",
+        ),
+        (
+            {"encoding": "int8", "encoding_block_size": 8},
+            "rounds.encoding_block_size",
+            "greater than or equal to 16",
+        ),
+        ({"encoding": "int8", "encoding_block_size": "64"}, "rounds.encoding_block_size", "valid integer"),
+    ],
+)
+def test_a_wrong_encoding_or_block_size_is_reported_at_its_field(rounds, field, message):
+    data = lenet_json(rounds={"update_rounds": 2, "inner_steps": 5, **rounds})
+
+    (error,) = errors_of(parse_json, data)
+
+    assert error["field"] == field and message in error["message"]
+
+
+def test_the_toml_takes_the_encoding_in_its_rounds_table_in_either_spelling():
+    text = HYPHA_DEFAULT_TOML.replace(
+        "[scheduler.job.rounds]", '[scheduler.job.rounds]\nencoding = "int8"\nencoding-block-size = 128'
+    )
+
+    spec = parse_toml(text)
+
+    assert (spec.rounds.encoding, spec.rounds.encoding_block_size) == ("int8", 128)
+    assert errors_of(parse_toml, text.replace('"int8"', '"float16"')) == [
+        {
+            "field": "scheduler.job.rounds.encoding-block-size",
+            "message": "Only the int8 encoding has blocks (this job's is float16).",
+        }
+    ]
+
+
+def test_the_toml_takes_weighted_a_key_with_one_spelling():
+    # ``weighted`` and ``encoding`` have no "_" to spell as "-": once read as a duplicate of themselves
+    text = HYPHA_DEFAULT_TOML.replace("[scheduler.job.rounds]", "[scheduler.job.rounds]\nweighted = false")
+
+    assert parse_toml(text).rounds.weighted is False
+
+
+def test_a_lossy_encoding_counts_the_residual_in_the_memory_a_role_needs():
+    from apps.jobs.spec_checks import size_problem
+
+    config = {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 2,
+        "vocab_size": 256,
+        "n_positions": 64,
+    }
+    data = lenet_json(
+        preprocessor=None,
+        model={
+            "source": {"type": "config", "config": config},
+            "type": "causal-lm",
+            "input_names": ["input_ids"],
+        },
+        trainer={"resources": {"memory": 0.001}},
+        parameter_server={"resources": {"memory": 0.001}},
+    )
+    exact = size_problem(parse_json(data), max_parameters=10**9)
+    data["rounds"] = {"update_rounds": 2, "inner_steps": 5, "encoding": "int8"}
+    lossy = size_problem(parse_json(data), max_parameters=10**9)
+
+    assert "5 float32 copies" in exact and "4 float32 copies" in exact
+    assert "6 float32 copies" in lossy and "5 float32 copies of them) but parameter_server" in lossy

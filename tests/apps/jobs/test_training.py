@@ -162,7 +162,7 @@ def test_the_trainers_are_told_where_the_parameter_server_listens(running_job, o
     reply = ready(running_job, rig_c)
 
     # then: each trainer's dispatch again, now with the address (the daemon takes the peers of a running task)
-    assert reply == {"type": "Ok"}
+    assert reply == {"type": "Ok", "path": "direct"}  # the rigs say they accept connections
     running_job.refresh_from_db()
     assert running_job.status_reason == (
         "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers told"

@@ -199,8 +199,11 @@ def test_the_parameter_server_saves_rounds_with_the_control_plane_and_only_it(
     running_job.refresh_from_db()
     assert running_job.checkpoint["round"] == 2
     assert running_job.rounds.get(number=2).closed  # a saved round is applied, reported or not
-    assert sorted(running_job.checkpoint["files"]) == sorted([*files, "round.json"])
-    for name, body in files.items():
+    # (a manifest without base_round is a round of full weights: its own base; its result is named by round)
+    assert running_job.checkpoint["base"] == 2
+    downloaded = {"weights.safetensors": b"w2", "momentum.safetensors": b"m2", "result-2.safetensors": b"u2"}
+    assert sorted(running_job.checkpoint["files"]) == sorted([*downloaded, "round.json"])
+    for name, body in downloaded.items():
         assert running_job.checkpoint["files"][name]["sha256"] == hashlib.sha256(body).hexdigest()
         fetched = client.get(f"{url}/{name}", HTTP_AUTHORIZATION=f"Bearer {token}")
         assert (fetched.status_code, b"".join(fetched.streaming_content)) == (200, body)
@@ -210,6 +213,119 @@ def test_the_parameter_server_saves_rounds_with_the_control_plane_and_only_it(
     )
     directory = training.checkpoint_directory(running_job.pk)
     assert sorted(path.name for path in directory.iterdir()) == ["round-2"]
+
+
+def chained_manifest(number: int, base: int) -> bytes:
+    """round.json of a round on round ``base``'s weights, as parameter_server/checkpoints.py writes it."""
+    chain = [{"round": n, "stepped": True} for n in range(base + 1, number + 1)]
+    manifest = {"format": 1, "round_number": number, "has_momentum": True, "has_result": number > 0}
+    manifest |= {"participants": [], "base_round": base, "chain": chain, "digest": "sha256:" + "0" * 64}
+    return json.dumps(manifest).encode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_incremental_copy_keeps_the_base_weights_and_the_results_since(running_job, online_rigs, client):
+    rig_c = online_rigs[2]
+    ready(running_job, rig_c)
+    token = dispatches_token(running_job, rig_c)
+    url = f"/api/jobs/{running_job.pk}/checkpoint"
+
+    def put(number: int, name: str, body: bytes):
+        return client.put(
+            f"{url}/{number}/{name}",
+            body,
+            content_type="application/octet-stream",
+            HTTP_AUTHORIZATION=f"Bearer {token}",
+        )
+
+    def entry(body: bytes) -> dict:
+        return {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+
+    # given round 0 (a base: its weights) and round 1 on it (momentum and result only)
+    for number, name, body in (
+        (0, "weights.safetensors", b"w0"),
+        (0, "momentum.safetensors", b"m0"),
+        (0, "round.json", chained_manifest(0, 0)),
+        (1, "momentum.safetensors", b"m1"),
+        (1, "result.safetensors", b"u1"),
+        (1, "round.json", chained_manifest(1, 0)),
+    ):
+        assert put(number, name, body).status_code == 201, (number, name)
+    running_job.refresh_from_db()
+    assert running_job.checkpoint == {
+        "round": 1,
+        "base": 0,
+        "files": {
+            "weights.safetensors": entry(b"w0"),
+            "momentum.safetensors": entry(b"m1"),
+            "result-1.safetensors": entry(b"u1"),
+            "round.json": entry(chained_manifest(1, 0)),
+        },
+    }
+    saved = dict(running_job.checkpoint)
+
+    # when rounds that could not be replayed on the copy come: one on a base the copy does not hold, one
+    # after a round it does not hold, one on an earlier base without its result
+    for number, base in ((2, 1), (3, 0)):
+        assert put(number, "momentum.safetensors", b"mx").status_code == 201
+        assert put(number, "result.safetensors", b"ux").status_code == 201
+        refused = put(number, "round.json", chained_manifest(number, base))
+        assert refused.status_code == 409
+        assert refused.json() == {
+            "detail": f"round {number} builds on round {base}'s weights and the results since, but the "
+            f"control plane keeps round 1 on round 0's weights: upload round {number} with its weights"
+        }
+    bad_chain = json.loads(chained_manifest(2, 0)) | {"chain": [{"round": 2, "stepped": True}]}
+    assert put(2, "round.json", json.dumps(bad_chain).encode()).json() == {
+        "filename": ["round.json: the chain must name rounds 1 to 2"]
+    }
+
+    # then nothing changed
+    running_job.refresh_from_db()
+    assert running_job.checkpoint == saved
+
+    # when round 2 is a new base and round 3 builds on it
+    for number, name, body in (
+        (2, "weights.safetensors", b"w2"),
+        (2, "momentum.safetensors", b"m2"),
+        (2, "result.safetensors", b"u2"),
+        (2, "round.json", chained_manifest(2, 2)),
+        (3, "momentum.safetensors", b"m3"),
+        (3, "result.safetensors", b"u3"),
+        (3, "round.json", chained_manifest(3, 2)),
+    ):
+        assert put(number, name, body).status_code == 201, (number, name)
+
+    # then the copy is round 2's weights and round 3's result and momentum; what came before is gone
+    running_job.refresh_from_db()
+    assert running_job.checkpoint == {
+        "round": 3,
+        "base": 2,
+        "files": {
+            "weights.safetensors": entry(b"w2"),
+            "momentum.safetensors": entry(b"m3"),
+            "result-3.safetensors": entry(b"u3"),
+            "round.json": entry(chained_manifest(3, 2)),
+        },
+    }
+    for name, body in (
+        ("weights.safetensors", b"w2"),
+        ("momentum.safetensors", b"m3"),
+        ("result-3.safetensors", b"u3"),
+        ("round.json", chained_manifest(3, 2)),
+    ):
+        fetched = client.get(f"{url}/{name}", HTTP_AUTHORIZATION=f"Bearer {token}")
+        assert (fetched.status_code, b"".join(fetched.streaming_content)) == (200, body), name
+    assert client.get(f"{url}/result-1.safetensors", HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 404
+    directory = training.checkpoint_directory(running_job.pk)
+    assert sorted(path.name for path in directory.iterdir()) == ["round-2", "round-3"]
+    assert sorted(path.name for path in (directory / "round-2").iterdir()) == [
+        ".result.safetensors.json",
+        ".weights.safetensors.json",
+        "result.safetensors",
+        "weights.safetensors",
+    ]
+    assert running_job.rounds.get(number=3).closed
 
 
 @pytest.mark.django_db(transaction=True)

@@ -26,6 +26,7 @@ def worker_body(worker: Worker, *, leases: list) -> dict:
         "executors": worker.executors,
         "price_floor": worker.price_floor,
         "strategy": worker.strategy,
+        "reachable": worker.reachable,
         "benchmark_score": worker.benchmark_score,
         "benchmark": worker.benchmark,
         "status": worker.status,

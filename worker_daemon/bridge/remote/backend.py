@@ -38,6 +38,7 @@ from worker_daemon.bridge.references import (
     SchedulerReference,
     UriReference,
 )
+from worker_daemon.bridge.remote.relayed import RelayTransfers, SwitchedToRelay
 from worker_daemon.bridge.remote.slices import SliceFetching
 from worker_daemon.link import ControlLink
 
@@ -67,11 +68,12 @@ class _InFlight:
     told: int
 
 
-class RemoteBackend(SliceFetching):
+class RemoteBackend(SliceFetching, RelayTransfers):
     """The bridge backend of one task (``task_id`` of job ``job_id``), working in ``work_dir``.
 
     ``peers`` maps peer ids to base URLs (``dispatch_job.peers``); ``transfer_token`` is sent as
-    ``Authorization: Bearer …`` to them. Timeouts are seconds: ``request_timeout`` bounds each control-plane
+    ``Authorization: Bearer …`` to them. Peers in ``relay_peers`` (``dispatch_job.relay``) accept no inbound
+    connections: they are reached through the relay of the control plane at ``server_url`` instead. Timeouts are seconds: ``request_timeout`` bounds each control-plane
     request (a reply that does not come is a ``network_error``), ``connect_timeout``/``read_timeout`` every HTTP
     call (``read_timeout`` is per read, so large files are fine); ``result_wait`` is the long-poll ``wait``.
     Failed HTTP calls are retried ``retries`` times, after ``retry_base``·2^attempt seconds (at most
@@ -89,6 +91,8 @@ class RemoteBackend(SliceFetching):
         link: ControlLink,
         work_dir: Path,
         peers: Mapping[str, str] | None = None,
+        relay_peers: list[str] | None = None,
+        server_url: str | None = None,
         transfer_token: str | None = None,
         request_timeout: float = 30.0,
         connect_timeout: float = 10.0,
@@ -108,6 +112,9 @@ class RemoteBackend(SliceFetching):
         self.link = link
         self.work_dir = work_dir
         self.peers = {peer: url.rstrip("/") for peer, url in (peers or {}).items()}
+        self.relay_peers = set(relay_peers or ())
+        self.server_url = server_url.rstrip("/") if server_url else None
+        self._relay = None
         self.transfer_token = transfer_token
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
@@ -241,6 +248,32 @@ class RemoteBackend(SliceFetching):
             url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/result"
             name = result_name(peer, round_number)
             target = resolve_in(directory, name)
+            if self._relayed(peer):
+                relayed = await self._relay_result(round_number, target)
+                if relayed is None:
+                    continue  # not closed yet: the long-poll waited; ask again
+                outcome, size, included = relayed
+                if outcome == "pruned":
+                    line = (
+                        f"round {round_number}'s result was deleted from the relay before this trainer "
+                        "received it; the trainer goes on from the full global weights"
+                    )
+                    logger.warning("task %s: %s", self.task_id, line)
+                    self.link.post(protocol.TaskLog(task_id=self.task_id, lines=[line]))
+                    round_number += 1
+                    continue
+                logger.info(
+                    "task %s: received round %d result through the relay (%d bytes, included: %s)",
+                    self.task_id,
+                    round_number,
+                    size,
+                    "true" if included else "false",
+                )
+                self._forget_sent(round_number)
+                self._delivered.append((round_number, target))
+                yield name, size, peer, {"round": round_number}
+                round_number += 1
+                continue
             try:
                 result = await self._download(
                     url,
@@ -311,6 +344,7 @@ class RemoteBackend(SliceFetching):
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._relay = None
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -330,7 +364,21 @@ class RemoteBackend(SliceFetching):
                 return await self._download(url, target, headers=self._auth(), operation="model download")
 
             try:
-                download, base = await self._at_peer(reference.peer, f"model file {filename}", download_from)
+                # The path (direct or relay) comes with the address: wait for it before choosing.
+                await self._peer_url(reference.peer)
+                try:
+                    if not self._relayed(reference.peer):
+                        download, base = await self._at_peer(
+                            reference.peer, f"model file {filename}", download_from
+                        )
+                except SwitchedToRelay:
+                    pass
+                if self._relayed(reference.peer):
+                    size, rounds_held = await self._relay_model_file(filename, target)
+                    written.append((filename, size))
+                    if rounds_held is not None:
+                        self._learn_rounds(rounds_held)
+                    continue
             except HttpStatusError as error:
                 raise ConnectorError(f"model file {filename}: {error}") from error
             url = f"{base}/jobs/{self.job_id}/model/{urllib.parse.quote(filename)}"
@@ -393,7 +441,15 @@ class RemoteBackend(SliceFetching):
             await self._put_update(url, path=path, samples=samples, round_number=round_number)
 
         try:
-            _, base = await self._at_peer(peer, f"round {round_number} update", put)
+            await self._peer_url(peer)  # the path (direct or relay) comes with the address
+            try:
+                if not self._relayed(peer):
+                    _, base = await self._at_peer(peer, f"round {round_number} update", put)
+            except SwitchedToRelay:
+                pass
+            if self._relayed(peer):
+                await self._relay_update(round_number=round_number, path=path, samples=samples)
+                base = self.peers.get(peer, "")
         except HttpStatusError as error:
             logger.warning(
                 "task %s: the parameter server refused the round %d update (HTTP %d): %s",
@@ -410,13 +466,17 @@ class RemoteBackend(SliceFetching):
         """``operation(base URL)`` against ``peer``, and the base URL it succeeded at. Connection errors,
         timeouts and 5xx are retried for up to ``peer_wait`` seconds, each time at the peer's current address
         (a parameter server that died is restarted elsewhere, and the control plane says where; a new address
-        ends a pause at once); a long wait is said on the job's page. A 4xx is raised as it is."""
+        ends a pause at once); a long wait is said on the job's page and reported to the control plane
+        (``transfer_problem``, cleared by ``transfer_ok`` once the peer answers). A 4xx is raised as it is."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.peer_wait
         pause = self.retry_base
         attempt = 0
+        first_failed = None
         while True:
             base = await self._peer_url(peer)
+            if self._relayed(peer):
+                raise SwitchedToRelay()  # the control plane says this peer is reached through the relay now
             try:
                 done = await operation(base), base
             except HttpStatusError as error:
@@ -424,19 +484,33 @@ class RemoteBackend(SliceFetching):
                 if error.status < 500 and (
                     error.status != UNAUTHORIZED or self.authorisation.refused(f"{what}: {error}")
                 ):
+                    self.report_transfer_ok(peer)  # it answered: reachable, whatever it said
                     raise
                 failure: Exception = error
             except IntegrityError as error:
+                self.report_transfer_ok(peer)
                 raise ConnectorError(f"{what}: {error}") from error
             except (aiohttp.ClientError, TimeoutError) as error:
                 failure = error
             else:
                 self.authorisation.accepted()
+                self.report_transfer_ok(peer)
                 return done
             attempt += 1
+            first_failed = first_failed or self.problem_clock()
             detail = str(failure) or type(failure).__name__
             left = deadline - loop.time()
+            problem = {
+                "peer": peer,
+                "role": "parameter_server",
+                "url": base,
+                "operation": what,
+                "cause": detail,
+                "attempts": attempt,
+                "since": first_failed,
+            }
             if left <= 0:
+                self.report_transfer_problem(**problem)  # the cause the task is about to fail of
                 raise ConnectorError(f"{what}: {detail}") from failure
             pause = min(pause, left)
             line = f"waiting for the parameter server: {what} from {base} failed ({detail}); trying again in {pause:.1f} s"
@@ -445,6 +519,7 @@ class RemoteBackend(SliceFetching):
                 attempt > self.retries
             ):  # a passing failure is retried quietly; a long one shows on the job page
                 self.link.post(protocol.TaskLog(task_id=self.task_id, lines=[line[:1000]]))
+                self.report_transfer_problem(**problem)
             await self._wait_for_peers(pause)
             pause = min(pause * 2, self.retry_cap)
 
@@ -510,9 +585,12 @@ class RemoteBackend(SliceFetching):
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.transfer_token}"} if self.transfer_token else {}
 
-    def update_peers(self, peers: Mapping[str, str]) -> None:
-        """New addresses of peers (a repeated ``dispatch_job``: the parameter server listens now, or moved)."""
+    def update_peers(self, peers: Mapping[str, str], *, relay: list[str] | None = None) -> None:
+        """New addresses of peers (a repeated ``dispatch_job``: the parameter server listens now, or moved),
+        and which of them are reached through the relay (``None``: as before)."""
         self.peers.update({peer: url.rstrip("/") for peer, url in peers.items()})
+        if relay is not None:
+            self.relay_peers = set(relay)
         self.peers_told += 1
         self._peers_changed.set()
 

@@ -17,6 +17,7 @@ from worker_daemon import protocol
 from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
 from worker_daemon.bridge.peer_http import CachedSlice, HttpStatusError, IntegrityError, without_query
 from worker_daemon.bridge.remote.downloads import Downloads
+from worker_daemon.bridge.remote.problems import TransferProblemReports, peer_host
 from worker_daemon.link import ControlLink
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ PREFETCH_DIR = ".prefetch"
 MIN_SLICE_RETRY = 0.05
 
 
-class SliceFetching(Downloads):
+class SliceFetching(TransferProblemReports, Downloads):
     """``scheduler`` fetches (the attributes are :class:`RemoteBackend`'s)."""
 
     link: ControlLink
@@ -79,8 +80,11 @@ class SliceFetching(Downloads):
         target = cache / str(assigned.index)
         deadline = asyncio.get_running_loop().time() + self.data_wait
         pause = self.retry_base
+        passes = 0
+        first_failed = None
         while True:
             failures = []
+            unreached: list[tuple[str, str]] = []  # (URL without query, why) of the nodes that did not answer
             unreachable = True  # every node was down or failing (worth waiting for), none answered wrongly
             for url in assigned.urls:  # every data node serving the dataset, in turn
                 try:
@@ -107,11 +111,29 @@ class SliceFetching(Downloads):
                     else:
                         problem = (str(error) or type(error).__name__).replace(url, where)
                     failures.append(f"{where}: {problem}")
+                    if unreachable:
+                        unreached.append((where, problem))
                     logger.warning("task %s: slice %d failed: %s", self.task_id, assigned.index, failures[-1])
                     continue
+                # The data is flowing again: no node of this slice blocks the task any more.
+                self.report_transfer_ok(*(peer_host(node) for node in assigned.urls))
                 return CachedSlice(dataset=dataset, index=assigned.index, size=download.size, path=target)
             detail = "; ".join(failures) if failures else "no URL to download it from"
             left = deadline - asyncio.get_running_loop().time()
+            if assigned.urls and unreachable:
+                # Every node is down or failing: say which and why (again at each pass while waiting).
+                passes += 1
+                first_failed = first_failed or self.problem_clock()
+                for where, problem in unreached:
+                    self.report_transfer_problem(
+                        peer=peer_host(where),
+                        role="data_node",
+                        url=where,
+                        operation=f"slice download ({dataset})",
+                        cause=problem,
+                        attempts=passes,
+                        since=first_failed,
+                    )
             if not assigned.urls or not unreachable or left <= 0:
                 raise ConnectorError(
                     f"slice {assigned.index} of {dataset!r} could not be downloaded: {detail}"

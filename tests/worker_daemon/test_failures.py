@@ -1,0 +1,199 @@
+"""A failed task's reason is its root cause, not the launcher's wrapper of it: :func:`worker_daemon.failures.root_cause`
+on real output — a real process that nests its failure the way ``accelerate launch`` does, and the real
+``accelerate launch`` of a tiny failing script — and the job manager reporting it in ``job_exited``."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from worker_daemon import protocol
+from worker_daemon.config import WorkerConfig
+from worker_daemon.failures import root_cause
+from worker_daemon.jobs import JobManager
+from worker_daemon.leases import LeaseBook
+
+#: A child that fails as the built-in trainer does when its bridge cannot reach the parameter server: it logs
+#: its own error at ERROR and exits 3.
+CHILD = textwrap.dedent(
+    """
+    import logging, sys
+    logging.basicConfig(stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("worker_daemon.executors.training").error(
+        "%s: %s",
+        "BridgeCallError",
+        '/resources/fetch: HTTP 500: {"error":"connector_error","detail":"model file config.json: Cannot '
+        "connect to host 10.0.0.3:7070 ssl:default [Connect call failed ('10.0.0.3', 7070)]\\"}",
+    )
+    sys.exit(3)
+    """
+)
+#: A launcher that runs the child and re-raises its failure, as accelerate's simple_launcher does.
+LAUNCHER = textwrap.dedent(
+    """
+    import subprocess, sys
+    process = subprocess.Popen([sys.executable, sys.argv[1]])
+    process.wait()
+    if process.returncode != 0:
+        raise subprocess.CalledProcessError(returncode=process.returncode, cmd=[sys.executable, sys.argv[1]])
+    """
+)
+ROOT = (
+    "BridgeCallError: /resources/fetch: connector_error: model file config.json: Cannot connect to host "
+    "10.0.0.3:7070 ssl:default [Connect call failed ('10.0.0.3', 7070)]"
+)
+
+
+def output_of(*argv: str) -> tuple[int, list[str]]:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return result.returncode, (result.stdout + result.stderr).splitlines()
+
+
+def test_a_launcher_wrapped_failure_gives_the_childs_own_error(tmp_path):
+    child, launcher = tmp_path / "child.py", tmp_path / "launcher.py"
+    child.write_text(CHILD)
+    launcher.write_text(LAUNCHER)
+
+    # when
+    code, lines = output_of(sys.executable, str(launcher), str(child))
+
+    # then: the last line is the launcher's wrapper; the cause is the child's
+    assert code == 1
+    assert lines[-1].startswith("subprocess.CalledProcessError: Command '[")
+    assert root_cause(lines) == ROOT
+
+
+def test_the_real_accelerate_launch_of_a_failing_script_gives_the_scripts_error(tmp_path):
+    pytest.importorskip("accelerate")
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+
+    # when
+    code, lines = output_of(
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu", str(child)
+    )
+
+    # then
+    assert code == 1
+    assert any(line.startswith("subprocess.CalledProcessError") for line in lines), lines
+    assert root_cause(lines) == ROOT
+
+
+def test_an_uncaught_exception_chain_gives_the_innermost_exception(tmp_path):
+    script = tmp_path / "chain.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            print("loading the model")
+            try:
+                raise ConnectionRefusedError(111, "Connect call failed ('10.0.0.3', 7070)")
+            except OSError as error:
+                raise RuntimeError("model file config.json: cannot download") from error
+            """
+        )
+    )
+
+    # when
+    code, lines = output_of(sys.executable, str(script))
+
+    # then
+    assert code == 1
+    assert lines[-1] == "RuntimeError: model file config.json: cannot download"
+    assert root_cause(lines) == "ConnectionRefusedError: [Errno 111] Connect call failed ('10.0.0.3', 7070)"
+
+
+def test_the_latest_failure_wins_and_a_logged_exception_gives_its_exception_line():
+    lines = [
+        "2026-03-01 10:00:00,000 ERROR parameter_server: round 1: an update was refused",
+        "training goes on",
+        "2026-03-01 10:05:00,000 ERROR worker_daemon.executors.training: the trainer failed unexpectedly",
+        "Traceback (most recent call last):",
+        '  File "training.py", line 626, in main',
+        "    return training_function(arguments, job)",
+        "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+        "KeyError: 'labels'",
+    ]
+    assert root_cause(lines) == "KeyError: 'labels'"
+    assert root_cause(lines[:2]) == "round 1: an update was refused"
+
+
+def test_two_tracebacks_that_are_not_chained_give_the_later_one():
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "a.py", line 1, in <module>',
+        "ValueError: first",
+        "Traceback (most recent call last):",
+        '  File "b.py", line 1, in <module>',
+        "TypeError: second",
+    ]
+    assert root_cause(lines) == "TypeError: second"
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [],
+        ["step 1 loss 2.0", "step 2 loss 1.9"],
+        [
+            "Traceback (most recent call last):",
+            '  File "x", line 1',
+            "subprocess.CalledProcessError: Command 'x'",
+        ],
+    ],
+    ids=["no output", "no failure", "only the wrapper"],
+)
+def test_output_without_a_failure_gives_nothing(lines):
+    assert root_cause(lines) == ""
+
+
+def test_a_long_cause_is_cut(tmp_path: Path):
+    assert len(root_cause(["Traceback (most recent call last):", "ValueError: " + "x" * 2000])) == 500
+
+
+async def test_the_job_manager_reports_the_childs_failure_not_the_launchers(short_dir, link, answerer):
+    child, launcher = short_dir / "child.py", short_dir / "launcher.py"
+    child.write_text(CHILD)
+    launcher.write_text(LAUNCHER)
+    config = WorkerConfig.model_validate(
+        {
+            "work_dir": str(short_dir / "w"),
+            "resources": {"cpu": 8, "memory": 32, "storage": 100, "gpu": 0},
+            "executors": [
+                {
+                    "class": "train",
+                    "name": "wrapped",
+                    "runtime": "process",
+                    "cmd": sys.executable,
+                    "args": [str(launcher), str(child)],
+                }
+            ],
+        }
+    )
+    lease, job = uuid.UUID(int=7), uuid.UUID(int=42)
+    book = LeaseBook(capacity=config.capacity)
+    book.activate(
+        lease_id=lease, job_id=job, role="trainer", resources=protocol.Resources(), price=1.0, ttl=60.0
+    )
+    manager = JobManager(config=config, book=book, server_url="wss://cp.example", link=link)
+    spec = {
+        "job_id": str(job),
+        "executor": {"class": "train", "descriptor": {"name": "wrapped"}, "config": {}},
+    }
+    try:
+        # when
+        task = manager.start(
+            protocol.DispatchJob(task_id=uuid.uuid4(), lease_id=lease, job_id=job, role="trainer", spec=spec)
+        )
+        exited = await asyncio.wait_for(task.runner, 30)
+    finally:
+        await manager.stop_all(timeout=5.0)
+
+    # then
+    assert (exited.exit_code, exited.cancelled, exited.reason) == (1, False, ROOT)
+    assert exited.log_tail.splitlines()[-1].startswith("subprocess.CalledProcessError")
