@@ -278,13 +278,16 @@ def training_cluster(
     quiet: bool = True,
     wan: Wan | None = None,
     public_workers: Collection[str] = (),
+    data_node_reachable: bool = True,
 ) -> Iterator[Cluster]:
     """Control plane + one data node serving ``dataset_dir`` + ``workers`` daemons, all stopped on exit.
     ``worker_tomls``: each daemon's config template (:func:`worker_toml`); by default :data:`WORKER_TOML` for
     all, running the worker benchmark at start unless ``benchmark`` is False (tests that need no scores).
     With ``wan`` (an open ``tests/e2e/wan.py`` Wan), the control plane listens on its host address and the
     data node (a public peer) and every daemon (a private peer, behind NAT, unless ``public_workers`` names
-    it: ``worker-<n>``, numbered from 1) run in namespaces of their own."""
+    it: ``worker-<n>``, numbered from 1) run in namespaces of their own. ``data_node_reachable`` False starts
+    the data node with ``--reachable false`` (with ``wan``: a private peer behind NAT, which only reaches the
+    control plane), so it publishes its slices to the control plane's store and trainers download them there."""
     if worker_tomls is not None and len(worker_tomls) != workers:
         raise ValueError(f"{len(worker_tomls)} worker configs for {workers} workers")
     host = wan.host_address if wan is not None else "127.0.0.1"
@@ -298,8 +301,10 @@ def training_cluster(
             "--token-file", str(token_file(root / "data-node.token", node_token)),
             "--dataset", str(dataset_dir), "--port", str(free_port()), "--log-level", "WARNING",
         ]  # fmt: skip
+        if not data_node_reachable:
+            data_node_argv += ["--reachable", "false"]
         if wan is not None:
-            data_node_peer = wan.add("data-node", public=True)
+            data_node_peer = wan.add("data-node", public=data_node_reachable)
             data_node_argv = data_node_peer.command([*data_node_argv, "--host", data_node_peer.address])
         data_node = plane.start("data-node", data_node_argv)
         cluster = Cluster(

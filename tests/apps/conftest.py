@@ -179,7 +179,10 @@ def hello(
     leases: tuple = (),
     version: int = protocol.PROTOCOL_VERSION,
     benchmark: protocol.BenchmarkResult | None = None,
+    reachable: str = "true",
 ) -> protocol.Hello:
+    # The rigs say they accept connections: the control plane then never tries their made-up URLs (a test
+    # of "auto", which it checks with a real request, says so: tests/apps/jobs/test_transfers.py).
     return protocol.Hello(
         protocol_version=version,
         daemon_version="test",
@@ -189,6 +192,7 @@ def hello(
         strategy="whole",
         leases=list(leases),
         benchmark=benchmark,
+        reachable=reachable,
     )
 
 

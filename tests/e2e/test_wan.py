@@ -288,11 +288,14 @@ RELAY_DEADLINE = 120.0
 
 
 @only_in_mode("embedded", "the subject is the peers' transfers, not how the control plane runs")
-def test_diloco_job_completes_through_the_relay(tmp_path: Path, wan: Wan) -> None:
+@pytest.mark.parametrize("data_node", ["public", "private"])
+def test_diloco_job_completes_through_the_relay(tmp_path: Path, wan: Wan, data_node: str) -> None:
     from bench.cluster import training_cluster
 
     # given: two trainers and a parameter server, each daemon in its own namespace behind NAT, a data node
-    # with a public address, and the control plane on the host
+    # with a public address — or ("private") behind NAT too, with --reachable false: it publishes its slices
+    # to the control plane's store, where trainers and the parameter server download them — and the control
+    # plane on the host
     dataset, spec = small_training_job(
         tmp_path, trainers=2, rounds=RELAY_ROUNDS, inner_steps=5, round_timeout=60.0
     )
@@ -304,8 +307,10 @@ def test_diloco_job_completes_through_the_relay(tmp_path: Path, wan: Wan) -> Non
         settings={"HYPHA_LEASE_TTL": "10"},
         benchmark=False,
         wan=wan,
+        data_node_reachable=data_node == "public",
     ) as cluster:
         assert sorted(wan.peers) == ["data-node", "worker-1", "worker-2", "worker-3"]
+        assert wan.peers["data-node"].public is (data_node == "public")
 
         for encoding in ("float32", "int8"):
             # when
@@ -327,3 +332,13 @@ def test_diloco_job_completes_through_the_relay(tmp_path: Path, wan: Wan) -> Non
                 # both trainers' updates came in through the relay and the result went out to it
                 assert relay["in"] == round_["bytes_in"] > 0, round_
                 assert relay["out"] > 0, round_
+
+        if data_node == "private":
+            # and: the data node said it is not reachable and published every slice to the control plane's
+            # store (from a private peer nobody can download: the jobs' data came from there)
+            with cluster.api() as client:
+                [replica] = client.get(f"/api/datasets/{dataset.name}/").json()["replicas"]
+            assert replica["reachable"] == "false"
+            published = tmp_path / "cluster" / "data" / "published-slices"
+            blobs = [blob for node in published.iterdir() for blob in node.iterdir()]
+            assert len(blobs) == len(list(dataset.glob("*.safetensors")))

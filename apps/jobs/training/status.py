@@ -79,7 +79,7 @@ def handle_status(
         if not task.is_live or job.status != Job.Status.RUNNING:
             reply = ERROR
         elif task.role == PARAMETER_SERVER:
-            reply = _server_status(task, message.progress, probed=probed)
+            reply = _server_status(task, message.progress, probed=probed, worker=worker)
         else:
             reply, changes = _trainer_status(task, message.progress)
         # One UPDATE per report: the trainer's progress and the reply kept for a repeat of this request.
@@ -384,7 +384,9 @@ def _transfers(value: Any) -> dict:
             kept[path] = {
                 direction: count
                 for direction in ("in", "out")
-                if isinstance(count := counts.get(direction), int) and not isinstance(count, bool) and count >= 0
+                if isinstance(count := counts.get(direction), int)
+                and not isinstance(count, bool)
+                and count >= 0
             }
     return kept
 
@@ -405,7 +407,9 @@ def ready_url(progress: dict | str) -> str | None:
     return url
 
 
-def _server_status(task: Task, progress: dict | str, *, probed: tuple[bool, str] | None = None) -> dict:
+def _server_status(
+    task: Task, progress: dict | str, *, probed: tuple[bool, str] | None = None, worker=None
+) -> dict:
     kind = _kind(progress)
     job = task.job
     if kind == "ready":
@@ -414,7 +418,8 @@ def _server_status(task: Task, progress: dict | str, *, probed: tuple[bool, str]
             return ERROR
         Task.objects.filter(pk=task.pk).update(url=url, status=Task.Status.RUNNING)
         task.url = url
-        path, why = transfers.choose_path(task.lease.worker, url, probed)
+        # The worker as the caller knew it when it chose to probe (its own hello said how it is reached).
+        path, why = transfers.choose_path(worker or task.lease.worker, url, probed)
         transfers.set_path(task, path)
         dispatch_trainers(job, task)
         count = point_trainers(job, task)

@@ -48,6 +48,7 @@ def closed_url() -> str:
 
 def declare(worker: Worker, reachable: str) -> None:
     Worker.objects.filter(pk=worker.pk).update(reachable=reachable)
+    worker.refresh_from_db()
 
 
 @pytest.mark.django_db
