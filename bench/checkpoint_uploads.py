@@ -70,7 +70,7 @@ async def one_encoding(encoding: str, args: argparse.Namespace, root: Path) -> d
     import torch
     from aiohttp import web
 
-    from parameter_server import weights as weights_io
+    from hypha_tensors import weights as weights_io
     from parameter_server.job import parse_job
     from parameter_server.service import Settings, run
     from worker_daemon.bridge import serve_bridge

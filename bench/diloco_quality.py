@@ -355,7 +355,7 @@ def run_diloco(
     unpacked = root / f"model-{job_id}"
     with zipfile.ZipFile(archive) as zipped:
         zipped.extractall(unpacked)
-    from parameter_server import weights as weights_io
+    from hypha_tensors import weights as weights_io
 
     final_weights = weights_io.load(next(unpacked.rglob("model.safetensors")))
     final_here = evaluator.loss(build_model(), final_weights)

@@ -492,9 +492,9 @@ def print_report(results: list[Result], args, load_at_start: str) -> None:
     print(f"- load average (1/5/15 min): {load_at_start} at start, {load_average()} at the end")
     for mode in dict.fromkeys(result.mode for result in results):
         print(f"- {mode}: {MODE_DESCRIPTIONS[mode]}")
-    for result in results:
-        for key, value in result.details.items():
-            print(f"- {key}: {value}")
+    details = {key: value for result in results for key, value in result.details.items()}
+    for key, value in details.items():
+        print(f"- {key}: {value}")
     print(
         f"- body {args.size} MiB, parts of 16 MiB (the default), slow reader {args.slow_rate} MiB/s; "
         f"command: {' '.join(sys.argv)}"

@@ -316,7 +316,7 @@ def write_pseudo_gradient(model_path: Path, target: Path) -> int:
     """A valid update for ``model_path``: every floating-point tensor, same shape and dtype, small values."""
     import torch
 
-    from parameter_server import weights as weights_io
+    from hypha_tensors import weights as weights_io
 
     weights = weights_io.load(model_path)
     generator = torch.Generator().manual_seed(7)
@@ -332,7 +332,7 @@ def write_pseudo_gradient(model_path: Path, target: Path) -> int:
 def server_work_after_body(model_path: Path, update_path: Path) -> float:
     """Seconds the server spends on an update once its body is on disk: ``ParameterServerApp._parse_update``
     (load + validate) and ``StreamingMean.add`` (the first add of a round: it allocates the accumulator)."""
-    from parameter_server import weights as weights_io
+    from hypha_tensors import weights as weights_io
     from parameter_server.math import StreamingMean
 
     signature = {

@@ -19,7 +19,7 @@ Contracts every function keeps:
   sides: a decoder also refuses scales that are negative, not finite, or so large that ``128 · s`` would
   overflow float32, and a float16/bfloat16 value that is not finite.
 * Names whose tensors are the very same object (tied weights) are encoded once and share the encoded tensors
-  (and residuals, and decoded tensors), so ``parameter_server.weights.save`` stores them once.
+  (and residuals, and decoded tensors), so ``hypha_tensors.weights.save`` stores them once.
 * Decoding gives float32 (or ``dtype``) tensors; ``float32`` gives back the tensors it was given.
 
 **Error feedback** (:func:`encode_with_feedback`, :class:`ErrorFeedback`): the sender keeps what encoding

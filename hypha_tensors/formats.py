@@ -33,7 +33,7 @@ MAX_BLOCK_SIZE = 1 << 20
 
 ENCODING_KEY = "hypha.encoding"
 BLOCK_SIZE_KEY = "hypha.block_size"
-#: The metadata keys an encoded file carries (``parameter_server.weights.save`` lets these ``hypha.`` keys
+#: The metadata keys an encoded file carries (``hypha_tensors.weights.save`` lets these ``hypha.`` keys
 #: through).
 METADATA_KEYS = frozenset({ENCODING_KEY, BLOCK_SIZE_KEY})
 #: An int8 tensor ``name`` travels with its per-block scales under ``name + SCALE_SUFFIX``.

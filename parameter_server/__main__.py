@@ -158,7 +158,7 @@ def _main(arguments: argparse.Namespace) -> int:
 
 
 async def _run(job: JobConfig, settings: Settings) -> int:
-    from parameter_server.exceptions import JobConfigError, ParameterServerError
+    from parameter_server.exceptions import ERRORS, JobConfigError
     from parameter_server.service import Stopped, run
 
     stop = asyncio.Event()
@@ -173,7 +173,7 @@ async def _run(job: JobConfig, settings: Settings) -> int:
     except JobConfigError as error:
         logger.error("bad job: %s", error)
         return EXIT_BAD_ARGUMENTS
-    except (ParameterServerError, OSError) as error:
+    except (*ERRORS, OSError) as error:
         logger.error("%s", error)
         return EXIT_FAILED
     except Exception:

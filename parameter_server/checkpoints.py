@@ -25,7 +25,7 @@ elsewhere resumes from a copy of its last round kept by the control plane, and t
 operations the round computed (``RoundCoordinator._step``: ``θ + deQ(u)`` per tensor), so replaying them
 gives θ_r bit for bit. ``base_round`` b is the last round whose weights were uploaded; ``chain`` lists the
 rounds b+1..r with whether each took a step (a round that did not kept θ as it was: adding its zeros would
-turn a −0.0 into +0.0); ``digest`` is θ_r's :func:`~parameter_server.weights.digest`, which the replay must
+turn a −0.0 into +0.0); ``digest`` is θ_r's :func:`~hypha_tensors.weights.digest`, which the replay must
 reproduce. A manifest without ``base_round`` (an older server's) is a round of full weights.
 :func:`round_files` lists what a round uploads (the weights only at a base round), :func:`adopt_round`
 installs downloaded files, replaying the chain and checking the digest.
@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
+from hypha_tensors import weights as weights_io
 from hypha_tensors.encoding import decode
 from hypha_tensors.formats import Encoding, EncodingError
-from parameter_server import weights as weights_io
-from parameter_server.exceptions import CheckpointError, ParameterServerError
+from parameter_server.exceptions import ERRORS, CheckpointError
 
 CHECKPOINT_FORMAT = 1
 MANIFEST_NAME = "round.json"
@@ -241,7 +241,7 @@ def _read_round(path: Path, round_number: int) -> RoundState:
         base_round, chain, digest = _chain_of(manifest, round_number, path / MANIFEST_NAME)
     except CheckpointError:
         raise
-    except (OSError, ValueError, ParameterServerError) as error:
+    except (OSError, ValueError, *ERRORS) as error:
         raise CheckpointError(f"round {round_number} in {path} cannot be read: {error}") from error
     return RoundState(
         round_number=round_number,
@@ -391,6 +391,6 @@ def _replay(source: Path, chain: Sequence[ChainLink]) -> dict[str, torch.Tensor]
                 }
     except CheckpointError:
         raise
-    except (ValueError, EncodingError, ParameterServerError) as error:
+    except (ValueError, EncodingError, *ERRORS) as error:
         raise CheckpointError(f"the checkpoint's {where.name} cannot be replayed: {error}") from error
     return weights

@@ -23,8 +23,9 @@ from typing import Any
 import aiohttp
 import torch
 
-from parameter_server import weights as weights_io
-from parameter_server.exceptions import EvalDataError, EvalNotFinite, ParameterServerError
+from hypha_tensors import weights as weights_io
+from hypha_tensors.exceptions import TensorError
+from parameter_server.exceptions import EvalDataError, EvalNotFinite
 from parameter_server.job import EvalConfig, EvalSlice
 
 logger = logging.getLogger("parameter_server")
@@ -108,7 +109,7 @@ class Evaluator:
         for path in paths:
             try:
                 tensors = weights_io.load(path)
-            except ParameterServerError as error:
+            except TensorError as error:
                 raise EvalDataError(f"eval slice {path.name} is not usable safetensors: {error}") from error
             names = self.input_names or tuple(sorted(tensors))
             missing = [name for name in names if name not in tensors]

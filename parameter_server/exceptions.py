@@ -3,10 +3,6 @@
 Hierarchy::
 
     ParameterServerError           base of everything the parameter server raises on purpose
-    ├── TensorRefused              one named tensor is wrong: missing, unknown, wrong shape or dtype,
-    │                              NaN/Inf, not floating point; ``name`` and ``reason`` say which and why
-    ├── WeightsFileError           a file is not usable safetensors: unreadable, random bytes, truncated,
-    │                              bad alias metadata; ``path`` and ``reason``
     ├── NoUpdatesError             a mean was asked of zero updates (or of weights summing to zero)
     ├── CheckpointError            a round directory cannot be written, or the latest one cannot be read
     ├── JobConfigError             the job JSON (or a command-line argument) is unusable: exit code 2
@@ -21,6 +17,10 @@ Hierarchy::
         ├── RoundPruned            410: the round's result is no longer kept
         └── UnknownRound           404: no such round in this job (< 1 or > update_rounds)
 
+The errors about tensors and tensor files (``TensorRefused``, ``WeightsFileError``) are
+:mod:`hypha_tensors.exceptions`' (the executor shares those helpers), re-exported here; catch
+:data:`ERRORS` where any of the parameter server's own errors is meant.
+
 Programming errors in arguments that never come from the network (a negative learning rate, a non-finite
 sample weight) raise ``ValueError``; I/O failures of the operating system while *writing* surface as
 ``OSError`` unless a module says otherwise.
@@ -28,29 +28,11 @@ sample weight) raise ``ValueError``; I/O failures of the operating system while 
 
 from __future__ import annotations
 
-from pathlib import Path
+from hypha_tensors.exceptions import TensorError, TensorRefused, WeightsFileError
 
 
 class ParameterServerError(Exception):
     """Base class of the parameter server's own errors."""
-
-
-class TensorRefused(ParameterServerError):
-    """A tensor was refused. ``name`` is the tensor's name in the state dict, ``reason`` a short phrase."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"tensor {name!r} refused: {reason}")
-        self.name = name
-        self.reason = reason
-
-
-class WeightsFileError(ParameterServerError):
-    """A weights file cannot be read as safetensors (or its Hypha metadata is inconsistent)."""
-
-    def __init__(self, path: str | Path, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = Path(path)
-        self.reason = reason
 
 
 class NoUpdatesError(ParameterServerError):
@@ -118,3 +100,27 @@ class UnknownRound(RoundError):
 
     status = 404
     kind = "unknown_round"
+
+
+#: Everything the parameter server raises on purpose, its own errors and the tensor helpers'.
+ERRORS = (ParameterServerError, TensorError)
+
+__all__ = [
+    "ERRORS",
+    "TensorError",
+    "TensorRefused",
+    "WeightsFileError",
+    "ParameterServerError",
+    "NoUpdatesError",
+    "CheckpointError",
+    "JobConfigError",
+    "ModelSourceError",
+    "EvalDataError",
+    "EvalNotFinite",
+    "UploadError",
+    "UpdateRefused",
+    "RoundError",
+    "RoundConflict",
+    "RoundPruned",
+    "UnknownRound",
+]

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hypha_tensors import weights as weights_io
 from parameter_server import safe_fetch
-from parameter_server import weights as weights_io
 from parameter_server.exceptions import JobConfigError, ModelSourceError, WeightsFileError
 from parameter_server.job import JobConfig, ModelSource
 

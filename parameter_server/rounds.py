@@ -62,9 +62,9 @@ from typing import NamedTuple
 
 import torch
 
+from hypha_tensors import weights as weights_io
 from hypha_tensors.encoding import DecodedView, EncodingError, encode, encode_with_feedback
 from hypha_tensors.formats import Encoding
-from parameter_server import weights as weights_io
 from parameter_server.exceptions import (
     RoundConflict,
     RoundPruned,
@@ -99,7 +99,7 @@ class RoundResult:
     #: Seconds after the round's first accepted update at which each participant's update was accepted.
     arrivals: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
-    #: :func:`~parameter_server.weights.digest` of θ_r, published with the result (set by the persist hook).
+    #: :func:`~hypha_tensors.weights.digest` of θ_r, published with the result (set by the persist hook).
     digest: str | None = None
     eval_loss: float | None = None
     #: Why ``eval_loss`` is None although the job has eval data (not finite, data unavailable, …), or None.

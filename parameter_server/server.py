@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from hypha_tensors import weights as weights_io
 from hypha_tensors.encoding import DecodedView, EncodingError, check, group, wire_dtype
 from hypha_tensors.formats import Encoding
-from parameter_server import weights as weights_io
 from parameter_server.exceptions import RoundError, TensorRefused, UpdateRefused, WeightsFileError
 from parameter_server.rounds import RoundCoordinator
 from worker_daemon import telemetry

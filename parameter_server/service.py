@@ -40,8 +40,8 @@ from typing import Any
 
 import aiohttp
 
+from hypha_tensors import weights as weights_io
 from parameter_server import checkpoints
-from parameter_server import weights as weights_io
 from parameter_server.evaluation import Evaluator
 from parameter_server.exceptions import (
     CheckpointError,

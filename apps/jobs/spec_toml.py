@@ -163,6 +163,8 @@ class _TomlTranslation:
                 # Ours: how pseudo-gradients and results travel (float32, float16, bfloat16, int8).
                 "encoding",
                 "encoding_block_size",
+                # Ours: the parameter server uploads its full weights every this many rounds.
+                "checkpoint_every",
             ):
                 # One spelling for a key without "_" (``weighted``): two equal ones read as a duplicate.
                 spellings = tuple(dict.fromkeys((key, key.replace("_", "-"))))

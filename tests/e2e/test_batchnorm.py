@@ -49,7 +49,7 @@ def test_a_batchnorm_model_keeps_a_finite_eval_loss_and_averaged_running_statist
     import subprocess
 
     from bench.cluster import diloco_spec, training_cluster
-    from parameter_server import weights
+    from hypha_tensors import weights
 
     # given: 96 images of 8×8 in slices of 16 (one held out for eval) and a tiny ResNet built from a config
     dataset = tmp_path / "colours"

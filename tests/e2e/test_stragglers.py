@@ -36,7 +36,7 @@ def test_a_trainer_left_out_of_rounds_merges_each_of_them_and_ends_with_the_glob
     tmp_path: Path,
 ) -> None:
     from bench.cluster import training_cluster, worker_toml
-    from parameter_server import weights
+    from hypha_tensors import weights
 
     # given: a parameter server, a trainer, and one 5x slower; rounds close 0.5 s after the first update
     dataset, spec = small_training_job(

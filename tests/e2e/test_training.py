@@ -31,7 +31,7 @@ TRAINERS = 2
 
 def test_a_diloco_job_trains_a_tiny_model_and_its_model_is_downloadable(tmp_path: Path) -> None:
     from bench.cluster import training_cluster
-    from parameter_server import weights
+    from hypha_tensors import weights
 
     # given: a byte-level dataset and a cluster of three daemons (two trainers and a parameter server)
     dataset, spec = small_training_job(

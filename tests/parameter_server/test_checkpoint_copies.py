@@ -15,9 +15,9 @@ import pytest
 import torch
 from asgiref.sync import sync_to_async
 
+from hypha_tensors import weights as weights_io
 from hypha_tensors.encoding import encode
 from hypha_tensors.formats import Encoding
-from parameter_server import weights as weights_io
 from parameter_server.exceptions import CheckpointError, UploadError
 from parameter_server.job import parse_job
 from parameter_server.service import Settings, Stopped, run

@@ -11,6 +11,7 @@ import torch
 
 from hypha_tensors.encoding import decode, encode
 from hypha_tensors.formats import Encoding
+from hypha_tensors.weights import digest
 from parameter_server import checkpoints
 from parameter_server.checkpoints import (
     ChainLink,
@@ -22,7 +23,6 @@ from parameter_server.checkpoints import (
     save_round,
 )
 from parameter_server.exceptions import CheckpointError, TensorRefused
-from parameter_server.weights import digest
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from parameter_server import weights
+from hypha_tensors import weights
 
 
 def test_the_digest_counts_tied_names_once_and_ignores_integer_tensors() -> None:

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 import torch
 
+from hypha_tensors import weights as weights_io
 from hypha_tensors.encoding import decode, encode
 from hypha_tensors.formats import Encoding
-from parameter_server import weights as weights_io
 from parameter_server.job import parse_job
 from parameter_server.rounds import RoundCoordinator
 from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http

@@ -11,7 +11,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from parameter_server import weights as weights_io
+from hypha_tensors import weights as weights_io
 from parameter_server.exceptions import JobConfigError, ModelSourceError
 from parameter_server.job import parse_job
 from parameter_server.model import prepare_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from parameter_server import weights as weights_io
+from hypha_tensors import weights as weights_io
 from parameter_server.rounds import RoundCoordinator
 from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http
 from tests.parameter_server.conftest import ALICE, BOB, CAROL, JOB_ID, OTHER_JOB_ID, PS_PEER, auth, token

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from parameter_server import weights as weights_io
+from hypha_tensors import weights as weights_io
 from parameter_server.exceptions import UploadError
 from parameter_server.job import parse_job
 from parameter_server.service import Settings, Stopped, run

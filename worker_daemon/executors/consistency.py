@@ -3,7 +3,7 @@
 The contract (docs/training.md, "What a trainer's weights equal after each round"): after merging round r a
 trainer holds exactly θ_r, the parameter server's global weights after round r — whether or not its own update
 was in the round, however late it reads the result. Our parameter server publishes with each round's result
-(and with the global model file) ``hypha.round`` and ``hypha.digest`` (:func:`parameter_server.weights.digest`
+(and with the global model file) ``hypha.round`` and ``hypha.digest`` (:func:`hypha_tensors.weights.digest`
 of θ_r); our bridge announces each result with its ``round`` and its own file. So a trainer:
 
 * takes each round's result in order, skipping results of rounds it already has (after fetching the full
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hypha_tensors import weights
 from hypha_tensors.encoding import decode
+from hypha_tensors.exceptions import TensorError
 from hypha_tensors.formats import Encoding, EncodingError
-from parameter_server import weights
-from parameter_server.exceptions import ParameterServerError
 from worker_daemon.executors.exceptions import UpdateError
 from worker_daemon.executors.pseudo_gradient import StateDict, merge, tied_groups
 
@@ -78,14 +78,14 @@ def published(path: Path) -> Published:
     try:
         round_number, digest = weights.publication(path)
         dtypes = weights.header_dtypes(path)
-    except ParameterServerError as error:
+    except TensorError as error:
         raise UpdateError(f"{path.name} is unusable: {error}") from error
     return Published(round_number, digest, dtypes)
 
 
 def load_result(path: Path) -> StateDict:
     """A result file's tensors decoded from the encoding its metadata says: ``u`` as the parameter server
-    applied it (float32). ``ParameterServerError`` for a file that is not usable safetensors,
+    applied it (float32). ``TensorError`` for a file that is not usable safetensors,
     :class:`EncodingError` for one that cannot be decoded."""
     encoding = Encoding.from_metadata(weights.read_metadata(path))
     return decode(weights.load(path), encoding)
@@ -184,7 +184,7 @@ def receive_round(
         break
     try:
         update = load_result(path)
-    except (ParameterServerError, EncodingError) as error:
+    except (TensorError, EncodingError) as error:
         raise UpdateError(f"round {round_number}: the update {received.path} is unusable: {error}") from error
     global_new = merge(global_previous, update)
     if publication.digest is None:
@@ -235,7 +235,7 @@ def refetch(
         )
     try:
         fetched = weights.load(path)
-    except ParameterServerError as error:
+    except TensorError as error:
         raise UpdateError(f"the fetched global weights are unusable: {error}") from error
     if weights.digest(fetched) != publication.digest:
         raise UpdateError(f"the fetched {path.name} does not match its own digest {publication.digest}")

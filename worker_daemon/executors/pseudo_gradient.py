@@ -11,8 +11,8 @@ Contracts every function here keeps:
   no meaning and the parameter server refuses them.
 * **Tied weights** (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``): in a model's state dict the
   names are the very same view of one storage. In the dicts this module returns, every name is present and
-  tied names map to *the same tensor object*, which is also what ``parameter_server.weights.load`` returns.
-  ``parameter_server.weights.save`` stores such a tensor once (under the smallest name, the other names in
+  tied names map to *the same tensor object*, which is also what ``hypha_tensors.weights.load`` returns.
+  ``hypha_tensors.weights.save`` stores such a tensor once (under the smallest name, the other names in
   the header's alias table), so the file's stored names are the deduplicated state dict.
 * **The live model is never modified** except by :func:`load_into`, and only after everything it loads has
   been computed and checked: a refused update leaves the model and the previous global weights as they were
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from hypha_tensors.encoding import ErrorFeedback
-from parameter_server.weights import view_key
+from hypha_tensors.weights import view_key
 from worker_daemon.executors.exceptions import UpdateError
 
 StateDict = dict[str, torch.Tensor]

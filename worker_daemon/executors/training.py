@@ -426,9 +426,9 @@ def synchronise(
     parameter server's global weights (the digest is taken in them). ``feedback``: the job's encoding and
     this trainer's error-feedback residual (None: float32 without metadata).
     """
+    from hypha_tensors import weights
+    from hypha_tensors.exceptions import TensorError
     from hypha_tensors.formats import EncodingError
-    from parameter_server import weights
-    from parameter_server.exceptions import ParameterServerError
     from worker_daemon.executors import consistency
     from worker_daemon.executors.exceptions import DivergedError
     from worker_daemon.executors.pseudo_gradient import (
@@ -446,7 +446,7 @@ def synchronise(
         tensors, metadata = encode_update(delta, feedback)
         # Tied weights stored once, the others as aliases.
         weights.save(work_dir / relative, tensors, metadata=metadata)
-    except (ParameterServerError, EncodingError) as error:
+    except (TensorError, EncodingError) as error:
         raise DivergedError(f"round {round_number}: the pseudo-gradient is unusable: {error}") from error
     del delta, tensors
     client.send(config.updates, relative)

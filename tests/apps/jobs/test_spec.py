@@ -825,6 +825,16 @@ def test_the_toml_takes_the_encoding_in_its_rounds_table_in_either_spelling():
     ]
 
 
+def test_the_toml_takes_checkpoint_every_in_its_rounds_table():
+    text = HYPHA_DEFAULT_TOML.replace(
+        "[scheduler.job.rounds]", "[scheduler.job.rounds]\ncheckpoint-every = 4"
+    )
+
+    assert parse_toml(text).rounds.checkpoint_every == 4
+    (error,) = errors_of(parse_toml, text.replace("= 4", "= 0"))
+    assert error["field"] == "scheduler.job.rounds.checkpoint-every"
+
+
 def test_the_toml_takes_weighted_a_key_with_one_spelling():
     # ``weighted`` and ``encoding`` have no "_" to spell as "-": once read as a duplicate of themselves
     text = HYPHA_DEFAULT_TOML.replace("[scheduler.job.rounds]", "[scheduler.job.rounds]\nweighted = false")

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parameter_server import weights
+from hypha_tensors import weights
 from worker_daemon.bridge import BridgeServer, serve_bridge
 
 REPOSITORY = Path(__file__).resolve().parents[3]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from parameter_server import weights
+from hypha_tensors import weights
 from worker_daemon.executors.exceptions import UpdateError
 
 from .conftest import (

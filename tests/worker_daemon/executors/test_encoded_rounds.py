@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from hypha_tensors import weights
 from hypha_tensors.encoding import decode, encode
 from hypha_tensors.formats import Encoding
-from parameter_server import weights
 
 from .conftest import TinyModel, running_bridge, train_job
 from .test_consistency import PublishingBackend, canonical, make_update

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parameter_server import weights
+from hypha_tensors import weights
 from worker_daemon.executors.exceptions import UpdateError
 from worker_daemon.executors.pseudo_gradient import (
     compute_delta,

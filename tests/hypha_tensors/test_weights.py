@@ -1,4 +1,4 @@
-"""Safetensors I/O of the parameter server (parameter_server/weights.py)."""
+"""Safetensors I/O shared by the parameter server and the executor (hypha_tensors/weights.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors import TensorSpec, safe_open, serialize_file
 from safetensors.torch import load_file
 
-from parameter_server import weights
+from hypha_tensors import weights
 from parameter_server.exceptions import TensorRefused, WeightsFileError
 
 

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, TensorSpec, safe_open, serialize_file
 
+from hypha_tensors.exceptions import TensorRefused, WeightsFileError
 from hypha_tensors.formats import METADATA_KEYS as ENCODING_METADATA_KEYS
-from parameter_server.exceptions import TensorRefused, WeightsFileError
 
 Signature = tuple[tuple[int, ...], torch.dtype]
 """(shape, dtype) of one tensor, as ``load(expected=...)`` and ``validate(reference=...)`` take it."""
