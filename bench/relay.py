@@ -75,9 +75,12 @@ from worker_daemon.relay import RelayClient  # noqa: E402
 MIB = 1 << 20
 #: Bytes the proxy moves per read, each way.
 PROXY_CHUNK = 256 << 10
-#: Growth bound of the goal, and the most a resumed transfer may send again (÷ the body).
+#: Growth bound of the goal, and the most a resumed transfer may send again (÷ the body) for 1 GiB.
 MEMORY_GOAL_MIB = 64
 RESUME_GOAL = 0.55
+#: The relay's default part size (``HYPHA_RELAY_PART_SIZE``, not set here): a resumed upload sends again the
+#: half not stored plus at most one part, so a body under 320 MiB is held to that instead of 55 %.
+PART_SIZE = 16 * MIB
 #: The phases with a column of their own in the report (the resume phases count in "whole run").
 PHASES = ("up", "down", "slow down")
 
@@ -374,8 +377,9 @@ async def transfers(
             received = await relay_client(via_proxy, world, session).download(obj, target)
     result.resume["down first"] = first_down / size
     result.resume["down again"] = proxy.down / size
-    if received != size or hashlib.sha256(target.read_bytes()).hexdigest() != sha256:
-        raise SystemExit("the resumed download is not the object")
+    with target.open("rb") as handle:  # the client checked it too; this checks the client
+        if received != size or hashlib.file_digest(handle, "sha256").hexdigest() != sha256:
+            raise SystemExit("the resumed download is not the object")
     target.unlink()
     async with aiohttp.ClientSession() as session:
         for name in ("model/1/body.bin", key):
@@ -526,14 +530,16 @@ def print_report(results: list[Result], args, load_at_start: str) -> None:
                 "–" if seconds is None else f"{seconds:.1f} s ({args.size * MIB / seconds / 1e6:,.0f})"
             )
         print(f"| {result.store} | {result.mode} | " + " | ".join(cells) + " |")
-    print(f"\nResume after a cut at half the body: bytes on the wire ÷ the body (goal ≤ {RESUME_GOAL}):\n")
-    print("| store | mode | upload: before the cut | upload: resumed | ≤ 0.55 | download: before the cut "
-          "| download: resumed | ≤ 0.55 |")  # fmt: skip
+    # Half the body plus one part, with 1 % for headers and API calls; never stricter than the 55 %.
+    goal = max(RESUME_GOAL, round(0.5 + PART_SIZE / (args.size * MIB) + 0.01, 3))
+    print(f"\nResume after a cut at half the body: bytes on the wire ÷ the body (goal ≤ {goal}):\n")
+    print(f"| store | mode | upload: before the cut | upload: resumed | ≤ {goal} | download: before the cut "
+          f"| download: resumed | ≤ {goal} |")  # fmt: skip
     print("|---|---|---:|---:|:---:|---:|---:|:---:|")
     for result in results:
         r = result.resume
-        ok_up = "yes" if r["up again"] <= RESUME_GOAL else "**no**"
-        ok_down = "yes" if r["down again"] <= RESUME_GOAL else "**no**"
+        ok_up = "yes" if r["up again"] <= goal else "**no**"
+        ok_down = "yes" if r["down again"] <= goal else "**no**"
         print(
             f"| {result.store} | {result.mode} | {r['up first']:.3f} | {r['up again']:.3f} | {ok_up} "
             f"| {r['down first']:.3f} | {r['down again']:.3f} | {ok_down} |"

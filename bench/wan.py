@@ -39,7 +39,7 @@ per round (``bytes_in``; goal int8 ≤ 0.27×) and wire bytes per round.
 
 Needs root, ``ip`` and ``/dev/net/tun`` (``tests/e2e/wan.py``'s ``wan_available``). Usage::
 
-    python bench/wan.py                                    # 2 rounds × 4 steps, 6 configurations
+    python bench/wan.py                                    # 2 rounds × 4 steps, 6 jobs: ≈ 14 min on 2 cores
     python bench/wan.py --configs direct-float32,relay-float32 --rounds 3 --model-size 512x8
 
 Run it under ``flock /tmp/hypha-e2e.lock`` where end-to-end tests run too. Results: docs/benchmarks.md.

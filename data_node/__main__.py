@@ -187,6 +187,8 @@ async def _publish(*, server: str, token: str, dataset) -> None:
         await Publisher(server=server, token=token, dataset=dataset.name, slices=dataset.slices).run()
     except PublishRefused as error:
         log.error("publishing the slices of %s stopped: %s", dataset.name, error)
+    except Exception:  # a bug must not end the node silently: it still answers health checks
+        log.exception("publishing the slices of %s stopped", dataset.name)
 
 
 def _reachable(word: str) -> bool | str:

@@ -106,7 +106,15 @@ class Publisher:
                         break
                     except PublishRefused:
                         raise
-                    except (PublishError, aiohttp.ClientError, TimeoutError, OSError) as error:
+                    # ValueError, KeyError: an answer that is not the API's JSON (a proxy's error page).
+                    except (
+                        PublishError,
+                        aiohttp.ClientError,
+                        TimeoutError,
+                        OSError,
+                        ValueError,
+                        KeyError,
+                    ) as error:
                         delay = random.uniform(0, min(self.retry_cap, self.retry_base * 2**attempt))
                         attempt += 1
                         log.warning(

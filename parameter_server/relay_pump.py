@@ -154,12 +154,26 @@ class RelayPump:
             pause = min(pause * 2, RETRY_CAP)
 
     async def _updates(self) -> None:
+        feeding: set[str] = set()
+
+        async def feed(entry: dict[str, Any]) -> None:
+            try:
+                await self._feed(entry)
+            finally:
+                feeding.discard(entry["key"])
+
         while True:
             objects = await self._patiently(
                 "polling for updates", lambda: self.client.list("updates/", wait=POLL_WAIT)
             )
-            for entry in objects:
-                await self._feed(entry)
+            # Every trainer's update at once: each download overlaps the others (and the loopback PUTs).
+            new = [entry for entry in objects if entry.get("key") not in feeding]
+            for entry in new:
+                feeding.add(entry["key"])
+                self._spawn(feed(entry), f"relay {entry['key']}")
+            if not new:
+                # The list answers at once while updates being fed are still there: do not spin on them.
+                await asyncio.sleep(0.5)
 
     async def _feed(self, entry: dict[str, Any]) -> None:
         """Hand one update object to this server's API, reply with its answer, delete the object."""

@@ -11,6 +11,11 @@ The object goes in the way a daemon puts it there: the relay client (``worker_da
 API, with the transfer token of a job's parameter server. The job, its tasks and leases are the relay tests'
 cast (``tests/apps/relay/world.py``), made in the server's own database by ``manage.py shell`` — no market
 round, as in the relay's other tests.
+
+The same holds for the files Django's views serve (``hypha_site/streaming.py``): a user's 256 MiB upload,
+put there through ``POST /api/uploads/`` and read back as slowly through ``GET /api/uploads/<id>/content/``.
+Under ASGI, Django's ``FileResponse`` (a sync iterator) was read into a list before the first byte went out,
+so the server grew by the whole file, however fast the client read.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ import json
 from tests.apps.relay.world import make_world
 world = make_world()
 print(json.dumps({"job": str(world.job.pk), "token": world.server.token}))
+"""
+
+#: Makes a user with an API token in the server's database; prints the token's key.
+MAKE_USER = """
+import json
+from django.contrib.auth import get_user_model
+from apps.workers.models import UserToken
+user = get_user_model().objects.create_user(username="grace", password=None)
+print(json.dumps({"key": UserToken.issue(user)[1]}))
 """
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc to read VmRSS")
@@ -122,6 +136,16 @@ def server(tmp_path: Path) -> Iterator[tuple[str, int, dict[str, str]]]:
             process.wait()
 
 
+def manage_shell(environment: dict[str, str], code: str) -> dict:
+    """Run ``code`` in ``manage.py shell`` on the server's database; the JSON object it printed last."""
+    made = subprocess.run(
+        [sys.executable, "manage.py", "shell", "--command", code],
+        cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return json.loads(made.stdout.strip().splitlines()[-1])
+
+
 def write_body(path: Path, size: int) -> str:
     """``size`` bytes (random, each MiB numbered so no two are alike) at ``path``; their SHA-256."""
     block = bytearray(os.urandom(MIB))
@@ -141,31 +165,40 @@ async def upload(url: str, job: str, token: str, source: Path) -> dict:
         return await client.upload("model/1/model.safetensors", source)
 
 
-def read_slowly(url: str) -> tuple[int, int, str]:
-    """GET ``url`` reading :data:`READ_SIZE` bytes at a time at :data:`READ_RATE`: status, bytes, SHA-256."""
+def read_slowly(url: str, headers: dict[str, str] | None = None) -> tuple[int, httpx.Headers, int, str]:
+    """GET ``url`` reading :data:`READ_SIZE` bytes at a time at :data:`READ_RATE`: status, headers, bytes,
+    SHA-256."""
     digest = hashlib.sha256()
     received = 0
     started = time.monotonic()
-    with httpx.Client(timeout=60) as client, client.stream("GET", url) as response:
+    with httpx.Client(timeout=60) as client, client.stream("GET", url, headers=headers) as response:
         for chunk in response.iter_raw(READ_SIZE):
             digest.update(chunk)
             received += len(chunk)
             ahead = started + received / READ_RATE - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)
-        return response.status_code, received, digest.hexdigest()
+        return response.status_code, response.headers, received, digest.hexdigest()
+
+
+def assert_bounded(memory: RssSampler, what: str) -> None:
+    """The server's RSS, sampled through a download of ``what``, grew by less than :data:`BOUND`."""
+    growth = max(memory.samples) - memory.samples[0]
+    print(
+        f"server RSS {memory.samples[0] / MIB:.0f} MiB, grew by {growth / MIB:.1f} MiB ({len(memory.samples)} samples)"
+    )
+    assert len(memory.samples) > 20, "the download ended before the server's memory was sampled"
+    assert growth < BOUND, (
+        f"the server's RSS grew by {growth / MIB:.0f} MiB serving {what} to a slow reader "
+        f"(from {memory.samples[0] / MIB:.0f} MiB; bound {BOUND // MIB} MiB)"
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_slowly_read_relay_download_keeps_the_servers_memory_bounded(server, tmp_path):
     # given: the real server holding a 256 MiB relay object, put there by the relay client through the API
     url, pid, environment = server
-    made = subprocess.run(
-        [sys.executable, "manage.py", "shell", "--command", MAKE_WORLD],
-        cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    world = json.loads(made.stdout.strip().splitlines()[-1])
+    world = manage_shell(environment, MAKE_WORLD)
     source = tmp_path / "model.safetensors"
     sha256 = write_body(source, BODY_SIZE)
     obj = asyncio.run(upload(url, world["job"], world["token"], source))
@@ -174,16 +207,39 @@ def test_a_slowly_read_relay_download_keeps_the_servers_memory_bounded(server, t
 
     # when: a client reads it far slower than the server could send it, the server's RSS sampled meanwhile
     with RssSampler(pid) as memory:
-        status, received, received_sha256 = read_slowly(urljoin(f"{url}/", obj["url"]))
+        status, _, received, received_sha256 = read_slowly(urljoin(f"{url}/", obj["url"]))
 
     # then: all of it arrived intact (a paused producer resumed every time), and the server stayed bounded
-    growth = max(memory.samples) - memory.samples[0]
-    print(
-        f"server RSS {memory.samples[0] / MIB:.0f} MiB, grew by {growth / MIB:.1f} MiB ({len(memory.samples)} samples)"
-    )
     assert (status, received, received_sha256) == (200, BODY_SIZE, sha256)
-    assert len(memory.samples) > 20, "the download ended before the server's memory was sampled"
-    assert growth < BOUND, (
-        f"the server's RSS grew by {growth / MIB:.0f} MiB serving {BODY_SIZE // MIB} MiB to a slow reader "
-        f"(from {memory.samples[0] / MIB:.0f} MiB; bound {BOUND // MIB} MiB)"
-    )
+    assert_bounded(memory, f"a {BODY_SIZE // MIB} MiB relay object")
+
+
+@pytest.mark.timeout(120)
+def test_a_slowly_read_upload_download_keeps_the_servers_memory_bounded(server, tmp_path):
+    # given: the real server holding a user's 256 MiB upload, put there through the API with their token
+    url, pid, environment = server
+    authorization = {"Authorization": f"Token {manage_shell(environment, MAKE_USER)['key']}"}
+    source = tmp_path / "model.zip"
+    sha256 = write_body(source, BODY_SIZE)
+    with source.open("rb") as body:  # a file: httpx streams it, with its Content-Length
+        stored = httpx.post(
+            f"{url}/api/uploads/", params={"name": "model.zip"}, content=body, timeout=120,
+            headers={**authorization, "Content-Type": "application/octet-stream"},
+        )  # fmt: skip
+    source.unlink()
+    assert stored.status_code == 201, stored.text
+    upload = stored.json()
+    assert (upload["name"], upload["size"], upload["sha256"]) == ("model.zip", BODY_SIZE, sha256)
+
+    # when: its owner reads it back far slower than the server could send it, the server's RSS sampled meanwhile
+    with RssSampler(pid) as memory:
+        status, headers, received, received_sha256 = read_slowly(
+            f"{url}/api/uploads/{upload['id']}/content/", headers=authorization
+        )
+
+    # then: the exact bytes, announced as an attachment of the upload's name, and the server stayed bounded
+    assert (status, received, received_sha256) == (200, BODY_SIZE, sha256)
+    assert headers["Content-Length"] == str(BODY_SIZE)
+    assert headers["Content-Disposition"] == 'attachment; filename="model.zip"'
+    assert headers["Content-Type"] == "application/octet-stream"
+    assert_bounded(memory, f"a {BODY_SIZE // MIB} MiB upload")

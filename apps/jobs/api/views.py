@@ -6,7 +6,6 @@ import uuid
 
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
-from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiExample,
@@ -36,6 +35,7 @@ from apps.jobs.training.uploads import delete_upload
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
 from hypha_site.parsers import BoundedJSONParser, read_bounded
+from hypha_site.streaming import file_response
 from worker_daemon.bounded_json import hostile_string_problem
 
 INVALID_JOB_EXAMPLE = OpenApiExample(
@@ -347,7 +347,7 @@ class JobCheckpointDownloadView(APIView):
             path = training.checkpoint_file(job, filename, _bearer(request))
         except TransferRefused as refused:
             return Response({"detail": str(refused)}, status=refused.status)
-        return FileResponse(path.open("rb"), content_type="application/octet-stream")
+        return file_response(request, path)
 
 
 @extend_schema(
@@ -369,7 +369,7 @@ def job_model_download(request: Request, pk: str):
         return Response(
             {"detail": f"job {job.pk} has no model yet (it is {job.status})"}, status=status.HTTP_409_CONFLICT
         )
-    return FileResponse(archive.open("rb"), as_attachment=True, filename=f"model-{job.pk}.zip")
+    return file_response(request, archive, content_type="application/zip", filename=f"model-{job.pk}.zip")
 
 
 def _stored_file(pk: str, filename: str, store) -> Response:
@@ -510,9 +510,4 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
             return Response({"detail": str(refused)}, status=refused.status)
         # Opaque bytes whatever the name: a content type guessed from it (application/zip, x-tar...) would
         # promise a format nobody checked.
-        return FileResponse(
-            upload.path.open("rb"),
-            as_attachment=True,
-            filename=upload.name,
-            content_type="application/octet-stream",
-        )
+        return file_response(request, upload.path, filename=upload.name)
