@@ -27,6 +27,8 @@ FORBIDDEN = frozenset(
         "celery",
         "psycopg",
         "redis",
+        "boto3",
+        "botocore",
     }
 )
 

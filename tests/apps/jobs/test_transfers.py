@@ -96,7 +96,9 @@ def test_a_parameter_server_that_says_it_is_reachable_is_reached_directly_unchec
     assert reply == {"type": "Ok", "path": "direct"}
     assert dispatches(sent)[TRAINER].relay == []
     running_job.refresh_from_db()
-    assert running_job.status_reason == f"RUNNING: parameter server listening at {closed_url}; 2 trainers told"
+    assert (
+        running_job.status_reason == f"RUNNING: parameter server listening at {closed_url}; 2 trainers told"
+    )
 
 
 @pytest.mark.django_db
