@@ -205,13 +205,20 @@
           num(round.number), round.closed ? "yes" : "no", num((round.participants || []).length),
           num((round.left_out || []).length), num(round.samples),
           num(typeof round.duration === "number" ? round.duration.toFixed(2) + " s" : null),
-          bytes(round.bytes_in), bytes(round.bytes_out), fixed(round.mean_loss, 4),
+          bytes(round.bytes_in), bytes(round.bytes_out), sentAs(round), fixed(round.mean_loss, 4),
           round.eval_error ? { text: "none: " + round.eval_error, className: "error" } : fixed(round.eval_loss, 4)
         ]);
         tr.dataset.round = round.number;
         return tr;
       });
-      replaceRows(document.getElementById("rounds"), rows, "No round recorded yet.", 10);
+      replaceRows(document.getElementById("rounds"), rows, "No round recorded yet.", 11);
+    }
+
+    // The round's encoding and path: "int8 · relay 12.3 MB" (bytes through the relay) or "float32 · direct".
+    function sentAs(round) {
+      var relay = (round.transfers || {}).relay || {};
+      var through = (relay.in || 0) + (relay.out || 0);
+      return (round.encoding || "float32") + (through > 0 ? " · relay " + bytes(through).text : " · direct");
     }
 
     function chartData() {
