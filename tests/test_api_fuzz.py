@@ -125,7 +125,7 @@ def world(alice, operator, leased_job, settings, tmp_path) -> World:
 def _callers(case, world: World) -> list[dict[str, str]]:
     """The ``Authorization`` headers to send the case with: a read also as staff, who see everyone's objects."""
     path = case.operation.path
-    if path == "/api/datasets/register/":
+    if path == "/api/datasets/register/" or path.startswith("/api/datanodes/"):
         return [{"Authorization": f"Bearer {world.data_node_token}"}]
     if path == "/api/jobs/{id}/model/{filename}":
         return [{"Authorization": f"Bearer {world.transfer_token}"}]
