@@ -39,6 +39,7 @@ import pytest
 from bench.cluster import WORKER_TOML
 from tests.e2e.isolation import claimed_redis_database, free_port, stop_with_parent, throwaway_database
 from tests.e2e.wan import Peer
+from tests.modes import only_in_mode, services_mode  # noqa: F401 (used by the e2e tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(sys.executable).parent
@@ -260,18 +261,6 @@ def wait_for_healthz(base_url: str, *, children: list[Child], timeout: float = S
 
 
 # --- services: a throw-away PostgreSQL database and a claimed Redis database ------------------------
-
-
-def services_mode() -> bool:
-    return bool(os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"))
-
-
-def only_in_mode(mode: str, why: str) -> pytest.MarkDecorator:
-    """Run a slow e2e test in one of CI's two runs only (``"services"`` or ``"embedded"``), for a test whose
-    subject does not depend on the mode (``why`` says why): CI runs the suite once per mode and must stay
-    under 45 minutes."""
-    current = "services" if services_mode() else "embedded"
-    return pytest.mark.skipif(current != mode, reason=f"runs in {mode} mode only: {why}")
 
 
 # --- the control plane ---------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.modes import only_in_mode
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 #: The daemon kills a benchmark after 60 s; the rest is start-up on a loaded machine.
@@ -21,6 +23,7 @@ def worker_named(api: httpx.Client, name: str) -> dict | None:
     return next((worker for worker in response.json()["results"] if worker["name"] == name), None)
 
 
+@only_in_mode("services", "the rerun frame travels over channels_redis there, the path a deployment uses")
 def test_the_start_benchmark_reaches_the_control_plane_and_staff_can_rerun_it(
     control_plane, daemon_factory, wait_until
 ):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import services_mode
+from tests.e2e.conftest import only_in_mode, services_mode
 from tests.e2e.isolation import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +56,7 @@ def hypha(
     )
 
 
+@only_in_mode("embedded", "the CLI speaks HTTP to the API, the same in either run")
 def test_login_submit_watch_and_download_a_tiny_training_job(tmp_path: Path) -> None:
     from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster
 

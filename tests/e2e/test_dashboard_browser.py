@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import services_mode
+from tests.e2e.conftest import only_in_mode, services_mode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
@@ -52,6 +52,7 @@ if not CHROMIUM.exists():
     )
 
 
+@only_in_mode("services", "its live updates travel over channels_redis there, the path a deployment uses")
 def test_a_user_submits_watches_and_cancels_a_job_in_the_browser(tmp_path: Path) -> None:
     from bench.cluster import prepare_stdlib_text, training_cluster
 

@@ -161,6 +161,7 @@ def our_leftovers(pid: int) -> list[str]:
     )
 
 
+@only_in_mode("embedded", "the harness is the subject, not the control plane")
 def test_harness_isolates_and_shapes(wan: Wan) -> None:
     forwarding = Path("/proc/sys/net/ipv4/ip_forward").read_text()
     # given: two private peers (behind NAT), one public peer, and a server on the control plane's address
@@ -231,6 +232,7 @@ def test_harness_isolates_and_shapes(wan: Wan) -> None:
     assert Path("/proc/sys/net/ipv4/ip_forward").read_text() == forwarding
 
 
+@only_in_mode("embedded", "the harness is the subject, not the control plane")
 def test_a_daemon_in_a_namespace_reaches_the_control_plane(
     tmp_path: Path, wan: Wan, processes: ProcessGroup
 ) -> None:

@@ -40,6 +40,7 @@ import pytest
 
 from tests.e2e.isolation import stop_with_parent
 from tests.hypha_site.server_process import free_port, server_environment
+from tests.modes import only_in_mode
 from worker_daemon.relay import RelayClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +70,10 @@ user = get_user_model().objects.create_user(username="grace", password=None)
 print(json.dumps({"key": UserToken.issue(user)[1]}))
 """
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc to read VmRSS")
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc to read VmRSS"),
+    only_in_mode("embedded", "the server under test is an embedded hypha-server in either run"),
+]
 
 
 def rss(pid: int) -> int:

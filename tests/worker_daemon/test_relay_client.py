@@ -19,6 +19,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from tests.apps.relay.world import S3Server, make_world, relay_files, start_s3_server, use_s3
+from tests.modes import only_in_mode
 from worker_daemon.relay import RelayClient, RelayError, RelayIntegrityError
 
 PART_SIZE = 256 << 10
@@ -364,6 +365,7 @@ class PeakRss:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@only_in_mode("embedded", "the client's memory does not depend on how the control plane runs")
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc to measure memory")
 async def test_a_gigabyte_goes_up_and_down_in_bounded_memory(live_server, world, tmp_path, settings):
     settings.HYPHA_RELAY_PART_SIZE = 16 << 20
