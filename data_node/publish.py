@@ -28,13 +28,13 @@ import logging
 import random
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from data_node.slices import SliceFile
+from worker_daemon.relay import file_part
 
 log = logging.getLogger("data_node")
 
@@ -171,7 +171,7 @@ class Publisher:
         url = urllib.parse.urljoin(f"{self.server}/", part["url"])
         async with session.put(
             url,
-            data=_file_part(path, int(part["offset"]), int(part["size"])),
+            data=file_part(path, int(part["offset"]), int(part["size"])),
             headers={"Content-Length": str(part["size"]), "Content-Type": "application/octet-stream"},
             timeout=self._timeout(),
         ) as response:
@@ -201,19 +201,6 @@ class Publisher:
         return aiohttp.ClientTimeout(
             total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout + extra_read
         )
-
-
-async def _file_part(path: Path, offset: int, size: int) -> AsyncIterator[bytes]:
-    """``size`` bytes of the file from ``offset``, a chunk at a time, read in a thread."""
-    with path.open("rb") as handle:
-        handle.seek(offset)
-        remaining = size
-        while remaining > 0:
-            chunk = await asyncio.to_thread(handle.read, min(CHUNK, remaining))
-            if not chunk:
-                raise OSError(f"{path} ended before byte {offset + size} (changed while being published?)")
-            remaining -= len(chunk)
-            yield chunk
 
 
 def _detail(raw: bytes) -> str:

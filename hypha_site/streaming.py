@@ -1,4 +1,5 @@
-"""File downloads that never hold the file in the server's memory.
+"""Bodies that never sit whole in the server's memory: request bodies read a chunk at a time, file downloads,
+and ranged downloads of stored bytes (the relay's and published slices').
 
 Under ASGI, Django 5.2 turns a response with a *sync* iterator — ``FileResponse`` included — into a list
 before sending it (``StreamingHttpResponse.__aiter__`` runs ``sync_to_async(list)``): a 256 MiB model file grew
@@ -12,24 +13,92 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from django.core.handlers.asgi import ASGIRequest
-from django.http import FileResponse, StreamingHttpResponse
+from django.http import FileResponse, HttpResponse, StreamingHttpResponse
 from django.utils.http import content_disposition_header
 
 #: Bytes per read of a downloaded file.
 CHUNK = 1 << 20
 
 
-async def _chunks(handle: BinaryIO) -> AsyncIterator[bytes]:
+_RANGE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
+
+
+def request_chunks(request) -> Iterator[bytes]:
+    """The request body, a chunk at a time (never ``request.body``). Read from Django's request, not DRF's
+    ``request.stream``, which is ``None`` without a ``Content-Length``: a chunked upload was stored empty."""
+    raw = getattr(request, "_request", request)
+    while chunk := raw.read(CHUNK):
+        yield chunk
+
+
+async def in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` read one at a time in a thread, so the event loop never waits on the disk."""
     try:
-        while chunk := await asyncio.to_thread(handle.read, CHUNK):
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
             yield chunk
     finally:
-        await asyncio.to_thread(handle.close)
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
+
+def _file_chunks(handle: BinaryIO) -> Iterator[bytes]:
+    try:
+        while chunk := handle.read(CHUNK):
+            yield chunk
+    finally:
+        handle.close()
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | str | None:
+    """``(start, stop)`` (stop exclusive) of a single ``Range: bytes=…`` header; None to send all of it (no
+    header, or one not served: several ranges, another unit, a malformed one — RFC 9110 lets a server ignore
+    those); ``"unsatisfiable"`` when it starts past the end."""
+    match = _RANGE.fullmatch(header.strip()) if header else None
+    if match is None or not (match[1] or match[2]):
+        return None
+    if match[1]:
+        start = int(match[1])
+        if match[2] and int(match[2]) < start:
+            return None  # invalid: ignored
+        if start >= size:
+            return "unsatisfiable"
+        return start, min(int(match[2]) + 1 if match[2] else size, size)
+    suffix = int(match[2])
+    if suffix == 0 or size == 0:
+        return "unsatisfiable"
+    return max(0, size - suffix), size
+
+
+def ranged_response(
+    request,
+    *,
+    size: int,
+    span: tuple[int, int] | None,
+    read: Callable[[int, int], Iterator[bytes]],
+    headers: dict[str, str] | None = None,
+) -> HttpResponse:
+    """200 (``span`` None: all ``size`` bytes) or 206 (``span`` = :func:`byte_range`'s ``(start, stop)``) with
+    the bytes ``read(start, stop)`` yields, streamed (an async iterator under ASGI, reading in a thread); no
+    body for HEAD or an empty span. The caller answers an unsatisfiable range itself (416)."""
+    start, stop = span or (0, size)
+    headers = {"Accept-Ranges": "bytes", "Content-Length": str(stop - start), **(headers or {})}
+    if span is not None:
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+    status = 206 if span is not None else 200
+    if request.method == "HEAD" or start == stop:
+        return HttpResponse(b"", status=status, content_type="application/octet-stream", headers=headers)
+    chunks = read(start, stop)
+    content = in_thread(chunks) if isinstance(request, ASGIRequest) else chunks
+    return StreamingHttpResponse(
+        content, status=status, content_type="application/octet-stream", headers=headers
+    )
 
 
 def file_response(
@@ -53,7 +122,7 @@ def file_response(
     # whose length the response announces.
     handle = path.open("rb")
     size = os.fstat(handle.fileno()).st_size
-    response = StreamingHttpResponse(_chunks(handle), content_type=content_type)
+    response = StreamingHttpResponse(in_thread(_file_chunks(handle)), content_type=content_type)
     response._resource_closers.append(handle.close)  # a response never sent still closes the file
     response["Content-Length"] = str(size)
     if filename is not None:

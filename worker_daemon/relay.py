@@ -125,7 +125,7 @@ class RelayClient:
             try:
                 async with self._session.put(
                     url,
-                    data=_file_slice(path, part["offset"], part["size"]),
+                    data=file_part(path, part["offset"], part["size"]),
                     headers={"Content-Length": str(part["size"]), "Content-Type": "application/octet-stream"},
                     timeout=self._timeout(),
                 ) as response:
@@ -311,15 +311,16 @@ def _file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-async def _file_slice(path: Path, offset: int, size: int) -> AsyncIterator[bytes]:
-    """``size`` bytes of the file from ``offset``, a chunk at a time, read in a thread."""
+async def file_part(path: Path, offset: int, size: int) -> AsyncIterator[bytes]:
+    """``size`` bytes of the file from ``offset``, a chunk at a time, read in a thread (the body of one part's
+    PUT; the data node's publisher sends its slices' parts with it too)."""
     with path.open("rb") as handle:
         handle.seek(offset)
         remaining = size
         while remaining > 0:
             chunk = await asyncio.to_thread(handle.read, min(CHUNK, remaining))
             if not chunk:
-                raise OSError(f"{path} ended before byte {offset + size} (changed during the upload?)")
+                raise OSError(f"{path} ended before byte {offset + size} (changed while being uploaded?)")
             remaining -= len(chunk)
             yield chunk
 

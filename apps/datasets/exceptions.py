@@ -20,6 +20,8 @@ The store's own failures are :mod:`apps.relay.exceptions`' ``StoreError`` (the s
 
 from __future__ import annotations
 
+from apps.relay.exceptions import PartsMissing, RelayRefused
+
 
 class DatasetError(Exception):
     """Base class of dataset errors."""
@@ -64,28 +66,10 @@ class SliceTransitionRefused(DatasetError):
         self.transition = transition
 
 
-class PublicationRefused(DatasetError):
+class PublicationRefused(DatasetError, RelayRefused):
     """The publication (or download) of a published slice is refused: ``status`` is the HTTP answer and
-    ``field`` names the bad input field of a 400."""
-
-    def __init__(self, detail: str, *, status: int, field: str | None = None) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.status = status
-        self.field = field
-
-    def body(self) -> dict:
-        """The JSON answer: a 400 names its field like every 400 of the API; the others are ``detail``."""
-        if self.status == 400 and self.field:
-            return {self.field: [self.detail]}
-        return {"detail": self.detail}
+    ``field`` names the bad input field of a 400 (the relay's refusal, whose ``body()`` it answers with)."""
 
 
-class PublicationPartsMissing(PublicationRefused):
-    def __init__(self, missing: list[int]) -> None:
-        shown = ", ".join(map(str, missing[:20])) + (" …" if len(missing) > 20 else "")
-        super().__init__(f"parts not uploaded yet: {shown}", status=400)
-        self.missing = missing
-
-    def body(self) -> dict:
-        return {"detail": self.detail, "missing": self.missing}
+class PublicationPartsMissing(PublicationRefused, PartsMissing):
+    """Parts of a published slice are not uploaded yet (``missing``: their numbers), as the relay says it."""

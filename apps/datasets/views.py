@@ -17,23 +17,20 @@ run in a thread).
 from __future__ import annotations
 
 import asyncio
-import re
-from collections.abc import AsyncIterator, Iterator
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.core.handlers.asgi import ASGIRequest
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from apps.datasets import publishing, services
 from apps.datasets.exceptions import PublicationRefused
 from apps.datasets.models import DataNode
 from apps.relay.exceptions import RelayRefused, StoreError
-from apps.relay.stores import CHUNK, LocalStore
+from apps.relay.stores import LocalStore
 from data_node import tokens
+from hypha_site.streaming import byte_range, ranged_response, request_chunks
 
-_RANGE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
 #: Seconds a downloader is asked to wait before it asks again for a slice not published yet.
 RETRY_AFTER = "10"
 ERRORS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 503: "not_ready"}
@@ -97,47 +94,13 @@ async def published_slice(request: HttpRequest, node_id, name: str, index: int) 
             status=416,
             headers={"Content-Range": f"bytes */{size}"},
         )
-    start, stop = span or (0, size)
-    headers = {"Accept-Ranges": "bytes", "Content-Length": str(stop - start), "X-Sha256": copy.sha256}
-    if span is not None:
-        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-    status = 206 if span is not None else 200
-    if request.method == "HEAD" or start == stop:
-        return HttpResponse(b"", status=status, content_type="application/octet-stream", headers=headers)
-    chunks = target.read(blob, lengths, start, stop)
-    content = _in_thread(chunks) if isinstance(request, ASGIRequest) else chunks
-    return StreamingHttpResponse(
-        content, status=status, content_type="application/octet-stream", headers=headers
+    return ranged_response(
+        request,
+        size=size,
+        span=span,
+        read=lambda start, stop: target.read(blob, lengths, start, stop),
+        headers={"X-Sha256": copy.sha256},
     )
-
-
-async def _in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
-    """``chunks`` read one at a time in a thread, so the event loop never waits on the disk."""
-    try:
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield chunk
-    finally:
-        await asyncio.to_thread(chunks.close)
-
-
-def byte_range(header: str | None, size: int) -> tuple[int, int] | str | None:
-    """``(start, stop)`` (stop exclusive) of a single ``Range: bytes=…`` header; None to send all of it (no
-    header, or one not served: several ranges, another unit, a malformed one — RFC 9110 lets a server ignore
-    those); ``"unsatisfiable"`` when it starts past the end."""
-    match = _RANGE.fullmatch(header.strip()) if header else None
-    if match is None or not (match[1] or match[2]):
-        return None
-    if match[1]:
-        start = int(match[1])
-        if match[2] and int(match[2]) < start:
-            return None
-        if start >= size:
-            return "unsatisfiable"
-        return start, min(int(match[2]) + 1 if match[2] else size, size)
-    suffix = int(match[2])
-    if suffix == 0 or size == 0:
-        return "unsatisfiable"
-    return max(0, size - suffix), size
 
 
 @csrf_exempt  # the signed URL is the credential; data nodes send no CSRF token
@@ -170,14 +133,9 @@ async def published_part(request: HttpRequest, node_id, blob, number: int) -> Ht
                 status=413 if int(declared) > length else 400,
             )
         try:
-            await asyncio.to_thread(target.write_part, where, number, _body_chunks(request), length)
+            await asyncio.to_thread(target.write_part, where, number, request_chunks(request), length)
         except OSError as error:  # the client went away mid-body (WSGI reads from its socket)
             raise RelayRefused(f"part {number} was cut off: {error}", status=400) from None
     except (RelayRefused, PublicationRefused) as refused:
         return JsonResponse({"detail": refused.detail}, status=refused.status)
     return JsonResponse({"number": number, "size": length}, headers={"ETag": f'"{number}-{length}"'})
-
-
-def _body_chunks(request: HttpRequest) -> Iterator[bytes]:
-    while chunk := request.read(CHUNK):
-        yield chunk

@@ -51,3 +51,12 @@ class ContentMismatch(StoreError):
 
 class UploadGone(StoreError):
     """The store has no such pending upload any more (aborted, or expired by the store's own rules)."""
+
+
+def answer(error: Exception) -> tuple[dict, int] | None:
+    """(JSON body, HTTP status) of a relay refusal or a store failure (503); None for any other error."""
+    if isinstance(error, RelayRefused):
+        return error.body(), error.status
+    if isinstance(error, StoreError):
+        return {"detail": f"the relay's store failed: {error}"}, 503
+    return None

@@ -11,19 +11,15 @@ handler consumes the other kind by collecting it into a list first, which would 
 from __future__ import annotations
 
 import asyncio
-import re
-from collections.abc import AsyncIterator, Iterator
 
 from asgiref.sync import sync_to_async
-from django.core.handlers.asgi import ASGIRequest
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from apps.relay import services
 from apps.relay.exceptions import RelayRefused
-from apps.relay.stores import CHUNK, LocalStore, get_store
-
-_RANGE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
+from apps.relay.stores import LocalStore, get_store
+from hypha_site.streaming import byte_range, ranged_response, request_chunks
 
 
 def _refused(refused: RelayRefused, **headers: str) -> JsonResponse:
@@ -64,17 +60,12 @@ async def part(request: HttpRequest, job_id, blob, number: int) -> HttpResponse:
         if int(declared) < length:
             raise RelayRefused(f"part {number} is {length} bytes, not {declared}", status=400)
         try:
-            await asyncio.to_thread(store.write_part, target, number, _body_chunks(request), length)
+            await asyncio.to_thread(store.write_part, target, number, request_chunks(request), length)
         except OSError as error:  # the client went away mid-body (WSGI reads from its socket)
             raise RelayRefused(f"part {number} was cut off: {error}", status=400) from None
     except RelayRefused as refused:
         return _refused(refused)
     return JsonResponse({"number": number, "size": length}, headers={"ETag": f'"{number}-{length}"'})
-
-
-def _body_chunks(request: HttpRequest) -> Iterator[bytes]:
-    while chunk := request.read(CHUNK):
-        yield chunk
 
 
 @csrf_exempt
@@ -101,44 +92,6 @@ async def object_bytes(request: HttpRequest, job_id, blob) -> HttpResponse:
             status=416,
             headers={"Content-Range": f"bytes */{size}"},
         )
-    start, stop = span or (0, size)
-    headers = {"Accept-Ranges": "bytes", "Content-Length": str(stop - start)}
-    if span is not None:
-        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-    status = 206 if span is not None else 200
-    if request.method == "HEAD" or start == stop:
-        return HttpResponse(b"", status=status, content_type="application/octet-stream", headers=headers)
-    chunks = store.read(target, lengths, start, stop)
-    content = _in_thread(chunks) if isinstance(request, ASGIRequest) else chunks
-    return StreamingHttpResponse(
-        content, status=status, content_type="application/octet-stream", headers=headers
+    return ranged_response(
+        request, size=size, span=span, read=lambda start, stop: store.read(target, lengths, start, stop)
     )
-
-
-async def _in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
-    """``chunks`` read one at a time in a thread, so the event loop never waits on the disk."""
-    try:
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield chunk
-    finally:
-        await asyncio.to_thread(chunks.close)
-
-
-def byte_range(header: str | None, size: int) -> tuple[int, int] | str | None:
-    """``(start, stop)`` (stop exclusive) of a single ``Range: bytes=…`` header; None to send the whole object
-    (no header, or one we do not serve: several ranges, another unit, a malformed one — RFC 9110 lets a
-    server ignore those); ``"unsatisfiable"`` when it starts past the end."""
-    match = _RANGE.fullmatch(header.strip()) if header else None
-    if match is None or not (match[1] or match[2]):
-        return None
-    if match[1]:
-        start = int(match[1])
-        if match[2] and int(match[2]) < start:
-            return None  # invalid: ignored
-        if start >= size:
-            return "unsatisfiable"
-        return start, min(int(match[2]) + 1 if match[2] else size, size)
-    suffix = int(match[2])
-    if suffix == 0 or size == 0:
-        return "unsatisfiable"
-    return max(0, size - suffix), size

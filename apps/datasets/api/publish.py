@@ -9,7 +9,6 @@ its own instead of the one thread Django gives every synchronous view under ASGI
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -17,7 +16,6 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from apps.datasets import publishing
 from apps.datasets.api.serializers import (
@@ -27,9 +25,9 @@ from apps.datasets.api.serializers import (
     PublishSliceSerializer,
 )
 from apps.datasets.api.views import DataNodeAuthentication, IsDataNode
-from apps.datasets.exceptions import PublicationRefused
-from apps.relay.exceptions import StoreError
+from apps.relay import exceptions as relay_exceptions
 from hypha_site.api import ErrorSerializer, error_responses
+from hypha_site.async_views import AsyncAPIView
 from hypha_site.parsers import BoundedJSONParser
 
 NODE_NOTE = (
@@ -49,7 +47,7 @@ def _refusals(*codes: int) -> dict:
     return responses
 
 
-class DataNodeAsyncView(APIView):
+class DataNodeAsyncView(AsyncAPIView):
     """DRF's APIView with an async ``dispatch`` for data nodes: authentication (a database query) runs in a
     thread, the handlers are coroutines, and refusals of :mod:`apps.datasets.publishing` become their HTTP
     answers (a store failure a 503)."""
@@ -58,26 +56,7 @@ class DataNodeAsyncView(APIView):
     permission_classes = [IsDataNode]
     parser_classes = [BoundedJSONParser]
 
-    async def dispatch(self, request, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-        request = self.initialize_request(request, *args, **kwargs)
-        self.request = request
-        self.headers = self.default_response_headers
-        try:
-            await sync_to_async(self.initial)(request, *args, **kwargs)
-            method = request.method.lower()
-            handler = getattr(self, method, None) if method in self.http_method_names else None
-            response = (handler or self.http_method_not_allowed)(request, *args, **kwargs)
-            if inspect.isawaitable(response):
-                response = await response
-        except PublicationRefused as refused:
-            response = Response(refused.body(), status=refused.status)
-        except StoreError as error:
-            response = Response({"detail": f"the relay's store failed: {error}"}, status=503)
-        except Exception as exc:  # DRF's own: authentication, parse errors, validation errors
-            response = self.handle_exception(exc)
-        self.response = self.finalize_response(request, response, *args, **kwargs)
-        return self.response
+    answer = staticmethod(relay_exceptions.answer)  # PublicationRefused is a relay refusal
 
 
 def _valid(serializer_class: type[serializers.Serializer], data: Any) -> dict:

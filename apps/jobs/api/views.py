@@ -35,7 +35,7 @@ from apps.jobs.training.uploads import delete_upload
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
 from hypha_site.parsers import BoundedJSONParser, read_bounded
-from hypha_site.streaming import file_response
+from hypha_site.streaming import file_response, request_chunks
 from worker_daemon.bounded_json import hostile_string_problem
 
 INVALID_JOB_EXAMPLE = OpenApiExample(
@@ -212,9 +212,6 @@ class JobViewSet(
         return Response(JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data)
 
 
-MODEL_UPLOAD_CHUNK = 1 << 20
-
-
 class JobModelView(APIView):
     """The final model of a job: the parameter server uploads it (transfer token), users download it."""
 
@@ -251,7 +248,7 @@ class JobModelView(APIView):
                 job=job,
                 filename=filename,
                 token=_bearer(request),
-                chunks=_body_chunks(request),
+                chunks=request_chunks(request),
                 limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
             ),
         )
@@ -305,7 +302,7 @@ class JobCheckpointUploadView(APIView):
                 round_number=round_number,
                 filename=filename,
                 token=_bearer(request),
-                chunks=_body_chunks(request),
+                chunks=request_chunks(request),
                 limit=settings.HYPHA_MAX_MODEL_FILE_BYTES,
             ),
         )
@@ -398,14 +395,6 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _body_chunks(request: Request):
-    """The request body, a chunk at a time. Read from Django's request, not DRF's ``request.stream``, which
-    is ``None`` without a ``Content-Length``: a chunked upload was stored empty."""
-    http_request = request._request
-    while chunk := http_request.read(MODEL_UPLOAD_CHUNK):
-        yield chunk
-
-
 def _declared_size(request: Request) -> int | None:
     try:
         return int(request.headers["Content-Length"])
@@ -456,7 +445,7 @@ class UploadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
             upload = training.store_upload(
                 request.user,
                 request.query_params.get("name", ""),
-                _body_chunks(request),
+                request_chunks(request),
                 limit=settings.HYPHA_MAX_UPLOAD_BYTES,
                 declared_size=_declared_size(request),
             )

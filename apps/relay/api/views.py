@@ -10,7 +10,6 @@ local upload's completion hashes its parts in a thread of its own. Each database
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +22,8 @@ from drf_spectacular.utils import (
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
+from apps.relay import exceptions as relay_exceptions
 from apps.relay import services
 from apps.relay.api.serializers import (
     BeginUploadSerializer,
@@ -41,8 +40,8 @@ from apps.relay.api.serializers import (
     WantAcceptedSerializer,
     WantsSerializer,
 )
-from apps.relay.exceptions import RelayRefused, StoreError
 from hypha_site.api import ErrorSerializer, error_responses
+from hypha_site.async_views import AsyncAPIView
 
 #: Seconds between two looks at the index while a long poll waits.
 POLL_INTERVAL = 0.25
@@ -68,34 +67,13 @@ def _refusals(*codes: int) -> dict:
     return responses
 
 
-class AsyncAPIView(APIView):
-    """DRF's APIView with an async ``dispatch``: its handlers are coroutines (Django runs the view on the event
-    loop under ASGI, in an event loop of its own under WSGI). Authentication and permissions are the
-    handlers' own (transfer tokens); refusals of the services become their HTTP answers."""
+class RelayAPIView(AsyncAPIView):
+    """An async view of the relay: authentication and permissions are the handlers' own (transfer tokens);
+    refusals of the services become their HTTP answers."""
 
     authentication_classes: list = []
     permission_classes: list = []
-
-    async def dispatch(self, request, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-        request = self.initialize_request(request, *args, **kwargs)
-        self.request = request
-        self.headers = self.default_response_headers
-        try:
-            self.initial(request, *args, **kwargs)
-            method = request.method.lower()
-            handler = getattr(self, method, None) if method in self.http_method_names else None
-            response = (handler or self.http_method_not_allowed)(request, *args, **kwargs)
-            if inspect.isawaitable(response):
-                response = await response
-        except RelayRefused as refused:
-            response = Response(refused.body(), status=refused.status)
-        except StoreError as error:
-            response = Response({"detail": f"the relay's store failed: {error}"}, status=503)
-        except Exception as exc:  # DRF's own: parse errors, 413s, validation errors
-            response = self.handle_exception(exc)
-        self.response = self.finalize_response(request, response, *args, **kwargs)
-        return self.response
+    answer = staticmethod(relay_exceptions.answer)
 
 
 async def _caller(request: Request, job_id) -> services.Caller:
@@ -132,7 +110,7 @@ async def _poll(caller_of: Callable[[], Any], fetch: Callable[[services.Caller],
         await asyncio.sleep(min(POLL_INTERVAL, remaining))
 
 
-class UploadsView(AsyncAPIView):
+class UploadsView(RelayAPIView):
     @extend_schema(
         summary="Begin or resume an upload to the relay",
         description=(
@@ -152,7 +130,7 @@ class UploadsView(AsyncAPIView):
         return Response(plan)
 
 
-class UploadCompleteView(AsyncAPIView):
+class UploadCompleteView(RelayAPIView):
     @extend_schema(
         summary="Complete an upload",
         description=(
@@ -177,7 +155,7 @@ OBJECT_OR_LIST = PolymorphicProxySerializer(
 )
 
 
-class ObjectsView(AsyncAPIView):
+class ObjectsView(RelayAPIView):
     @extend_schema(
         summary="Find a relay object, or list those under a prefix",
         description=(
@@ -229,7 +207,7 @@ class ObjectsView(AsyncAPIView):
         return Response(status=204)
 
 
-class ObjectReplyView(AsyncAPIView):
+class ObjectReplyView(RelayAPIView):
     @extend_schema(
         summary="Wait for the reply to a relay object",
         description=(
@@ -268,7 +246,7 @@ class ObjectReplyView(AsyncAPIView):
         return Response(await sync_to_async(services.set_reply)(caller, **data))
 
 
-class ObjectWantView(AsyncAPIView):
+class ObjectWantView(RelayAPIView):
     @extend_schema(
         summary="Ask for an object published on demand",
         description=(
@@ -284,7 +262,7 @@ class ObjectWantView(AsyncAPIView):
         return Response(await sync_to_async(services.want)(caller, key=key), status=202)
 
 
-class WantsView(AsyncAPIView):
+class WantsView(RelayAPIView):
     @extend_schema(
         summary="The keys readers want published (the parameter server only)",
         description=(
