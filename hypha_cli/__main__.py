@@ -16,6 +16,8 @@ from hypha_cli.exceptions import CLIError, ExitCode
 from hypha_tensors.formats import ENCODINGS
 
 PROG = "hypha"
+#: ``rounds.overlap`` of a spec (docs/training.md, "Overlap: eager updates"); the server checks it again.
+OVERLAPS = ("none", "eager")
 
 DESCRIPTION = """\
 The command line of a Hypha control plane: submit DiLoCo training jobs, watch them learn, cancel them,
@@ -174,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         metavar="N",
         help="int8: values per scale (sets rounds.encoding_block_size; the server's default: 256)",
+    )
+    submit.add_argument(
+        "--overlap",
+        choices=OVERLAPS,
+        help="how trainers overlap a round's communication with computation (sets rounds.overlap of a JSON "
+        "spec): none (wait for each round's result; the default) or eager (send the update and train the "
+        "next round at once); streaming is not available yet",
     )
 
     jobs = command("jobs", "list your jobs, newest first", json_help="print the API's job objects as JSON")

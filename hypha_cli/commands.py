@@ -90,6 +90,7 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
         name=arguments.name,
         encoding=arguments.encoding,
         block_size=arguments.encoding_block_size,
+        overlap=arguments.overlap,
     )
     with _client(arguments, environ=environ, transport=transport) as client:
         try:
@@ -106,11 +107,17 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
 
 
 def read_spec(
-    file: str, *, name: str | None, encoding: str | None = None, block_size: int | None = None
+    file: str,
+    *,
+    name: str | None,
+    encoding: str | None = None,
+    block_size: int | None = None,
+    overlap: str | None = None,
 ) -> tuple[bytes, str]:
     """The request body and content type of a spec file: TOML by its ``.toml`` suffix, else JSON (checked
-    here, so a syntax error names its line; ``--name``, ``--encoding`` and ``--encoding-block-size`` are
-    set in it: ``rounds.encoding``, ``rounds.encoding_block_size``; the server checks them)."""
+    here, so a syntax error names its line; ``--name``, ``--encoding``, ``--encoding-block-size`` and
+    ``--overlap`` are set in it: ``rounds.encoding``, ``rounds.encoding_block_size``, ``rounds.overlap``; the
+    server checks them)."""
     try:
         raw = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
     except OSError as error:
@@ -121,6 +128,11 @@ def read_spec(
             raise UsageError(
                 "--encoding and --encoding-block-size set a JSON spec's rounds; in a TOML spec write "
                 'encoding = "int8" (and encoding_block_size = N) under [scheduler.job.rounds]'
+            )
+        if overlap is not None:
+            raise UsageError(
+                '--overlap sets a JSON spec\'s rounds; in a TOML spec write overlap = "eager" under '
+                "[scheduler.job.rounds]"
             )
         return raw, "application/toml"
     try:
@@ -133,14 +145,19 @@ def read_spec(
         )
     if name is not None:
         spec["name"] = name
-    if encoding is not None or block_size is not None:
+    if encoding is not None or block_size is not None or overlap is not None:
         rounds = spec.setdefault("rounds", {})
         if not isinstance(rounds, dict):
-            raise RefusedError(f"{file}: rounds must be a JSON object to set the encoding in", status=0)
+            raise RefusedError(
+                f"{file}: rounds must be a JSON object for --encoding, --encoding-block-size or --overlap",
+                status=0,
+            )
         if encoding is not None:
             rounds["encoding"] = encoding
         if block_size is not None:
             rounds["encoding_block_size"] = block_size
+        if overlap is not None:
+            rounds["overlap"] = overlap
     return json.dumps(spec).encode(), "application/json"
 
 

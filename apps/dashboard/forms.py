@@ -47,6 +47,7 @@ FIELD_OF_PATH = {
     "rounds.round_timeout": "round_timeout",
     "rounds.encoding": "encoding",
     "rounds.encoding_block_size": "encoding_block_size",
+    "rounds.overlap": "overlap",
     "batch_size": "batch_size",
     "num_trainers": "num_trainers",
     "evaluation": "holdout",
@@ -157,6 +158,16 @@ class DiLoCoJobForm(_SpecForm):
         integer=True,
         required=False,
     )
+    overlap = forms.ChoiceField(
+        label="Overlap",
+        choices=[
+            ("none", "none (wait for each round's result)"),
+            ("eager", "eager (train on while the round's result travels)"),
+        ],
+        initial="none",
+        help_text="eager: each trainer sends its update and starts the next round at once from a proxy of "
+        "the global weights, merging the real result when it arrives; streaming is not available yet",
+    )
     inner_learning_rate = _number("Inner learning rate", 3e-3, "AdamW on the trainers")
     outer_learning_rate = _number("Outer learning rate", 0.7, "Nesterov on the parameter server")
     outer_momentum = _number("Outer momentum", 0.9)
@@ -197,6 +208,7 @@ class DiLoCoJobForm(_SpecForm):
                 "round_timeout",
                 "encoding",
                 "encoding_block_size",
+                "overlap",
                 "inner_learning_rate",
                 "outer_learning_rate",
                 "outer_momentum",
@@ -254,6 +266,7 @@ class DiLoCoJobForm(_SpecForm):
                 "inner_steps": data["inner_steps"],
                 "round_timeout": data["round_timeout"],
                 "encoding": data["encoding"],
+                "overlap": data["overlap"],
             },
             "batch_size": data["batch_size"],
             "num_trainers": data["num_trainers"],

@@ -110,6 +110,7 @@ def trainer_progress(job_id) -> list[dict]:
             "sync_state": task.sync_state,
             "round": task.round,
             "steps_in_round": task.steps_in_round,
+            "ahead_steps": task.ahead_steps,
             "steps_total": task.steps_total,
             "samples_total": task.samples_total,
             "last_loss": task.last_loss,

@@ -175,10 +175,18 @@ class Task(models.Model):
         DISPATCHED ──▶ RUNNING ──▶ EXITED | FAILED
              └────────────┴──────▶ CANCELLED
 
-    A trainer also carries its place in the sync protocol (``sync_state``, ``round``, ``steps_in_round``):
-    TRAINING ─(ScheduleUpdate)▶ SCHEDULED ─("update")▶ UPDATING ─("update-received")▶ TRAINING … ▶ DONE,
+    A trainer also carries its place in the sync protocol (``sync_state``, ``round``, ``steps_in_round``)::
+
+        TRAINING ─(ScheduleUpdate)▶ SCHEDULED ─("update")▶ UPDATING ─("update-received")▶ TRAINING … ▶ DONE
+                                      ▲                        │
+                                      └──("update-received")───┘  eager, told to stop while ahead
+
     and what performance-aware sync knows of it (``batch_size``, ``last_status_at``, ``step_interval``,
-    ``update_due``; see :mod:`apps.jobs.sync`).
+    ``update_due``; see :mod:`apps.jobs.sync`). A trainer of an eager job (``rounds.overlap = "eager"``)
+    trains on while UPDATING: its step reports then count as the next round's (``ahead_steps``,
+    ``ahead_samples``) until its "update-received" carries them into ``steps_in_round``; if it was told
+    ``ScheduleUpdate{0}`` meanwhile (``ahead_due``), it goes on to SCHEDULED rather than TRAINING
+    (docs/training.md, "Eager trainers"). Any other trainer's step while UPDATING is refused.
     """
 
     class Status(models.TextChoices):
@@ -235,6 +243,16 @@ class Task(models.Model):
     update_due = models.PositiveIntegerField(null=True, blank=True)
     #: How many step reports after the last one its daemon may answer ``Continue`` itself (``continue_for``).
     continue_granted = models.PositiveIntegerField(default=0)
+    #: An eager trainer's steps (and samples) of its next round, reported while UPDATING: they become its
+    #: ``steps_in_round`` (``samples_in_round``) at its "update-received".
+    ahead_steps = models.PositiveIntegerField(
+        default=0,
+        help_text="An eager trainer's steps of its next round, trained while its update is out (updating).",
+    )
+    ahead_samples = models.PositiveBigIntegerField(default=0)
+    #: ``ahead_steps`` after which the eager trainer was told ``ScheduleUpdate{0}`` while UPDATING (it sends
+    #: its next update once it merged the last round's result); ``None`` while it was not.
+    ahead_due = models.PositiveIntegerField(null=True, blank=True)
     # A daemon that lost its connection repeats its pending status and slice requests with the same id after
     # reconnecting; the reply to the last one of each is kept so a repeat is answered without being counted
     # (or claiming a second slice) twice.

@@ -105,6 +105,18 @@ MODEL_TYPE_REFUSED = {
     "torch": "use 'auto', or a task such as 'image-classification' or 'causal-lm'",
 }
 
+#: How a trainer overlaps a round's communication with computation (``rounds.overlap``): ``none`` waits for
+#: each round's result; ``eager`` sends round r's update and trains round r + 1 at once from a proxy of the
+#: global weights, merging round r's result when it arrives (docs/training.md, "Overlap: eager updates").
+OVERLAP_NONE = "none"
+OVERLAP_EAGER = "eager"
+OVERLAPS = (OVERLAP_NONE, OVERLAP_EAGER)
+#: Modes a user may know from the literature that are not built yet, and why they are refused.
+OVERLAP_NOT_AVAILABLE = {
+    "streaming": "'streaming' (Streaming DiLoCo: synchronising fragments of the model in turn) is not "
+    "available yet; use 'eager' or 'none'.",
+}
+
 #: The schedule types of the spec → the ``scheduler`` variant tag of the train job JSON.
 SCHEDULE_TAGS = {"cosine": "cosine-with-warmup", "linear": "linear-with-warmup", "wsd": "wsd"}
 
@@ -289,6 +301,12 @@ class RoundsSpec(_Spec):
         le=MAX_BLOCK_SIZE,
         description=f"int8 only: values per scale (default {DEFAULT_BLOCK_SIZE}).",
     )
+    overlap: Literal[OVERLAPS] = Field(  # type: ignore[valid-type]
+        default=OVERLAP_NONE,
+        description="How trainers overlap a round's communication with computation: none (wait for each "
+        "round's result) or eager (send round r's update and train round r + 1 at once from a proxy of the "
+        "global weights; docs/training.md, Overlap: eager updates). streaming is not available yet.",
+    )
     checkpoint_every: Integer = Field(
         default=DEFAULT_CHECKPOINT_EVERY,
         ge=1,
@@ -319,6 +337,13 @@ class RoundsSpec(_Spec):
                 "Only the int8 encoding has blocks (this job's is {encoding}).",
                 {"encoding": encoding},
             )
+        return value
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _overlap_available(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in OVERLAP_NOT_AVAILABLE:
+            raise PydanticCustomError("overlap_not_available", OVERLAP_NOT_AVAILABLE[value])
         return value
 
     def encoding_json(self) -> dict[str, Any]:
@@ -564,6 +589,8 @@ def to_train_job_json(
         "batch_size": size,
         # Ours, for lossy encodings only (Hypha's executors ignore it: they can take part in float32 jobs only).
         **spec.rounds.encoding_json(),
+        # Ours, for eager jobs only (Hypha's executors ignore it and wait for each round's result).
+        **_overlap_json(spec),
     }
     if spec.preprocessor is not None:
         artifact = preprocessor_reference
@@ -577,6 +604,20 @@ def to_train_job_json(
     if optimizer.schedule is not None:
         config["scheduler"] = _schedule_json(optimizer.schedule)
     return _envelope(job_id, "train", TRAINER_EXECUTOR["name"], config)
+
+
+def _overlap_json(spec: DiLoCoSpec) -> dict[str, Any]:
+    """A trainer's ``overlap`` key: the mode and the outer optimizer an eager trainer's proxy of the
+    parameter server's step needs; nothing for ``none``, so that a default job's JSON stays exactly Hypha's."""
+    if spec.rounds.overlap == OVERLAP_NONE:
+        return {}
+    return {
+        "overlap": {
+            "mode": spec.rounds.overlap,
+            "outer_learning_rate": spec.outer_optimizer.learning_rate,
+            "outer_momentum": spec.outer_optimizer.momentum,
+        }
+    }
 
 
 def to_aggregate_job_json(

@@ -20,7 +20,7 @@ import socket
 import urllib.parse
 from typing import Any
 
-from apps.jobs.spec import ConfigSource, DiLoCoSpec, RoleSpec, UrlSource
+from apps.jobs.spec import OVERLAP_EAGER, ConfigSource, DiLoCoSpec, RoleSpec, UrlSource
 from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ PARAMETER_SERVER_COPIES = 4
 #: A lossy encoding (float16, bfloat16, int8) adds one copy to each role: its error-feedback residual
 #: (docs/training.md, "Encodings").
 RESIDUAL_COPIES = 1
+#: An eager trainer (``rounds.overlap = "eager"``) adds two: the last result it merged and the proxy weights it
+#: trains from while its update is out (``worker_daemon/executors/overlap.py``; the weights at the round's
+#: start are counted already).
+EAGER_COPIES = 2
 #: Above this many layers the count is extrapolated from models of one and two layers, which a config of a
 #: million layers would otherwise take minutes to build even on the meta device.
 EXACT_LAYER_LIMIT = 64
@@ -150,8 +154,9 @@ def size_problem(spec: DiLoCoSpec, *, max_parameters: int) -> str | None:
             f"({max_parameters:,}, {MAX_PARAMETERS_SETTING})."
         )
     residual = RESIDUAL_COPIES if spec.rounds.encoding != "float32" else 0
+    eager = EAGER_COPIES if spec.rounds.overlap == OVERLAP_EAGER else 0
     short = [
-        _shortfall("trainer", spec.trainer, count, TRAINER_COPIES + residual, gpu_counts=True),
+        _shortfall("trainer", spec.trainer, count, TRAINER_COPIES + residual + eager, gpu_counts=True),
         _shortfall(
             "parameter_server",
             spec.parameter_server,

@@ -125,7 +125,10 @@
     function renderTrainers() {
       var rows = (state.trainers || []).map(function (trainer) {
         return row([
-          trainer.worker, trainer.status, trainer.sync_state, num(trainer.round), num(trainer.steps_in_round),
+          // An eager trainer's steps of its next round while its update is out: "updating · 12 ahead".
+          trainer.worker, trainer.status,
+          trainer.sync_state + (trainer.ahead_steps ? " · " + trainer.ahead_steps + " ahead" : ""),
+          num(trainer.round), num(trainer.steps_in_round),
           num(trainer.steps_total), num(trainer.samples_total), fixed(trainer.last_loss, 4),
           fixed(trainer.samples_per_second, 2)
         ]);

@@ -217,6 +217,44 @@ def test_an_encoding_flag_with_a_toml_spec_or_an_unknown_encoding_is_a_usage_err
     assert api.requests == []
 
 
+def test_submit_with_eager_overlap_sets_it_in_the_json_specs_rounds(api, hypha, tmp_path):
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"rounds": {"update_rounds": 3}, "num_trainers": 2}))
+    api.routes[("POST", "/api/jobs/diloco/")] = json_response(201, job("pending"))
+
+    assert hypha("submit", str(spec), "--overlap", "eager", "--encoding", "int8") == ExitCode.OK
+
+    (request,) = api.requests
+    assert json.loads(request.content) == {
+        "rounds": {"update_rounds": 3, "encoding": "int8", "overlap": "eager"},
+        "num_trainers": 2,
+    }
+
+
+def test_an_overlap_flag_with_a_toml_spec_or_a_mode_not_built_is_a_usage_error(api, hypha, tmp_path, capsys):
+    spec = tmp_path / "job.toml"
+    spec.write_text("[scheduler.job]\nnum_trainers = 2\n")
+
+    assert hypha("submit", str(spec), "--overlap", "eager") == ExitCode.USAGE
+    assert 'write overlap = "eager" under [scheduler.job.rounds]' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        hypha("submit", str(tmp_path / "job.json"), "--overlap", "streaming")
+    assert exit_.value.code == ExitCode.USAGE
+    assert "invalid choice: 'streaming'" in capsys.readouterr().err
+    assert api.requests == []
+
+
+def test_an_option_of_rounds_needs_rounds_to_be_an_object(api, hypha, tmp_path, capsys):
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"rounds": [3]}))
+
+    assert hypha("submit", str(spec), "--overlap", "none") == ExitCode.REFUSED
+    assert "rounds must be a JSON object for --encoding, --encoding-block-size or --overlap" in (
+        capsys.readouterr().err
+    )
+    assert api.requests == []
+
+
 def test_submitting_invalid_json_is_refused_before_any_request(api, hypha, tmp_path, capsys):
     spec = tmp_path / "job.json"
     spec.write_text("{oops")

@@ -347,6 +347,7 @@ class TaskSerializer(serializers.ModelSerializer):
             "sync_state",
             "round",
             "steps_in_round",
+            "ahead_steps",
             "steps_total",
             "samples_total",
             "batch_size",

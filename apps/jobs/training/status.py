@@ -14,9 +14,10 @@ from django.utils import timezone
 
 from apps.jobs import observers, sync
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
+from apps.jobs.spec import OVERLAP_EAGER
 from apps.jobs.training import transfers
 from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
-from apps.jobs.training.plans import plan
+from apps.jobs.training.plans import Plan, plan
 from apps.jobs.training.reports import own_task
 from hypha_tensors.formats import ENCODINGS
 from worker_daemon import protocol
@@ -120,29 +121,19 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
         batch_size = body.get("batch_size")
         batch_size = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else 0
         batch_size = max(0, min(batch_size, 10**9))
+        if task.sync_state == Task.Sync.UPDATING and current.spec.rounds.overlap == OVERLAP_EAGER:
+            reply, ahead = _ahead_step(task, current, body, batch_size, now=now)
+            return reply, {**changes, **ahead}
         if task.sync_state not in (Task.Sync.TRAINING, Task.Sync.SCHEDULED):
             return ERROR, {}
         covered, samples = _covered(body, task, batch_size)
         steps = task.steps_in_round + covered
-        clock = sync_clock()
-        interval = task.step_interval
-        if task.last_status_at is not None:
-            interval = sync.next_interval(
-                interval, (clock - task.last_status_at) / covered, first_of_round=task.steps_in_round == 0
-            )
         changes.update(
             steps_in_round=steps,
             samples_in_round=task.samples_in_round + samples,
-            steps_total=task.steps_total + covered,
-            samples_total=task.samples_total + samples,
-            last_status_at=clock,
-            step_interval=interval,
+            **_step_changes(task, body, covered, samples, first_of_round=task.steps_in_round == 0, now=now),
         )
-        loss = _finite(body.get("loss"))
-        if loss is not None:
-            changes["last_loss"] = loss
-        if task.first_step_at is None:
-            changes["first_step_at"] = now
+        clock, interval = changes["last_status_at"], changes["step_interval"]
         reply = CONTINUE
         grant = 0
         if task.sync_state == Task.Sync.SCHEDULED:
@@ -157,7 +148,14 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
             else:
                 grant = current.steps_per_round - steps - 1
         else:
-            more, grant = _adaptive_step(task, current.sample_target, samples, interval, clock)
+            more, grant = _adaptive_step(
+                task,
+                current.sample_target,
+                samples,
+                interval,
+                clock,
+                eager=current.spec.rounds.overlap == OVERLAP_EAGER,
+            )
             if more is not None:
                 changes.update(sync_state=Task.Sync.SCHEDULED, update_due=steps + more)
                 reply = {"type": "ScheduleUpdate", "counter": more}
@@ -190,7 +188,13 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
             continue_granted=0,
             last_status_at=sync_clock(),  # the next round starts now for this trainer
             sync_state=Task.Sync.DONE if done else Task.Sync.TRAINING,
+            ahead_steps=0,
+            ahead_samples=0,
+            ahead_due=None,
         )
+        if not done and current.spec.rounds.overlap == OVERLAP_EAGER:
+            del changes["continue_granted"]  # its daemon may hold a grant still: see _carried_over
+            changes.update(_carried_over(task))
         reply = DONE if done else CONTINUE
     elif kind == "metrics":
         _record_trainer_metrics(task, progress["metrics"])
@@ -198,6 +202,92 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
     else:
         return ERROR, {}
     return reply, changes
+
+
+def _step_changes(
+    task: Task, body: dict, covered: int, samples: int, *, first_of_round: bool, now
+) -> dict[str, Any]:
+    """What every counted step report changes, whichever round it is of: the trainer's totals, its last loss,
+    when it last reported and its step-time estimate (``first_of_round``: the time since its last report
+    includes a merge or a start, and counts only while there is no estimate)."""
+    clock = sync_clock()
+    interval = task.step_interval
+    if task.last_status_at is not None:
+        interval = sync.next_interval(
+            interval, (clock - task.last_status_at) / covered, first_of_round=first_of_round
+        )
+    changes: dict[str, Any] = {
+        "steps_total": task.steps_total + covered,
+        "samples_total": task.samples_total + samples,
+        "last_status_at": clock,
+        "step_interval": interval,
+    }
+    loss = _finite(body.get("loss"))
+    if loss is not None:
+        changes["last_loss"] = loss
+    if task.first_step_at is None:
+        changes["first_step_at"] = now
+    return changes
+
+
+def _ahead_step(
+    task: Task, current: Plan, body: dict, batch_size: int, *, now
+) -> tuple[dict, dict[str, Any]]:
+    """The reply to an eager trainer's step report while UPDATING — a step of the round after the one whose
+    update it sent, trained before that round's result came — and the changes to its task row.
+
+    The step (with the steps its daemon answered locally, ``covered_steps``) counts as ``ahead_steps``, not
+    in ``steps_in_round``: those are the sent round's until its "update-received", and performance-aware
+    sync counts that round's samples until then. The reply is ``Continue``, or ``ScheduleUpdate{0}`` ("stop
+    after this step and send the next update once merged"; ``ahead_due``) when the next round is done
+    already: H ahead steps, the sample target reached, or no next round at all (its update was for the
+    job's last round). The daemon may answer the steps that need no decision itself: fixed H, all but the
+    H-th; with a sample target, as many as the fleet cannot bring the round near its end in; the rest of
+    the round's count is decided once the trainer is back in TRAINING."""
+    covered, samples = _covered(body, task, batch_size)
+    ahead = task.ahead_steps + covered
+    changes = _step_changes(task, body, covered, samples, first_of_round=task.ahead_steps == 0, now=now)
+    changes.update(ahead_steps=ahead, ahead_samples=task.ahead_samples + samples)
+    stop = False
+    grant = 0
+    if task.ahead_due is not None:
+        pass  # told to stop already: a step that was in flight
+    elif task.round + 1 >= current.update_rounds:
+        stop = True
+    elif current.sample_target is None:
+        stop = ahead >= current.steps_per_round
+        grant = 0 if stop else current.steps_per_round - ahead - 1
+    else:
+        more, grant = _adaptive_step(
+            task,
+            current.sample_target,
+            samples,
+            changes["step_interval"],
+            changes["last_status_at"],
+            eager=True,
+            ahead=True,
+        )
+        stop = more == 0
+        grant = 0 if more is not None else grant
+    changes["continue_granted"] = min(grant, MAX_CONTINUE_GRANT)
+    if stop:
+        changes["ahead_due"] = ahead
+        return {"type": "ScheduleUpdate", "counter": 0}, changes
+    return CONTINUE, changes
+
+
+def _carried_over(task: Task) -> dict[str, Any]:
+    """An eager trainer's "update-received" (not the job's end): the steps it trained ahead are its new
+    round's so far. Told to stop while ahead, it is SCHEDULED (its update is due after them); else TRAINING.
+    The grant its daemon still holds stays (the merge came between two steps of a granted run; the next step
+    report carries the steps answered meanwhile). After steps ahead, its last report time is forgotten: the
+    time to its next report spans the merge, not a step."""
+    changes: dict[str, Any] = {"steps_in_round": task.ahead_steps, "samples_in_round": task.ahead_samples}
+    if task.ahead_steps:
+        changes["last_status_at"] = None
+    if task.ahead_due is not None:
+        changes.update(sync_state=Task.Sync.SCHEDULED, update_due=task.ahead_due)
+    return changes
 
 
 def _trainers_in_round(job_id, round_number: int):
@@ -253,8 +343,37 @@ def _rows(tasks) -> list[dict]:
     return list(tasks.values(*_ROW_FIELDS, score=F("lease__worker__benchmark_score")))
 
 
+def _ahead_rows(job_id, merged: int, *, exclude) -> list[dict]:
+    """Rows as :func:`_rows` gives them of the eager trainers that sent round ``merged + 1``'s update and
+    train the round after it while they wait for its result (those that reported a step of it), with
+    their steps and samples ahead as that round's."""
+    tasks = Task.objects.filter(
+        job_id=job_id,
+        role=TRAINER,
+        status__in=Task.LIVE,
+        round=merged,
+        sync_state=Task.Sync.UPDATING,
+        ahead_steps__gt=0,
+    ).exclude(pk=exclude)
+    rows = list(
+        tasks.values(*_ROW_FIELDS, "ahead_steps", "ahead_samples", score=F("lease__worker__benchmark_score"))
+    )
+    for row in rows:
+        row.update(
+            steps_in_round=row.pop("ahead_steps"), samples_in_round=row.pop("ahead_samples"), update_due=None
+        )
+    return rows
+
+
 def _adaptive_step(
-    task: Task, target: int, samples: int, interval: float | None, now: float
+    task: Task,
+    target: int,
+    samples: int,
+    interval: float | None,
+    now: float,
+    *,
+    eager: bool = False,
+    ahead: bool = False,
 ) -> tuple[int | None, int]:
     """Performance-aware sync at a report of ``task`` (still TRAINING): how many more steps it runs this round
     (``None``: not decided yet), and how many of its next reports its daemon may answer itself.
@@ -265,18 +384,28 @@ def _adaptive_step(
     share once the projection covers the rest within the caps. Further away, the trainer may run on without
     asking for as many steps as the whole fleet cannot bring the round near its end in (counting the steps
     other trainers were already allowed to run unreported), and at most :data:`MAX_CONTINUE_SECONDS`.
+
+    ``eager``: the job's trainers train ahead while UPDATING; those that do are the next round's trainers
+    too (:func:`_ahead_rows`). ``ahead``: ``task`` is one of them, reporting a step ahead (its round is the
+    one after the round whose update it sent).
     """
+    merged = task.round + 1 if ahead else task.round
+    own_steps, own_samples = (
+        (task.ahead_steps, task.ahead_samples) if ahead else (task.steps_in_round, task.samples_in_round)
+    )
     # The round's samples include those of trainers that have sent their update already (UPDATING): they
     # count until their update-received, which comes only once the round closed.
     sent = Task.objects.filter(
         job_id=task.job_id,
         role=TRAINER,
         status__in=Task.LIVE,
-        round=task.round,
+        round=merged,
         sync_state=Task.Sync.UPDATING,
     ).aggregate(samples=Sum("samples_in_round"))["samples"]
-    rows = _rows(_trainers_in_round(task.job_id, task.round).exclude(pk=task.pk))
-    done = (sent or 0) + sum(row["samples_in_round"] for row in rows) + task.samples_in_round + samples
+    rows = _rows(_trainers_in_round(task.job_id, merged).exclude(pk=task.pk))
+    if eager and merged > 0:
+        rows += _ahead_rows(task.job_id, merged - 1, exclude=task.pk)
+    done = (sent or 0) + sum(row["samples_in_round"] for row in rows) + own_samples + samples
     to_go = max(0, target - done)
     if to_go == 0:
         return 0, 0
@@ -288,7 +417,7 @@ def _adaptive_step(
             "last_status_at": now,
             "step_interval": interval,
             "update_due": None,
-            "steps_in_round": task.steps_in_round + 1,
+            "steps_in_round": own_steps + 1,
             "samples_in_round": 0,
             "continue_granted": 0,
             "score": task.lease.worker.benchmark_score,

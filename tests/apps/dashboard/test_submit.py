@@ -114,6 +114,29 @@ def test_a_block_size_for_an_encoding_without_blocks_is_shown_next_to_it(ada_bro
     assert Job.objects.count() == 0
 
 
+def test_the_form_takes_eager_overlap_and_the_job_page_shows_it(ada_browser, tiny_text):
+    html = ada_browser.get("/jobs/new/").content.decode()
+    assert '<option value="eager">eager (train on while the round&#x27;s result travels)</option>' in html
+
+    response = ada_browser.post("/jobs/new/", default_fields(overlap="eager"))
+
+    job = Job.objects.get()
+    assert response.status_code == 302
+    assert job.spec["rounds"]["overlap"] == "eager"
+    assert "&#x27;overlap&#x27;: &#x27;eager&#x27;" in ada_browser.get(f"/jobs/{job.pk}/").content.decode()
+
+
+def test_an_overlap_mode_that_is_not_built_is_refused_next_to_its_field(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(overlap="streaming"))
+
+    assert response.status_code == 400
+    # The select offers none and eager only: a posted "streaming" is not one of its choices.
+    assert errors_next_to(response.content.decode(), "overlap") == [
+        "Select a valid choice. streaming is not one of the available choices."
+    ]
+    assert Job.objects.count() == 0
+
+
 def test_a_model_config_that_is_not_json_or_has_no_model_type_is_refused(ada_browser, tiny_text):
     not_json = ada_browser.post("/jobs/new/", default_fields(model_config="{not json"))
     no_type = ada_browser.post("/jobs/new/", default_fields(model_config=json.dumps({"n_layer": 2})))

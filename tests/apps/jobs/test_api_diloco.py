@@ -63,6 +63,7 @@ def test_a_json_spec_creates_a_job_with_its_requirements_and_spec(alice):
         "weighted": True,
         "encoding": "float32",
         "encoding_block_size": None,
+        "overlap": "none",
         "checkpoint_every": 10,
     }
     assert job.spec["model"]["type"] == "causal-lm"
