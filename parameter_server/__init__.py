@@ -3,6 +3,7 @@
 Modules:
 
 * ``math``         pure functions on ``dict[str, torch.Tensor]``: ``StreamingMean``, ``mean``, ``nesterov_step``.
+* ``buffers``      ``BufferPool``: the round's model-sized tensors, reused once nothing holds them.
 * ``weights``      the only file I/O on tensors: safetensors ``load`` / atomic ``save`` / ``validate``.
 * ``checkpoints``  one directory per round (weights + momentum), written atomically; ``load_latest``.
 * ``exceptions``   the package's errors, hierarchy in its docstring.

@@ -2,6 +2,10 @@
 
 Nothing here touches files, the network or a clock, and nothing mutates its inputs: every function takes
 tensors and returns new ones (Flower's ``aggregate.py`` style), so it is tested against hand-computed values.
+The two exceptions say so in their names and contracts, for the parameter server's round, where a new
+model-sized tensor costs more than the arithmetic on it: :func:`nesterov_step_` consumes its gradient and
+writes into buffers it is given, and :class:`StreamingMean` may sum into buffers from an allocator
+(``parameter_server/buffers.py``). Both give the same bits as the pure functions.
 
 Sign convention, end to end (same as the original Hypha parameter server, hypha-protocols.md §4):
 
@@ -23,14 +27,20 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
+from hypha_tensors.encoding import DecodedView, add_scaled_
 from parameter_server.exceptions import NoUpdatesError, TensorRefused
 
 StateDict = dict[str, torch.Tensor]
 """Tensor name → tensor, as in ``model.state_dict()``."""
+
+Allocator = Callable[[Mapping[str, tuple[tuple[int, ...], torch.dtype]]], StateDict]
+"""name → (shape, dtype) → CPU tensors of those shapes and dtypes, contents undefined
+(:meth:`parameter_server.buffers.BufferPool.take`)."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -97,9 +107,17 @@ class StreamingMean:
     a round has; a float64 accumulator would double the server's peak memory (8 bytes per parameter, 1 GB
     for GPT-2 small) for no visible gain. Peak memory is one accumulator plus the update being added (plus
     one tensor's float32 copy while a half-precision tensor is being added); no list of updates is kept.
+
+    ``allocate`` (an :data:`Allocator`, e.g. the parameter server's buffer pool): where the accumulator comes
+    from, zeroed here (reused memory is refilled far faster than fresh pages are faulted in); without it, new
+    zeros. An update given as a :class:`~hypha_tensors.encoding.DecodedView` (int8, float16, bfloat16 on
+    the wire) is decoded straight into the accumulator a slice at a time, with no decoded copy of a whole
+    tensor; so is a half-precision tensor. Either way the sum has the same bits as decoding (or ``.to``)
+    first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Allocator | None = None) -> None:
+        self._allocate = allocate
         self._accumulators: StateDict | None = None
         self._dtypes: dict[str, torch.dtype] = {}
         #: Σ weight · max|x| per tensor: a bound on the magnitude of every element of its accumulator.
@@ -155,10 +173,14 @@ class StreamingMean:
                 )
             magnitudes[name] = magnitude
         for name, accumulator in self._accumulators.items():
-            # add_ with alpha is fused (no w·x temporary); .to() copies only half-precision tensors.
-            accumulator.add_(
-                update[name].to(device=accumulator.device, dtype=accumulator.dtype), alpha=weight
-            )
+            if isinstance(update, DecodedView):
+                update.add_into(name, accumulator, alpha=weight)
+                continue
+            tensor = update[name]
+            if tensor.device != accumulator.device:
+                tensor = tensor.to(accumulator.device)
+            # add_ with alpha is fused (no w·x temporary); a half-precision tensor is widened a slice at a time.
+            add_scaled_(accumulator, tensor, alpha=weight)
         self._magnitudes.update(magnitudes)
         self._total_weight += weight
         self.count += 1
@@ -168,7 +190,9 @@ class StreamingMean:
         update: Mapping[str, torch.Tensor],
         signatures: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
-        accumulators: StateDict = {}
+        wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        devices: dict[str, torch.device] = {}
+        dtypes = {}
         for name in sorted(update):
             if signatures is None:
                 tensor = update[name]
@@ -179,14 +203,33 @@ class StreamingMean:
                 (shape, dtype), device = signatures[name], torch.device("cpu")
             if not dtype.is_floating_point:
                 raise TensorRefused(name, f"dtype {dtype} is not floating point")
-            accumulators[name] = torch.zeros(shape, dtype=_compute_dtype(dtype), device=device)
-            self._dtypes[name] = dtype
-        self._accumulators = accumulators
+            wanted[name] = (tuple(shape), _compute_dtype(dtype))
+            devices[name] = torch.device(device)
+            dtypes[name] = dtype
+        if self._allocate is not None and all(device.type == "cpu" for device in devices.values()):
+            accumulators = self._allocate(wanted)
+            torch._foreach_zero_(list(accumulators.values()))
+        else:
+            accumulators = {
+                name: torch.zeros(shape, dtype=dtype, device=devices[name])
+                for name, (shape, dtype) in wanted.items()
+            }
+        self._dtypes = dtypes
+        self._accumulators = {name: accumulators[name] for name in sorted(wanted)}
 
     @property
     def total_weight(self) -> float:
         """The sum of the weights added so far."""
         return self._total_weight
+
+    def bound(self) -> float:
+        """An upper bound on ``|x|`` over every element ``x`` of :meth:`result` (all tensors), from the largest
+        values the updates were added with: ``max over tensors of Σ wᵢ·max|xᵢ| / Σ wᵢ``. Exact arithmetic;
+        float rounding may exceed it by a relative ``count · 2⁻²⁴`` at most. ``NoUpdatesError`` like
+        :meth:`result`. Costs nothing: the parameter server uses it to know a step is finite without
+        reading it."""
+        self._check_result()
+        return max(self._magnitudes.values(), default=0.0) / self._total_weight
 
     def result(self) -> StateDict:
         """The weighted mean so far, in the inputs' dtypes (new tensors)."""
@@ -223,7 +266,26 @@ def largest_magnitude(tensor: torch.Tensor) -> float:
     if tensor.element_size() == 1 and tensor.dtype.is_floating_point:
         tensor = tensor.to(torch.float16)
     low, high = torch.aminmax(tensor)
-    return max(-float(low), float(high))
+    low, high = float(low), float(high)
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return max(-low, high)
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """``TensorRefused(name, "contains NaN")`` (or ``"contains Inf"``) for the first floating-point tensor, in
+    name order, that holds one: what :func:`hypha_tensors.weights.validate` says of them, with one
+    ``aminmax`` pass per tensor and no temporary (``isfinite`` makes a float copy and three bool tensors of
+    the tensor's size: 30x slower on a model)."""
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if not tensor.dtype.is_floating_point:
+            continue
+        peak = largest_magnitude(tensor)
+        if math.isnan(peak):
+            raise TensorRefused(name, "contains NaN")
+        if math.isinf(peak):
+            raise TensorRefused(name, "contains Inf")
 
 
 def measure(update: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
@@ -262,7 +324,11 @@ def update_norm(update: Mapping[str, torch.Tensor]) -> float:
 
 
 def norm_limit(
-    round_norms: Sequence[float], previous_norms: Sequence[float], *, fallback: float, ratio: float
+    round_norms: Sequence[float],
+    previous_norms: Sequence[float],
+    *,
+    fallback: float | Callable[[], float],
+    ratio: float,
 ) -> float:
     """The largest update norm a round accepts: ``ratio`` × a reference norm.
 
@@ -270,7 +336,8 @@ def norm_limit(
     the median of ``previous_norms`` (those of the last round that took a step), leaving out an empty or
     zero median; with neither, ``fallback`` (the parameter server uses the global weights' norm: an update
     ``ratio`` times larger than the whole model is not a training step), and no bound (``math.inf``) when that
-    is 0 too (nothing to measure against). The larger of the two, so that a
+    is 0 too (nothing to measure against). ``fallback`` may be a function giving it, called only when it is needed (the
+    norm of a model is a pass over all its weights). The larger of the two, so that a
     round whose first updates are small does not refuse an honest trainer that ran more steps; the median,
     so that one outlier cannot move it. ``ratio`` must be > 1 and ``fallback`` >= 0, else ``ValueError``.
 
@@ -278,13 +345,21 @@ def norm_limit(
     """
     if not math.isfinite(ratio) or ratio <= 1:
         raise ValueError(f"ratio must be finite and > 1, got {ratio!r}")
-    if not math.isfinite(fallback) or fallback < 0:
-        raise ValueError(f"fallback must be finite and >= 0, got {fallback!r}")
+    if not callable(fallback):
+        _check_fallback(fallback)
     medians = [statistics.median(norms) for norms in (round_norms, previous_norms) if norms]
     references = [median for median in medians if median > 0]
     if not references:
+        if callable(fallback):
+            fallback = fallback()
+            _check_fallback(fallback)
         return ratio * fallback if fallback > 0 else math.inf
     return ratio * max(references)
+
+
+def _check_fallback(fallback: float) -> None:
+    if not math.isfinite(fallback) or fallback < 0:
+        raise ValueError(f"fallback must be finite and >= 0, got {fallback!r}")
 
 
 def mean(updates: Iterable[Mapping[str, torch.Tensor]], weights: Iterable[float] | None = None) -> StateDict:
@@ -340,24 +415,8 @@ def nesterov_step(
     Reference check (lr 0.1, μ 0.7): g = 0.5 on the first round gives u = 0.085; then g = [0.1 … 0.5] gives
     [0.0415, 0.0585, 0.0755, 0.0925, 0.1095].
     """
-    if not math.isfinite(learning_rate) or learning_rate <= 0:
-        raise ValueError(f"learning_rate must be finite and > 0, got {learning_rate!r}")
-    if not math.isfinite(momentum_factor) or not 0 <= momentum_factor < 1:
-        raise ValueError(f"momentum_factor must be finite and in [0, 1), got {momentum_factor!r}")
-    # Check everything before computing anything: a refusal names the first bad tensor in name order.
-    for name in sorted(gradient):
-        g = gradient[name]
-        if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
-            raise TensorRefused(name, "gradient is not a floating-point tensor")
+    stepped, momentum = _check_step(gradient, momentum, learning_rate, momentum_factor, averaged)
     averaged = frozenset(averaged)
-    stepped = sorted(name for name in gradient if name not in averaged)
-    if momentum is not None:
-        momentum = {name: tensor for name, tensor in momentum.items() if name not in averaged}
-        _check_same_names(momentum, stepped, "the momentum")
-        for name in stepped:
-            _check_same_signature(
-                name, momentum[name], gradient[name].shape, gradient[name].dtype, "the momentum"
-            )
     update: StateDict = {}
     new_momentum: StateDict = {}
     for name in sorted(gradient):
@@ -376,3 +435,123 @@ def nesterov_step(
         # m_wide is always a new tensor (a clone or the result of arithmetic), never g or the old momentum.
         new_momentum[name] = m_wide.to(g.dtype)
     return update, new_momentum
+
+
+def nesterov_step_(
+    *,
+    gradient: StateDict,
+    momentum: Mapping[str, torch.Tensor] | None,
+    learning_rate: float,
+    momentum_factor: float,
+    averaged: Collection[str] = (),
+    momentum_out: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[StateDict, StateDict]:
+    """:func:`nesterov_step` without model-sized allocations, for the parameter server's round: the same
+    checks and refusals (made before anything is written), the same ``(update, new_momentum)`` bit for bit,
+    but written into tensors it is given:
+
+    * ``gradient`` is consumed: each float32/float64 tensor of it becomes that name's ``update`` (the same
+      tensor object, ``u = lr·(g + μ·m)`` computed in place); an ``averaged`` name's update is ``g`` itself.
+    * the new momentum of a stepped name goes into ``momentum_out[name]`` when given (same shape and dtype,
+      contiguous, not aliasing the gradient); it may be ``momentum[name]`` itself: the momentum is then
+      updated in place. Without ``momentum_out``, new tensors.
+    * a float16/bfloat16 name (computed in float32, rounded once) gets new tensors, as in
+      :func:`nesterov_step`, and so does a momentum on another device than its gradient.
+
+    Nothing else is mutated: ``momentum`` only when it is ``momentum_out``.
+    """
+    stepped, momentum = _check_step(gradient, momentum, learning_rate, momentum_factor, averaged)
+    update: StateDict = {}
+    new_momentum: StateDict = {}
+    for name in sorted(gradient):
+        g = gradient[name]
+        if name not in stepped:
+            update[name] = g  # θ ← the mean: no learning rate, no momentum
+            continue
+        old = None if momentum is None else momentum[name]
+        if g.dtype != _compute_dtype(g.dtype) or (old is not None and old.device != g.device):
+            single_update, single_momentum = nesterov_step(
+                gradient={name: g},
+                momentum=None if old is None else {name: old},
+                learning_rate=learning_rate,
+                momentum_factor=momentum_factor,
+            )
+            update[name], new_momentum[name] = single_update[name], single_momentum[name]
+            continue
+        # The operations of nesterov_step on the same operands, in place: the same bits.
+        target = None if momentum_out is None else momentum_out[name]
+        if old is None:
+            m = g.clone() if target is None else target.copy_(g)
+        else:
+            m = old * momentum_factor if target is None else torch.mul(old, momentum_factor, out=target)
+            m.add_(g)
+        update[name] = g.add_(m, alpha=momentum_factor).mul_(learning_rate)
+        new_momentum[name] = m
+    return update, new_momentum
+
+
+class StepBounds(NamedTuple):
+    """Upper bounds on the largest magnitude of each result of one outer step (:func:`step_bounds`)."""
+
+    gradient: float
+    momentum: float
+    update: float
+    weights: float
+
+
+#: Each bound of :func:`step_bounds` is grown by this factor per operation, for float rounding: a float32
+#: operation errs by at most 2⁻²⁴ relative, so bounds built on bounds stay bounds for thousands of rounds.
+BOUND_ROUNDING = 1 + 2**-20
+
+
+def step_bounds(
+    *,
+    gradient: float,
+    momentum: float | None,
+    weights: float,
+    learning_rate: float,
+    momentum_factor: float,
+    averaged: bool = False,
+) -> StepBounds:
+    """Bounds on ``max|g|``, ``max|m'|``, ``max|u|`` and ``max|θ + u|`` of a Nesterov step, from bounds on
+    ``max|g|`` (``gradient``), ``max|m|`` (``momentum``; None on the first round: ``m' = g``) and ``max|θ|``
+    (``weights``): ``m' = μ·m + g``, ``u = lr·(g + μ·m')`` (``u = g`` for ``averaged`` buffers),
+    ``θ' = θ + u``, each grown by :data:`BOUND_ROUNDING` per operation. A step whose bounds are all finite
+    and within its dtype's range cannot give Inf or NaN from finite inputs."""
+    mu, lr = momentum_factor, learning_rate
+    g = gradient * BOUND_ROUNDING
+    m = g if momentum is None else (mu * momentum + g) * BOUND_ROUNDING
+    u = lr * (g + mu * m) * BOUND_ROUNDING**2
+    if averaged:
+        u = max(u, g)
+    return StepBounds(g, m, u, (weights + u) * BOUND_ROUNDING)
+
+
+def _check_step(
+    gradient: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor] | None,
+    learning_rate: float,
+    momentum_factor: float,
+    averaged: Collection[str],
+) -> tuple[list[str], dict[str, torch.Tensor] | None]:
+    """The refusals of :func:`nesterov_step` (before anything is computed: a refusal names the first bad
+    tensor in name order); (the stepped names, sorted; the momentum without ``averaged`` names)."""
+    if not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(f"learning_rate must be finite and > 0, got {learning_rate!r}")
+    if not math.isfinite(momentum_factor) or not 0 <= momentum_factor < 1:
+        raise ValueError(f"momentum_factor must be finite and in [0, 1), got {momentum_factor!r}")
+    # Check everything before computing anything: a refusal names the first bad tensor in name order.
+    for name in sorted(gradient):
+        g = gradient[name]
+        if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
+            raise TensorRefused(name, "gradient is not a floating-point tensor")
+    averaged = frozenset(averaged)
+    stepped = sorted(name for name in gradient if name not in averaged)
+    if momentum is not None:
+        momentum = {name: tensor for name, tensor in momentum.items() if name not in averaged}
+        _check_same_names(momentum, stepped, "the momentum")
+        for name in stepped:
+            _check_same_signature(
+                name, momentum[name], gradient[name].shape, gradient[name].dtype, "the momentum"
+            )
+    return stepped, momentum

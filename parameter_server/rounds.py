@@ -46,14 +46,18 @@ Round rules (docs/training.md, step 7):
   update, ``RoundResult.encoded`` the tensors of the result file. The residual ``e`` lives in memory only: a
   server resumed from a checkpoint starts again from ``e = 0`` (at most half a quantum per value is lost,
   once: the error of one round without feedback).
-* The results of the last :data:`KEEP_RESULTS` rounds are kept; an older one raises ``RoundPruned`` (410).
+* The results of the last :data:`KEEP_RESULTS` rounds are kept (their records: the file, no tensors); an
+  older one raises ``RoundPruned`` (410).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -62,9 +66,9 @@ from typing import NamedTuple
 
 import torch
 
-from hypha_tensors import weights as weights_io
 from hypha_tensors.encoding import DecodedView, EncodingError, encode, encode_with_feedback
-from hypha_tensors.formats import Encoding
+from hypha_tensors.formats import SCALE_SUFFIX, Encoding
+from parameter_server.buffers import BufferPool
 from parameter_server.exceptions import (
     RoundConflict,
     RoundPruned,
@@ -72,12 +76,28 @@ from parameter_server.exceptions import (
     UnknownRound,
     UpdateRefused,
 )
-from parameter_server.math import StateDict, StreamingMean, measure, nesterov_step, norm_limit, update_norm
+from parameter_server.math import (
+    StateDict,
+    StreamingMean,
+    check_finite,
+    largest_magnitude,
+    measure,
+    nesterov_step_,
+    norm_limit,
+    step_bounds,
+    update_norm,
+)
 from worker_daemon import telemetry
 
 logger = logging.getLogger("parameter_server")
 
 KEEP_RESULTS = 2
+#: Free buffer sets kept after a round (parameter_server/buffers.py): the next round's accumulator, its new
+#: weights, and its new momentum when the momentum cannot be updated in place.
+SPARE_SETS = 3
+#: A step whose bounds (math.step_bounds) stay under this fraction of its dtype's largest value is finite
+#: without a check: a factor of 4 to spare beyond the rounding the bounds allow for.
+_HEADROOM = 0.25
 #: An update may be at most this many times the round's reference norm (docs/training.md). Trainers that ran
 #: 3x more inner steps than the others send updates a few times larger; 1e38 tensors are ~1e37x larger.
 DEFAULT_UPDATE_NORM_RATIO = 10.0
@@ -143,24 +163,36 @@ class _OpenRound:
 
 
 class _Step(NamedTuple):
-    """A closed round's outer step: u, the new weights and momentum, the new weights' norm; ``stepped`` False
-    with u = 0 and everything kept when there was nothing to average or the step is ``discarded`` (why)."""
+    """A closed round's outer step: u, the new weights and momentum; ``stepped`` False with u = 0 and
+    everything kept when there was nothing to average or the step is ``discarded`` (why)."""
 
     update: StateDict
     weights: StateDict
     momentum: StateDict | None
-    weights_norm: float
     stepped: bool = False
     discarded: str | None = None
     #: ``update`` in the job's encoding (what the result file holds) and the new error-feedback residual.
     encoded: StateDict | None = None
     residual: StateDict | None = None
+    #: Upper bounds on max|θ| and max|m| after the step (None: unknown, measured when next needed).
+    bounds: tuple[float | None, float | None] = (None, None)
 
 
 PersistHook = Callable[[RoundResult, StateDict, StateDict | None], Awaitable[None]]
 """Called with (result, new global weights, new momentum) before the result is published."""
 FirstUpdateHook = Callable[[int, str], None]
 """Called with (round number, peer) when a round accepts its first update (must not block)."""
+
+
+def _aliases(tensors: StateDict | None) -> StateDict | None:
+    """New tensor objects on the same memory: each one held counts as a holder of that memory
+    (:meth:`BufferPool.held_elsewhere`), so what is handed out this way is never updated in place."""
+    return None if tensors is None else {name: tensor.detach() for name, tensor in tensors.items()}
+
+
+def _record(result: RoundResult) -> RoundResult:
+    """What the coordinator keeps of a published round: everything but its tensors."""
+    return dataclasses.replace(result, update={}, encoded=None)
 
 
 def _relative(times: Mapping[str, float]) -> dict[str, float]:
@@ -172,9 +204,20 @@ class RoundCoordinator:
     """Collects the open round's updates and takes the outer step; see the module docstring for the rules.
 
     ``weights`` are the global weights after ``rounds_completed`` rounds and ``momentum`` the outer momentum
-    (None before the first step); both are replaced, never mutated. ``last_result`` (a server resumed from a
-    checkpoint) is served as round ``rounds_completed``'s result. ``persist`` may raise: the round is then
-    not published and :attr:`failure` is set (the service stops; the checkpoint of the previous round stands).
+    (None before the first step). ``last_result`` (a server resumed from a checkpoint) is served as round
+    ``rounds_completed``'s result. ``persist`` may raise: the round is then not published and :attr:`failure`
+    is set (the service stops; the checkpoint of the previous round stands; this coordinator's momentum may
+    already be the failed round's).
+
+    Memory: a round's model-sized tensors (the accumulator, which becomes ``u``; the new weights; the new
+    momentum) come from a :class:`~parameter_server.buffers.BufferPool` and are reused once nothing holds
+    them. **Weights are never mutated** while anyone holds them. The momentum is updated in place when only
+    this coordinator holds it (:attr:`momentum` and ``persist`` get aliases, which count as holders) and the
+    step is finite for certain: :func:`~parameter_server.math.step_bounds` of ``max|g|`` (free, from the
+    mean), ``max|m|`` and ``max|θ|`` (carried over) well inside the dtype's range, with a lossless encoding;
+    then no result is read to check it either, else each is checked and a bad step discarded as before.
+    :meth:`result` and :meth:`wait_result` give a round's record without its tensors (its file serves
+    ``u``); the full result goes to :attr:`published` only.
     """
 
     def __init__(
@@ -200,7 +243,14 @@ class RoundCoordinator:
         self.expected = tuple(expected)
         self._told: tuple[str, ...] = ()
         self.weights: StateDict = dict(weights)
-        self.momentum: StateDict | None = None if momentum is None else dict(momentum)
+        #: The momentum's own tensors, never handed out (:attr:`momentum` gives aliases): it may be updated in
+        #: place when nothing else holds its memory.
+        self._momentum: StateDict | None = None if momentum is None else dict(momentum)
+        #: Where a round's model-sized tensors come from (and go back to when nothing holds them).
+        self._pool = BufferPool()
+        #: Held by the step (a thread) while it may write the momentum in place, and by :attr:`momentum`
+        #: while it makes aliases: an alias is never made of a momentum being written.
+        self._momentum_lock = threading.Lock()
         self.rounds_completed = rounds_completed
         self.update_rounds = update_rounds
         self.round_timeout = round_timeout
@@ -222,15 +272,25 @@ class RoundCoordinator:
         self._residual: StateDict = {}
         #: The accepted norms of the last round that took a step (the next round's reference, with its own).
         self._previous_norms: list[float] = []
-        #: The global weights' norm: the reference of an update when no round gives one.
-        self._weights_norm = update_norm({name: self.weights[name] for name in self._floating})
+        #: The global weights' norm: the reference of an update when no round gives one (None: not measured
+        #: since the weights changed; it is needed only then).
+        self._weights_norm: float | None = None
+        #: Upper bounds on max|θ| and max|m| (None: measure them when a step needs them).
+        self._weights_bound: float | None = None
+        self._momentum_bound: float | None = None
+        #: The largest finite value of the weights' floating-point dtypes (the smallest of them).
+        self._finite_max = min(
+            (torch.finfo(self.weights[name].dtype).max for name in self._floating), default=math.inf
+        )
+        #: A name the encoding refuses (its scales' suffix): such a step is left to the encoder to refuse.
+        self._scale_names = any(name.endswith(SCALE_SUFFIX) for name in self._floating)
         #: Whether the control plane's ``Expect`` replies count samples: None until one arrived.
         self.counts_reported: bool | None = None
         self._results: dict[int, RoundResult] = {}
         self._fetched: dict[int, set[str]] = {}
         if last_result is not None and last_result.round_number == rounds_completed:
             # Resumed from a checkpoint: round ``rounds_completed``'s result is served again.
-            self._results[rounds_completed] = last_result
+            self._results[rounds_completed] = _record(last_result)
             self._fetched[rounds_completed] = set()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
@@ -243,6 +303,18 @@ class RoundCoordinator:
         """Set to the exception if closing a round failed (the service then exits 1)."""
 
     # --- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def momentum(self) -> StateDict | None:
+        """The outer momentum after the last round (None before the first step): aliases of the coordinator's
+        tensors. While anyone holds them, the next round writes its momentum elsewhere: they never change."""
+        with self._momentum_lock:
+            return _aliases(self._momentum)
+
+    @property
+    def pool(self) -> BufferPool:
+        """The buffer pool of the round's model-sized tensors (for tests and benchmarks)."""
+        return self._pool
 
     @property
     def open_round(self) -> int | None:
@@ -259,6 +331,7 @@ class RoundCoordinator:
         return self._finished
 
     def result(self, round_number: int) -> RoundResult | None:
+        """Round ``round_number``'s record (its file, participants, digest; no tensors), if kept."""
         return self._results.get(round_number)
 
     def counted(self, round_number: int, peer: str) -> int | None:
@@ -270,7 +343,13 @@ class RoundCoordinator:
     def _new_round(self, number: int) -> _OpenRound:
         # The control plane's latest word on who trains, else everyone the job started with.
         expected = self._told or self.expected
-        return _OpenRound(number, self._clock(), expected=expected, opened_expecting=expected)
+        return _OpenRound(
+            number,
+            self._clock(),
+            mean=StreamingMean(self._pool.take),
+            expected=expected,
+            opened_expecting=expected,
+        )
 
     def _check_round(self, round_number: int) -> None:
         if round_number < 1 or round_number > self.update_rounds:
@@ -367,7 +446,7 @@ class RoundCoordinator:
         except EncodingError as error:
             raise UpdateRefused(str(error)) from None
         limit = norm_limit(
-            current.norms, self._previous_norms, fallback=self._weights_norm, ratio=self.update_norm_ratio
+            current.norms, self._previous_norms, fallback=self._reference_norm, ratio=self.update_norm_ratio
         )
         if not norm <= limit:  # also NaN
             raise UpdateRefused(
@@ -383,6 +462,12 @@ class RoundCoordinator:
         except (TensorRefused, EncodingError) as error:
             raise UpdateRefused(str(error)) from None
         return norm
+
+    def _reference_norm(self) -> float:
+        """The global weights' norm (measured once per weights, when an update has no other reference)."""
+        if self._weights_norm is None:
+            self._weights_norm = update_norm({name: self.weights[name] for name in self._floating})
+        return self._weights_norm
 
     def expect(
         self,
@@ -437,50 +522,129 @@ class RoundCoordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _kept(self, discarded: str | None = None) -> _Step:
+        """No step: u = 0, the weights and the momentum kept (zeros encode exactly in every encoding; the
+        residual is kept for the next step)."""
+        zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
+        return _Step(
+            zeros,
+            self.weights,
+            self._momentum,
+            discarded=discarded,
+            encoded=encode(zeros, self.encoding),
+            bounds=(self._weights_bound, self._momentum_bound),
+        )
+
     def _step(self, current: _OpenRound) -> _Step:
         """The closed round's outer step (or none: u = 0, weights and momentum kept); runs in a thread.
         With a lossy encoding the step applied is the decoded ``Q(u + e)`` (see the module docstring)."""
-        zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
-        # Zeros encode exactly in every encoding; the residual is kept for the next step.
-        kept = _Step(
-            zeros, self.weights, self.momentum, self._weights_norm, encoded=encode(zeros, self.encoding)
-        )
         if current.mean.count == 0 or current.mean.total_weight == 0:
-            return kept
-        gradient = current.mean.take()  # the round is over: no copy
-        update, momentum = nesterov_step(
-            gradient=gradient,
-            momentum=self.momentum,
-            learning_rate=self.learning_rate,
-            momentum_factor=self.momentum_factor,
-            averaged=self.buffers,
-        )
+            return self._kept()
+        bounds = self._bounds(current.mean.bound()) if not self.encoding.lossy else None
+        gradient = current.mean.take()  # the round is over: no copy, the accumulator becomes u
+        with self._momentum_lock:
+            update, momentum = nesterov_step_(
+                gradient=gradient,
+                momentum=self._momentum,
+                learning_rate=self.learning_rate,
+                momentum_factor=self.momentum_factor,
+                averaged=self.buffers,
+                momentum_out=self._momentum_target(gradient, in_place=bounds is not None),
+            )
+        if bounds is not None:  # finite for certain, and float32 sends u as it is
+            new_weights = self._add_to_weights(update)
+            return _Step(
+                update, new_weights, momentum, stepped=True, encoded=dict(update), residual={}, bounds=bounds
+            )
         # Checked here rather than when saving: a step that is not finite is thrown away, the job goes on.
         try:
-            weights_io.validate(update)
+            check_finite(update)
         except TensorRefused as error:
-            return kept._replace(discarded=f"the outer step is not finite ({error.name!r} {error.reason})")
+            return self._kept(f"the outer step is not finite ({error.name!r} {error.reason})")
         try:
             sent = encode_with_feedback(update, self._residual, self.encoding, keep_decoded=True)
         except EncodingError as error:  # past float16's range
-            return kept._replace(discarded=f"the outer step cannot be sent as {self.encoding} ({error})")
+            return self._kept(f"the outer step cannot be sent as {self.encoding} ({error})")
         assert sent.decoded is not None
         update = sent.decoded  # what trainers decode, and so what is applied here
-        new_weights = {
-            name: tensor + update[name] if name in update else tensor for name, tensor in self.weights.items()
-        }
+        new_weights = self._add_to_weights(update)
         for what, tensors in (
             ("the new weights are", {name: new_weights[name] for name in self._floating}),
             ("the new momentum is", momentum),
         ):
             try:
-                weights_io.validate(tensors)
+                check_finite(tensors)
             except TensorRefused as error:
-                return kept._replace(discarded=f"{what} not finite ({error.name!r} {error.reason})")
-        norm = update_norm({name: new_weights[name] for name in self._floating})
+                return self._kept(f"{what} not finite ({error.name!r} {error.reason})")
+        # Bounds unknown (or too large to prove anything): measured again when the next step needs them.
         return _Step(
-            update, new_weights, momentum, norm, stepped=True, encoded=sent.encoded, residual=sent.residual
+            update, new_weights, momentum, stepped=True, encoded=sent.encoded, residual=sent.residual
         )
+
+    def _bounds(self, gradient_bound: float) -> tuple[float, float] | None:
+        """(bound on max|θ'|, bound on max|m'|) of a step whose mean is bounded by ``gradient_bound``, if they
+        prove every result of the step finite (see the class docstring); else None. Measures max|θ| and
+        max|m| (one ``aminmax`` pass) when no earlier step bounds them."""
+        if self._weights_bound is None:
+            self._weights_bound = max(
+                (largest_magnitude(self.weights[name]) for name in self._floating), default=0.0
+            )
+        if self._momentum_bound is None:
+            tensors = () if self._momentum is None else self._momentum.values()
+            self._momentum_bound = max((largest_magnitude(tensor) for tensor in tensors), default=0.0)
+        bounds = step_bounds(
+            gradient=gradient_bound,
+            momentum=None if self._momentum is None else self._momentum_bound,
+            weights=self._weights_bound,
+            learning_rate=self.learning_rate,
+            momentum_factor=self.momentum_factor,
+            averaged=bool(self.buffers),
+        )
+        if not max(bounds) <= _HEADROOM * self._finite_max or self._scale_names:  # also NaN
+            return None
+        return bounds.weights, bounds.momentum
+
+    def _momentum_target(self, gradient: StateDict, *, in_place: bool) -> StateDict | None:
+        """Where :func:`nesterov_step_` writes the new momentum: the momentum itself when ``in_place`` (the
+        step cannot be discarded) and nothing but this coordinator holds it, else a set from the pool."""
+        wanted = {
+            name: (tuple(tensor.shape), tensor.dtype)
+            for name, tensor in gradient.items()
+            if name not in self.buffers and tensor.dtype in (torch.float32, torch.float64)
+        }
+        if not wanted or any(tensor.device.type != "cpu" for tensor in gradient.values()):
+            return None
+        momentum = self._momentum
+        if (
+            in_place
+            and momentum is not None
+            and momentum.keys() == wanted.keys()
+            and self._pool.owns(momentum)
+            and not self._pool.held_elsewhere(momentum)
+        ):
+            return momentum
+        return self._pool.take(wanted)
+
+    def _add_to_weights(self, update: StateDict) -> StateDict:
+        """``θ + u`` as new weights (the same operation as ``tensor + u``, into a set from the pool); names
+        without an update keep their tensor."""
+        wanted = {
+            name: (tuple(self.weights[name].shape), self.weights[name].dtype)
+            for name in self._floating
+            if name in update
+            and update[name].dtype == self.weights[name].dtype
+            and self.weights[name].device.type == "cpu" == update[name].device.type
+        }
+        targets = self._pool.take(wanted) if wanted else {}
+        new_weights = {}
+        for name, tensor in self.weights.items():
+            if name not in update:
+                new_weights[name] = tensor
+            elif name in targets:
+                new_weights[name] = torch.add(tensor, update[name], out=targets[name])
+            else:
+                new_weights[name] = tensor + update[name]
+        return new_weights
 
     async def _close(self, current: _OpenRound) -> None:
         # One span per round: its step and checkpoint, with what the round was (duration: open → close).
@@ -536,12 +700,16 @@ class RoundCoordinator:
                 elif not step.stepped:
                     logger.warning("round %d closed without a usable update: u = 0", current.number)
                 if self._persist is not None:
-                    await self._persist(result, step.weights, step.momentum)
-                self.weights, self.momentum = step.weights, step.momentum
+                    await self._persist(result, step.weights, _aliases(step.momentum))
+                if step.weights is not self.weights:
+                    self._weights_norm = None
+                self.weights, self._momentum = step.weights, step.momentum
+                self._weights_bound, self._momentum_bound = step.bounds
                 if step.residual is not None:
                     self._residual = step.residual
                 if step.stepped:
-                    self._weights_norm, self._previous_norms = step.weights_norm, list(current.norms)
+                    self._previous_norms = list(current.norms)
+                del step
                 self._publish(result)
         except Exception as error:
             logger.exception("closing round %d failed", current.number)
@@ -551,7 +719,9 @@ class RoundCoordinator:
         return result
 
     def _publish(self, result: RoundResult) -> None:
-        self._results[result.round_number] = result
+        # A record without tensors: the file serves u, and u's memory goes back to the pool once the
+        # published result is dropped by whoever reads it.
+        self._results[result.round_number] = _record(result)
         self._fetched.setdefault(result.round_number, set())
         for old in [number for number in self._results if number <= result.round_number - KEEP_RESULTS]:
             del self._results[old]
@@ -562,6 +732,7 @@ class RoundCoordinator:
         else:
             self._round = self._new_round(result.round_number + 1)
         self.published.put_nowait(result)
+        self._pool.trim(SPARE_SETS)
         logger.info(
             "round %d published: participants %s, left out %s, refused %s",
             result.round_number,
