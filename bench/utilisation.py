@@ -15,9 +15,18 @@ parameter server): ``--trainers`` trainers, H = ``--inner-steps``, ``--rounds`` 
   samples_per_second``) and *sync* (everything after the inner loop: writing and sending the pseudo-gradient,
   waiting for the slowest trainer, the parameter server's outer step and eval, the download of the update).
 * **Start-up**: from the job's ``created_at`` (the POST) to allocation (``allocated_at``), to the parameter
-  server's dispatch and start (its task's ``dispatched_at``, ``started_at``), the trainers' dispatch (with the
-  parameter server's; they learn its address once it listens), the trainers' process start (``started_at``)
-  and first optimizer step (``first_step_at``: the control plane's receipt of the first status).
+  server's dispatch, start (its task's ``dispatched_at``, ``started_at``) and listening (its "serving job"
+  log line), the trainers' dispatch (with the parameter server's; they learn its address once it listens),
+  the trainers' process start (``started_at``), their executor's ``main()`` and "model loaded" log lines,
+  and their first optimizer step (``first_step_at``: the control plane's receipt of the first status); then
+  the same as phases: market, trainer spawn → ``main()``, ``main()`` → model loaded, model loaded → first
+  step, parameter server start → listening.
+
+The daemons run the configuration ``--executors`` names: ``default`` (the daemon's own defaults: warm spares,
+the built-in trainer without ``accelerate launch``), ``cold`` (the same without warm spares) or ``launcher``
+(no warm spares, the trainer under ``accelerate launch --num_processes 1``: the defaults before issue 15).
+With warm spares the job is submitted once every daemon's spare has said it is ready (daemons are started
+ahead of jobs in real use); the wait is printed.
 
 Goals: utilisation ≥ 97 %, submit → first step < 10 s. The run prints whether each was met.
 
@@ -25,6 +34,7 @@ Usage::
 
     python bench/utilisation.py                     # 4 trainers, H = 50, 5 rounds (4 steady-state)
     python bench/utilisation.py --rounds 3 --inner-steps 20
+    python bench/utilisation.py --rounds 2 --executors launcher   # start-up as before issue 15
 
 Results and how to read them: docs/benchmarks.md.
 """
@@ -44,11 +54,36 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as `python bench/utilisation.py`: the repo root is not on the path
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster  # noqa: E402
+from bench.cluster import diloco_spec, prepare_stdlib_text, training_cluster, worker_toml  # noqa: E402
 from bench.harness import exit_on_sigterm, load_average, print_start, resolve_mode, run_directory  # noqa: E402
 
 UTILISATION_GOAL = 0.97
 STARTUP_GOAL = 10.0
+#: Seconds to wait for the daemons' warm spares to be ready before submitting.
+WARM_TIMEOUT = 180.0
+
+#: Top-level daemon keys and executors per ``--executors`` choice (added to the cluster's worker config).
+EXECUTOR_CHOICES = {
+    "default": ("", ""),
+    "cold": ("warm_start = false\n", ""),
+    "launcher": (
+        "warm_start = false\n",
+        """
+[[executors]]
+class = "train"
+name = "diloco-transformer"
+runtime = "process"
+cmd = "{python}"
+args = ["-m", "accelerate.commands.launch", "--num_processes", "1", "-m", "worker_daemon.executors.training",
+        "--socket", "{{SOCKET_PATH}}", "--work-dir", "{{WORK_DIR}}"]
+
+[[executors]]
+class = "aggregate"
+name = "parameter-server"
+runtime = "parameter-server"
+""",
+    ),
+}
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +106,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="give up on the job after this many seconds"
+    )
+    parser.add_argument(
+        "--executors",
+        choices=sorted(EXECUTOR_CHOICES),
+        default="default",
+        help="daemon executors: default (warm spares), cold (no spares), launcher (accelerate launch, no "
+        "spares: as before issue 15)",
     )
     parser.add_argument("--json", type=Path, help="also write the job's detail JSON here")
     parser.add_argument(
@@ -122,23 +164,48 @@ def utilisation_rows(job: dict) -> list[dict]:
     return rows
 
 
-#: The executor's own log lines (re-logged by its daemon as ``[task <id prefix>] <line>``) that mark its start-up.
+#: The executors' own log lines (re-logged by their daemon as ``[task <id prefix>] <line>``) that mark their
+#: start-up: the trainer's main() and model loaded, the parameter server's listening.
 EXECUTOR_LINE = re.compile(
     r"\[task (?P<task>[0-9a-f-]+)\] (?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO "
-    r"worker_daemon\.executors\.training: job \S+: (?P<what>starting the trainer|model .* loaded on)"
+    r"(?:worker_daemon\.executors\.training: job \S+: (?P<what>starting the trainer|model .* loaded on)"
+    r"|parameter_server: (?P<serving>serving job))"
 )
+#: A daemon's log lines about its warm spare (worker_daemon.jobs).
+SPARE_STARTED = "warm spare started"
+SPARE_READY = "warm spare ready"
 
 
 def executor_milestones(logs: list[str]) -> dict[str, dict[str, datetime.datetime]]:
-    """Task id prefix → {"main": the executor's main() started, "loaded": model loaded}, from daemon logs."""
+    """Task id prefix → {"main": the trainer's main() started, "loaded": model loaded, "listening": the parameter
+    server listens}, from daemon logs."""
     found: dict[str, dict[str, datetime.datetime]] = {}
     for text in logs:
         for match in EXECUTOR_LINE.finditer(text):
             # The executor logs local time without a zone: make it aware in this machine's zone.
             at = datetime.datetime.strptime(match["at"], "%Y-%m-%d %H:%M:%S,%f").astimezone()
-            key = "main" if match["what"] == "starting the trainer" else "loaded"
+            if match["serving"]:
+                key = "listening"
+            else:
+                key = "main" if match["what"] == "starting the trainer" else "loaded"
             found.setdefault(match["task"], {}).setdefault(key, at)
     return found
+
+
+def wait_for_spares(daemons: dict, *, timeout: float = WARM_TIMEOUT) -> float | None:
+    """Wait until every daemon that started a warm spare logged it ready; the seconds waited, or None when no
+    daemon started one (warm start off, or a daemon without it)."""
+    began = time.monotonic()
+    while True:
+        logs = {name: child.tail(10**8) for name, child in daemons.items()}
+        warming = [name for name, text in logs.items() if SPARE_STARTED in text]
+        if not warming:
+            return None
+        if all(SPARE_READY in logs[name] for name in warming):
+            return time.monotonic() - began
+        if time.monotonic() - began > timeout:
+            raise RuntimeError(f"warm spares not ready within {timeout:g} s: {warming}")
+        time.sleep(0.2)
 
 
 def startup_rows(
@@ -166,14 +233,16 @@ def startup_rows(
     allocated = after(_time(job["allocated_at"]))
     server_dispatched = after(_time(server["dispatched_at"]))
     server_started = after(_time(server["started_at"]))
+    server_listening = after(milestones.get(str(server["id"])[:8], {}).get("listening"))
     rows = [
         ("allocated (all leases active)", allocated, allocated),
         ("parameter server dispatched", server_dispatched, server_dispatched),
         ("parameter server process started", server_started, server_started),
         ("trainers dispatched (with the parameter server)", *of_tasks("dispatched_at")),
-        ("trainer process started (`accelerate launch`)", *of_tasks("started_at")),
-        ("executor's main() running (after launch + interpreter)", *of_logs("main")),
-        ("model loaded (imports, fetch, from_pretrained, prepare)", *of_logs("loaded")),
+        ("trainer process started", *of_tasks("started_at")),
+        ("executor's main() running (after launcher / interpreter / hand-out)", *of_logs("main")),
+        ("parameter server listening (imports, model build)", server_listening, server_listening),
+        ("model loaded (imports, wait for the PS, fetch, from_pretrained, prepare)", *of_logs("loaded")),
         ("first optimizer step reported", *of_tasks("first_step_at")),
     ]
     rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
@@ -181,6 +250,38 @@ def startup_rows(
         closed = after(_time(rounds[0]["closed_at"]))
         rows.append(("round 1 closed", closed, closed))
     return rows
+
+
+def phase_rows(
+    job: dict, milestones: dict[str, dict[str, datetime.datetime]]
+) -> list[tuple[str, float, float]]:
+    """(phase, shortest and longest over the trainers, seconds): the start-up as durations (the parameter
+    server's and the market's have one value)."""
+    created = _time(job["created_at"])
+    server = next(task for task in job["tasks"] if task["role"] == "parameter_server")
+    trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+
+    def between(start: datetime.datetime | None, end: datetime.datetime | None) -> float:
+        return float("nan") if start is None or end is None else (end - start).total_seconds()
+
+    def over_trainers(phase) -> tuple[float, float]:
+        values = [value for value in (phase(task) for task in trainers) if value == value]
+        return (min(values), max(values)) if values else (float("nan"), float("nan"))
+
+    def logged(task: dict, key: str) -> datetime.datetime | None:
+        return milestones.get(str(task["id"])[:8], {}).get(key)
+
+    market = between(created, _time(job["allocated_at"]))
+    server_up = between(_time(server["started_at"]), logged(server, "listening"))
+    return [
+        ("market: submit → all leases active", market, market),
+        ("trainer dispatch → process started", *over_trainers(lambda t: between(_time(t["dispatched_at"]), _time(t["started_at"])))),
+        ("trainer process started → main()", *over_trainers(lambda t: between(_time(t["started_at"]), logged(t, "main")))),
+        ("main() → model loaded", *over_trainers(lambda t: between(logged(t, "main"), logged(t, "loaded")))),
+        ("model loaded → first step reported", *over_trainers(lambda t: between(logged(t, "loaded"), _time(t["first_step_at"])))),
+        ("parameter server process started → listening", server_up, server_up),
+        ("submit → first step", *over_trainers(lambda t: between(created, _time(t["first_step_at"])))),
+    ]  # fmt: skip
 
 
 def print_report(job: dict, arguments: argparse.Namespace, milestones: dict) -> bool:
@@ -232,6 +333,12 @@ def print_report(job: dict, arguments: argparse.Namespace, milestones: dict) -> 
         print(f"| {name} | {first:.2f} | {final:.2f} | {first - last:+.2f} |")
         last = first
 
+    print("\nStart-up phases (seconds; shortest and longest over the trainers):\n")
+    print("| phase | shortest (s) | longest (s) |")
+    print("|---|---:|---:|")
+    for name, shortest, longest in phase_rows(job, milestones):
+        print(f"| {name} | {shortest:.2f} | {longest:.2f} |")
+
     utilisation = min(row["utilisation"] for row in rows)
     mean = statistics.fmean(row["utilisation"] for row in rows)
     first_step = next(first for name, first, _ in rows_startup if name == "first optimizer step reported")
@@ -254,10 +361,27 @@ def main(argv: list[str] | None = None) -> int:
     print_start()
     with run_directory("hypha-utilisation-", keep=arguments.keep) as root:
         dataset = prepare_stdlib_text(root / "stdlib")
-        print(f"Starting the cluster ({mode}): control plane, data node, {arguments.trainers + 1} daemons")
+        print(
+            f"Starting the cluster ({mode}): control plane, data node, {arguments.trainers + 1} daemons "
+            f"(executors: {arguments.executors})"
+        )
+        top, executors = EXECUTOR_CHOICES[arguments.executors]
+        template = worker_toml().replace(
+            'work_dir = "{work_dir}"\n', 'work_dir = "{work_dir}"\n' + top
+        ) + executors.replace("{python}", sys.executable)
         with training_cluster(
-            root=root / "cluster", dataset_dir=dataset, workers=arguments.trainers + 1, mode=mode
+            root=root / "cluster",
+            dataset_dir=dataset,
+            workers=arguments.trainers + 1,
+            mode=mode,
+            worker_tomls=[template] * (arguments.trainers + 1),
         ) as cluster:
+            waited = wait_for_spares(cluster.daemons)
+            print(
+                "No warm spares."
+                if waited is None
+                else f"Every daemon's warm spare ready {waited:.1f} s after the benchmarks."
+            )
             spec = diloco_spec(
                 dataset="stdlib",
                 trainers=arguments.trainers,

@@ -319,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 token=token,
                 install_signal_handlers=True,
                 benchmark_at_start=config.benchmark,
+                warm_start=config.warm_start,
             )
         )
     except KeyboardInterrupt:

@@ -16,13 +16,16 @@ Accepted keys (Hypha's worker keys, reference §7.3; the original's example file
     [[executors]]                    # default: the built-in trainer and the parameter server
     class = "train"
     name = "diloco-transformer"
-    runtime = "process"              # or "parameter-server"
+    runtime = "process"              # or "parameter-server", or "trainer" (ours: the built-in trainer)
     cmd = "uv"                       # process only, required there
     args = ["..."]                   # process only, optional
 
 Our own keys (not Hypha's)::
 
     kill_grace = 5.0                 # seconds between SIGTERM and SIGKILL when a task is cancelled
+    warm_start = true                # keep a warm spare interpreter for the built-in runtimes ("trainer",
+                                     # "parameter-server") while idle (worker_daemon.spares); false: every
+                                     # task starts a cold interpreter. "process" executors always do.
     benchmark = true                 # run the worker benchmark at start (worker_daemon.benchmark)
     slowdown = 1.0                   # >= 1: an experiment/test knob that makes this worker deliberately
                                      # slower (executors get HYPHA_SLOWDOWN and sleep (slowdown - 1) × each
@@ -51,7 +54,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import tomllib
 import urllib.parse
@@ -158,13 +160,18 @@ class OfferConfig(_ConfigModel):
 
 class ExecutorConfig(_ConfigModel):
     """One ``[[executors]]`` entry. ``cmd`` and ``args`` apply to the ``process`` runtime only; the args
-    may contain the templates ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``."""
+    may contain the templates ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``.
+
+    Runtimes: ``process`` runs ``cmd`` + ``args`` as configured (Hypha's; e.g. ``accelerate launch`` of an
+    executor); ``parameter-server`` the built-in parameter server (Hypha's); ``trainer`` (ours) the built-in
+    DiLoCo trainer, ``python -m worker_daemon.executors.training``, in one process without a launcher. The
+    two built-in runtimes start from a warm spare when the daemon has one (``warm_start``)."""
 
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
     executor_class: str = Field(alias="class", min_length=1, max_length=64)
     name: str = Field(min_length=1, max_length=128)
-    runtime: Literal["process", "parameter-server"]
+    runtime: Literal["process", "parameter-server", "trainer"]
     cmd: str | None = Field(default=None, min_length=1)
     args: list[str] = Field(default_factory=list)
 
@@ -220,28 +227,13 @@ class ParameterServerConfig(_ConfigModel):
 
 
 def default_executors() -> list[ExecutorConfig]:
-    """The executors of a daemon that configures none: the built-in trainer (under ``accelerate launch``,
-    one process) and the parameter server. The trainer reads its job from ``$JOB_JSON``, not from a
-    ``{JOB_JSON}`` argument: a command line is visible to every user in ``ps``, a process's environment is not."""
+    """The executors of a daemon that configures none: the built-in trainer (runtime ``trainer``: one process,
+    no ``accelerate launch``, which would import torch and accelerate only to start a second interpreter) and
+    the parameter server. The trainer reads its job from ``$JOB_JSON``, not from a command line, which is
+    visible to every user in ``ps``. A multi-process trainer is a ``process`` executor running
+    ``accelerate launch --num_processes N -m worker_daemon.executors.training …``."""
     return [
-        ExecutorConfig(
-            executor_class="train",
-            name="diloco-transformer",
-            runtime="process",
-            cmd=sys.executable,
-            args=[
-                "-m",
-                "accelerate.commands.launch",
-                "--num_processes",
-                "1",
-                "-m",
-                "worker_daemon.executors.training",
-                "--socket",
-                "{SOCKET_PATH}",
-                "--work-dir",
-                "{WORK_DIR}",
-            ],
-        ),
+        ExecutorConfig(executor_class="train", name="diloco-transformer", runtime="trainer"),
         ExecutorConfig(executor_class="aggregate", name="parameter-server", runtime="parameter-server"),
     ]
 
@@ -265,6 +257,11 @@ class WorkerConfig(_ConfigModel):
         default=True,
         strict=True,
         description="Run the worker benchmark when the daemon starts (it also runs on demand).",
+    )
+    warm_start: bool = Field(
+        default=True,
+        strict=True,
+        description="Keep a warm spare interpreter for the built-in runtimes while idle (worker_daemon.spares).",
     )
     slowdown: float = Field(
         default=1.0,
@@ -346,13 +343,14 @@ class WorkerConfig(_ConfigModel):
         capacity = self.capacity
         executors = ", ".join(f"{e.executor_class}/{e.name}" for e in self.executors)
         slowed = f" slowdown={self.slowdown:g}" if self.slowdown != 1.0 else ""
+        cold = "" if self.warm_start else " warm_start=false"
         reachable = self.parameter_server.reachable
         said = f" reachable={str(reachable).lower()}" if reachable != "auto" else ""
         return (
             f"work_dir={self.work_dir} resources=cpu:{capacity.cpu:g} memory:{capacity.memory:g}GB "
             f"storage:{capacity.storage:g}GB gpu:{capacity.gpu:g}GB price={self.offer.price:g} "
             f"floor={self.offer.floor:g} strategy={self.strategy} executors=[{executors}]"
-            f"{slowed}{said}"
+            f"{slowed}{cold}{said}"
         )
 
 

@@ -526,6 +526,7 @@ class WorkerDaemon:
         benchmark_timeout: float = benchmark.TIMEOUT,
         benchmark_budget: float | None = None,
         disconnected_lease_grace: float = DISCONNECTED_LEASE_GRACE,
+        warm_start: bool = False,
     ) -> None:
         self.url = websocket_url(server_url)
         self.session = WorkerSession(
@@ -564,6 +565,9 @@ class WorkerDaemon:
         self._benchmark_timeout = benchmark_timeout
         self._benchmark_budget = benchmark_budget
         self._benchmark_task: asyncio.Task[None] | None = None
+        # Keep a warm spare for the built-in executors (worker_daemon.spares), from the start or, when the
+        # benchmark runs at start, from its end (its imports would slow the benchmark).
+        self._warm_start = warm_start
         # The run_benchmark requests the running benchmark answers (None: the one at start).
         self._benchmark_requests: list[uuid.UUID | None] = []
         self._hellos_sent = 0
@@ -592,6 +596,8 @@ class WorkerDaemon:
         pruner = asyncio.create_task(self._prune_forever())
         if self._benchmark_at_start:
             self.start_benchmark()
+        elif self._warm_start:
+            self.jobs.start_spares()
         try:
             while not self._shutdown.is_set():
                 try:
@@ -852,6 +858,8 @@ class WorkerDaemon:
             self.session.benchmarking = False
             self._changed.set()
             self._schedule_evaluation()
+            if self._warm_start:
+                self.jobs.start_spares()
         for report in reports:
             # A result at start that no hello missed yet travels in the next hello instead.
             if report.request_id is None and self._hellos_sent == hellos_before and report.error == "":
@@ -911,13 +919,15 @@ async def run_daemon(
     ping_interval: float = 10.0,
     shutdown_timeout: float = 3.0,
     benchmark_at_start: bool = False,
+    warm_start: bool = False,
 ) -> int:
     """Run one worker daemon until it is shut down or refused; return its exit code.
 
     ``server_url`` is the control plane's address (``http(s)://…``) or its worker websocket
     (``ws(s)://…/ws/worker/``). With ``install_signal_handlers`` SIGTERM and SIGINT trigger the clean
     shutdown; otherwise use :class:`WorkerDaemon` directly and call ``request_shutdown``. With
-    ``benchmark_at_start`` (the CLI passes the config's ``benchmark``) the worker benchmark runs at start.
+    ``benchmark_at_start`` (the CLI passes the config's ``benchmark``) the worker benchmark runs at start;
+    with ``warm_start`` (the CLI passes the config's) a warm spare is kept for the built-in executors.
     """
     try:
         daemon = WorkerDaemon(
@@ -932,6 +942,7 @@ async def run_daemon(
             ping_interval=ping_interval,
             shutdown_timeout=shutdown_timeout,
             benchmark_at_start=benchmark_at_start,
+            warm_start=warm_start,
         )
     except WorkerDaemonError as error:
         logger.error("%s", error)

@@ -5,18 +5,24 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
 
 1. makes ``<work_dir>/hypha-<random uuid>`` (0700) and serves the bridge on ``<dir>/bridge.sock`` (0600) with a
    :class:`~worker_daemon.bridge.remote.RemoteBackend`;
-2. starts the process in its own session (so signals reach ``accelerate launch``'s children too), in the
-   daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR``, ``JOB_JSON`` and ``HYPHA_SLOWDOWN`` (the
-   config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported:
+2. starts the process in its own session (so signals reach a launcher's children too, e.g. ``accelerate
+   launch``'s), in the daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR``, ``JOB_JSON`` and
+   ``HYPHA_SLOWDOWN`` (the config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported:
 
    * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
      (compact JSON of the spec) replaced in every argument;
+   * runtime ``trainer``: ``python -m worker_daemon.executors.training --socket … --work-dir …`` (the job in
+     ``$JOB_JSON``), one process, no launcher;
    * runtime ``parameter-server``: ``python -m parameter_server --socket … --work-dir … --job-file … --host …
      --port … [--public-url …]`` (the job JSON in ``<work dir>/.job.json``, 0600: it holds slice tokens, which
      ``ps`` would show to every user on a command line) with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN``,
      ``HYPHA_TRANSFER_TOKEN_FILE`` (``<work dir>/.transfer-token``, rewritten with each fresh token the
      control plane sends in a ``transfer_token`` frame) and ``HYPHA_SERVER_URL`` (the control plane's HTTP
      base URL) in its environment;
+
+   A task of a built-in runtime (``trainer``, ``parameter-server``) is handed to the daemon's warm spare
+   when there is one (:mod:`worker_daemon.spares`): a process started the same way earlier, which has done
+   the imports and now runs that same command in itself. Everything below is the same for it.
 
 3. posts ``job_started``; re-logs every line of the child's stdout and stderr (prefixed with the task id);
 4. when the process ends, by itself or cancelled (``cancel_job``, its lease gone, daemon shutdown: SIGTERM to
@@ -56,6 +62,7 @@ from worker_daemon.config import ExecutorConfig, WorkerConfig, http_base_url
 from worker_daemon.failures import root_cause
 from worker_daemon.leases import LeaseBook
 from worker_daemon.link import ControlLink
+from worker_daemon.spares import WARM_RUNTIMES, Spares
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,9 @@ OUTPUT_DRAIN_TIMEOUT = 2.0
 PRIVATE_ENVIRONMENT = ("HYPHA_WORKER_TOKEN", "HYPHA_WORKER_TOKEN_FILE", "HYPHA_TOKEN", "HYPHA_TOKEN_FILE")
 SHUTDOWN_REASON = "daemon shutting down"
 
+#: What runtime ``trainer`` runs: the built-in DiLoCo trainer.
+TRAINER_MODULE = "worker_daemon.executors.training"
+
 _PLACEHOLDER = re.compile(r"\{(SOCKET_PATH|WORK_DIR|JOB_JSON)\}")
 
 
@@ -98,6 +108,11 @@ def die_with_parent(signal_number: int = signal.SIGTERM) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal_number)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
         os._exit(1)
+
+
+def base_environment() -> dict[str, str]:
+    """The daemon's environment less its private variables: what every task's environment starts from."""
+    return {key: value for key, value in os.environ.items() if key not in PRIVATE_ENVIRONMENT}
 
 
 class LaunchError(Exception):
@@ -144,6 +159,8 @@ class Task:
     failure_reason: str | None = None
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
+    #: Whether its process is a warm spare that became it (worker_daemon.spares).
+    warm: bool = False
     runner: asyncio.Task[protocol.JobExited] | None = None
 
     @property
@@ -196,7 +213,8 @@ class JobManager:
     ``--server``. ``kill_grace`` (default: the config's) is the SIGTERM→SIGKILL delay in seconds;
     ``request_timeout`` bounds each bridge request to the control plane. ``backend_options`` and
     ``bridge_options`` are passed to every :class:`RemoteBackend` and :func:`serve_bridge` (tests shrink
-    their timeouts with them).
+    their timeouts with them). Warm spares (config ``warm_start``) are kept once :meth:`start_spares` is
+    called: the daemon calls it when it starts.
     """
 
     def __init__(
@@ -224,6 +242,18 @@ class JobManager:
         #: not heard of the exit yet) is answered with the exit again, never with a second run.
         self.finished: OrderedDict[uuid.UUID, protocol.JobExited] = OrderedDict()
         self.closing = False
+        #: The warm spare for the built-in runtimes, kept while no task runs.
+        self.spares = Spares(
+            runtimes=[executor.runtime for executor in config.executors] if config.warm_start else (),
+            environment=base_environment,
+            preexec=die_with_parent,
+            wanted=lambda: not self.tasks and not self.closing,
+        )
+
+    def start_spares(self) -> None:
+        """Keep a warm spare from now on (while no task runs), if ``warm_start`` is on and a built-in runtime
+        is configured; idempotent. The daemon calls it at start, after its benchmark."""
+        self.spares.activate()
 
     # --- control-plane messages ----------------------------------------------------------------------------
 
@@ -358,12 +388,13 @@ class JobManager:
         return await asyncio.shield(task.runner)
 
     async def stop_all(self, *, reason: str = SHUTDOWN_REASON, timeout: float | None = None) -> None:
-        """Refuse new tasks, cancel every running one and wait for them (at most ``timeout`` seconds;
-        default: the kill grace plus 5 s)."""
+        """Refuse new tasks, kill the warm spare, cancel every running task and wait for them (at most
+        ``timeout`` seconds; default: the kill grace plus 5 s)."""
         self.closing = True
         runners = [task.runner for task in self.tasks.values() if task.runner is not None]
         for task_id in list(self.tasks):
             self.cancel(task_id, reason=reason)
+        await self.spares.close()
         if not runners:
             return
         _, pending = await asyncio.wait(
@@ -439,6 +470,7 @@ class JobManager:
             raise
         await self._clean_up(task)
         self.tasks.pop(task.task_id, None)
+        self.spares.ensure()  # the daemon may be idle now: a spare for the next task
         self.finished[task.task_id] = exited
         while len(self.finished) > FINISHED_REMEMBERED:
             self.finished.popitem(last=False)
@@ -501,6 +533,18 @@ class JobManager:
         argv, environment = self._command(task)
         if task.cancel_requested.is_set():
             raise LaunchError(task.cancel_reason or "cancelled")
+        spare = self.spares.take(base_environment()) if task.executor.runtime in WARM_RUNTIMES else None
+        if spare is not None:
+            task.process, task.warm = spare.process, True
+            self.spares.hand_out(spare, argv=argv, environment=environment)
+            logger.info(
+                "task %s runs as pid %d in %s (a warm spare, %s)",
+                task.task_id,
+                spare.process.pid,
+                work_dir,
+                "ready" if spare.ready_after is not None else "still importing",
+            )
+            return
         try:
             task.process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -524,7 +568,7 @@ class JobManager:
             "WORK_DIR": str(task.work_dir),
             "JOB_JSON": json.dumps(dispatch.spec, separators=(",", ":")),
         }
-        environment = {key: value for key, value in os.environ.items() if key not in PRIVATE_ENVIRONMENT}
+        environment = base_environment()
         environment.update(values)
         # The experiment knob (config ``slowdown``): the training executor sleeps (factor − 1) × each step.
         environment["HYPHA_SLOWDOWN"] = repr(self.config.slowdown)
@@ -532,6 +576,9 @@ class JobManager:
         if executor.runtime == "process":
             assert executor.cmd is not None
             return [executor.cmd, *(substitute(argument, values) for argument in executor.args)], environment
+        if executor.runtime == "trainer":
+            argv = [sys.executable, "-m", TRAINER_MODULE, "--socket", values["SOCKET_PATH"]]
+            return [*argv, "--work-dir", values["WORK_DIR"]], environment
         settings = self.config.parameter_server
         job_file = task.work_dir / JOB_FILE
         write_token_file(job_file, values["JOB_JSON"])

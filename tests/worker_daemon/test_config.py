@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -196,24 +195,8 @@ def test_defaults_without_a_file(monkeypatch, tmp_path):
     assert config.resources.gpu == 0.0
     assert (config.offer.price, config.offer.floor, config.strategy) == (100.0, 100.0, "whole")
     assert [e.model_dump(by_alias=True, exclude_unset=False) for e in config.executors] == [
-        {
-            "class": "train",
-            "name": "diloco-transformer",
-            "runtime": "process",
-            "cmd": sys.executable,
-            "args": [
-                "-m",
-                "accelerate.commands.launch",
-                "--num_processes",
-                "1",
-                "-m",
-                "worker_daemon.executors.training",
-                "--socket",
-                "{SOCKET_PATH}",
-                "--work-dir",
-                "{WORK_DIR}",
-            ],
-        },
+        # the built-in trainer in one process, no `accelerate launch` (issue 15)
+        {"class": "train", "name": "diloco-transformer", "runtime": "trainer", "cmd": None, "args": []},
         {
             "class": "aggregate",
             "name": "parameter-server",
@@ -226,6 +209,7 @@ def test_defaults_without_a_file(monkeypatch, tmp_path):
         ("train", "diloco-transformer"),
         ("aggregate", "parameter-server"),
     ]
+    assert config.warm_start is True
 
 
 def test_only_absent_resources_are_measured(tmp_path):
@@ -302,7 +286,7 @@ def test_strategy_as_table_or_bare_string(tmp_path, toml, strategy):
         ),
         (
             '[[executors]]\nclass = "train"\nname = "t"\nruntime = "docker"\n',
-            "executors[0].runtime: Input should be 'process' or 'parameter-server' (got 'docker')",
+            "executors[0].runtime: Input should be 'process', 'parameter-server' or 'trainer' (got 'docker')",
         ),
         ('[[executors]]\nname = "t"\nruntime = "parameter-server"\n', "executors[0].class: Field required"),
         (
@@ -320,6 +304,7 @@ def test_strategy_as_table_or_bare_string(tmp_path, toml, strategy):
         ("slowdown = nan\n", "slowdown: Input should be a finite number (got nan)"),
         ('slowdown = "2"\n', "slowdown: Input should be a valid number (got '2')"),
         ("benchmark = 1\n", "benchmark: Input should be a valid boolean (got 1)"),
+        ('warm_start = "no"\n', "warm_start: Input should be a valid boolean (got 'no')"),
     ],
 )
 def test_invalid_values_name_the_key(tmp_path, toml, message):
@@ -522,3 +507,23 @@ def test_resources_above_what_a_hello_may_declare_are_a_config_error(tmp_path):
         load_config(path)
     assert "cpu" in str(refused.value)
     assert "4096" in str(refused.value)
+
+
+def test_warm_start_and_the_trainer_runtime_from_a_file(tmp_path, caplog):
+    # given: warm spares off, and the built-in trainer configured by hand (with a cmd it does not use)
+    path = write(
+        tmp_path,
+        'warm_start = false\n[[executors]]\nclass = "train"\nname = "t"\nruntime = "trainer"\ncmd = "x"\n',
+    )
+
+    # when
+    with caplog.at_level(logging.INFO, logger="worker_daemon.config"):
+        config = load_config(path, environ={})
+
+    # then
+    assert config.warm_start is False
+    assert config.summary().endswith(" warm_start=false")
+    assert [(e.executor_class, e.name, e.runtime) for e in config.executors] == [("train", "t", "trainer")]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: ignoring unknown config keys: executors[0].cmd (only used by runtime = 'process')"
+    ]
