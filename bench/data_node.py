@@ -1,10 +1,10 @@
-"""Data node benchmark: slices served per second and MB/s to 4 concurrent clients, our data node vs nginx.
+"""Data node benchmark: slices served per second and MB/s, our data node vs nginx, with the clients trainers are.
 
 For each slice size (``--sizes``, default ``100k:400 4m:200``: 400 slices of 100 KiB, which measures the
 request rate, and 200 slices of 4 MiB, which measures bandwidth) the benchmark prepares a byte-level text
 dataset from the Python standard library's sources with ``hypha-data prepare-text`` (sequences of 128 tokens,
 so every slice holds ``input_ids`` and ``labels`` of equal size and all slices of a dataset are the same
-size), then starts two servers over the same files on loopback:
+size), then starts these servers over the same files on loopback:
 
 * **our data node** — ``python -m data_node`` as its CLI runs it. It serves slices only to requests carrying
   a slice token signed with the download key its control plane answers the registration with, so the
@@ -12,31 +12,51 @@ size), then starts two servers over the same files on loopback:
   fixed key) and every request of both servers carries the slice's token (``?token=…``, signed once before
   the runs; nginx ignores it): the data node's numbers include verifying it. Ready when a slice answers 200
   (after it has hashed every slice and registered).
+* **the data node as it was** (``data node, streamed``), for slices under its inline limit (1 MiB) only: the
+  same node with ``--inline-limit 0``, which answers every slice with aiohttp's ``FileResponse`` (two
+  thread-pool hops per slice) as every slice was answered before small slices were read into the answer.
 * **nginx** from Debian (``apt-get install -y nginx-light``), with a private configuration in the run's temp
   directory (``nginx -c CONF -p PREFIX -e ERROR_LOG``): ``daemon off``, ``master_process on``,
   ``worker_processes auto``, ``sendfile on``, no access log, and locations that map the same URLs
   (``/datasets/<name>/slices/<index>``, index without padding) onto the zero-padded slice files with ``alias``.
   A ``map`` adds the slice's ``X-Sha256`` header, so both servers send the same headers.
 
-Before measuring, a sample of slices (first, last and a few between) is fetched from both servers and checked:
-status 200, ``Content-Length``, the body's SHA-256 and ``X-Sha256``. Then, ``--rounds`` times, interleaved
-(ours, nginx, ours, nginx, …, after one unmeasured warm-up run each), ``--clients`` client processes (default
-4) each download slices round-robin for ``--seconds``, starting at evenly spaced slices. A client is
-``http.client`` on one keep-alive connection reading each whole body with ``readinto`` into a preallocated
-buffer (no per-slice allocation) and checking its length and status. Throughput is Σ over clients of slices
-(or bytes) ÷ the client's own elapsed time; the tables show the median round, the per-round spread, and CPU
-time as % of one core — the server's (all its processes, from ``/proc``) and the clients' (their process
-time) — so a client that is the bottleneck shows up: on a 2-core machine clients and server share the cores.
-The ratio column is ours ÷ nginx of the medians; the goal is ≥ 0.8×. With ``wrk`` installed (Debian package
-``wrk``) the same rounds are repeated with ``wrk -c CLIENTS`` and a Lua script cycling the same paths, a C
-client that costs far less CPU per request — for slices under 1 MiB only: wrk reads 8 KiB per ``read`` call,
-so with MiB-sized bodies wrk itself is the bottleneck (4 MiB slices: both servers stuck at ≈ 600 MB/s under
-wrk, while ``http.client`` got 1400–2000 MB/s out of nginx). ``--no-wrk`` skips it. MB = 10^6 bytes.
+Before measuring, a sample of slices (first, last and a few between) is fetched from every server and checked:
+status 200, ``Content-Length``, the body's SHA-256 and ``X-Sha256``; and a batch of the data node's is split
+and checked the same way. Then, per client pattern, ``--rounds`` times, interleaved (ours, nginx, ours, nginx,
+…, after one unmeasured warm-up run each), client processes download slices round-robin for ``--seconds``,
+starting at evenly spaced slices. A client process is ``http.client`` on keep-alive connections reading each
+whole body with ``readinto`` into a preallocated buffer (no per-slice allocation) and checking its status and
+length (and a batch's frame lines). The patterns:
+
+* ``4 × http.client``: ``--clients`` processes (default 4), one ``GET`` at a time each: an older bridge, or a
+  downloader that fetches one slice after another.
+* ``4 trainers, prefetch P`` (``--prefetch``, default 2, 3 and 9), slices under 1 MiB only: what
+  ``--clients`` trainers' bridges send when the data node is what they wait for. A bridge keeps ``P`` slices
+  prefetched and tops up once one is left, claiming ``K = P - 1`` slices and fetching them in one request (a
+  ``GET`` when ``K`` is 1, else a batch ``POST``). With the bridge's default, prefetch 2, that is a ``GET``
+  after every hand-out, and two in flight per trainer while it waits for data; with more places, one batch
+  of ``P - 1`` in flight (the slice left is in the cache already). A trainer is as many client processes as
+  it has requests in flight, each on its own connection (its bridge is asynchronous; one process
+  interleaving two blocking connections cost nginx 20 %).
+  nginx has no batches (a bridge falls back to ``GET`` there): it gets the same connections, one slice per
+  request.
+
+Throughput is Σ over clients of slices (or bytes) ÷ the client's own elapsed time; the tables show the median
+round, the per-round spread, and CPU time as % of one core — the server's (all its processes, from ``/proc``)
+and the clients' (their process time) — so a client that is the bottleneck shows up: on a 2-core machine
+clients and server share the cores. The ratio column is ours ÷ nginx of the medians in the same pattern; the
+goal is ≥ 0.8× with the trainers' pattern at the bridge's default prefetch. With ``wrk`` installed (Debian
+package ``wrk``) the one-``GET``-at-a-time rounds are repeated with ``wrk -c CLIENTS`` and a Lua script
+cycling the same paths, a C client that costs far less CPU per request — for slices under 1 MiB only: wrk
+reads 8 KiB per ``read`` call, so with MiB-sized bodies wrk itself is the bottleneck (4 MiB slices: both
+servers stuck at ≈ 600 MB/s under wrk, while ``http.client`` got 1400–2000 MB/s out of nginx). ``--no-wrk``
+skips it. MB = 10^6 bytes.
 
 Usage::
 
     python bench/data_node.py                                  # 100 KiB × 400 and 4 MiB × 200, 3 rounds × 5 s
-    python bench/data_node.py --sizes 16k:1000 1m:300 --rounds 5 --seconds 10
+    python bench/data_node.py --sizes 100k:400 --prefetch 2 4 8 16 --rounds 5
     python bench/data_node.py --no-wrk --keep                  # keep the temp dir (datasets, server logs)
 
 Exit codes: 0 measured (whether or not the goal was met; the report says), 1 a server failed to start or
@@ -76,6 +96,7 @@ sys.path[:] = [
 ]
 
 from bench.harness import BIN_DIR, Child, load_average, print_start, run_directory  # noqa: E402
+from bench.nginx_slices import NGINX_INSTALL_HELP, find_nginx, nginx_config, nginx_version  # noqa: E402
 from data_node import tokens  # noqa: E402
 from data_node.slices import sha256_of, slice_file_name  # noqa: E402
 from tests.e2e.isolation import free_port, stop_with_parent  # noqa: E402
@@ -94,13 +115,9 @@ REQUEST_TIMEOUT = 30.0
 SAMPLE_CHECKS = 8
 MB = 1_000_000
 WRK_MAX_SLICE = 1 << 20  # see the module docstring: above this wrk, not the server, sets the pace
+INLINE_LIMIT = 1 << 20  # the data node's default --inline-limit: larger slices are streamed and never batched
+BATCH_CONTENT_TYPE = "application/x-hypha-slices"
 DOWNLOAD_KEY = "bench-download-key-" + "0" * 45  # what the benchmark's "control plane" gives the data node
-NGINX_INSTALL_HELP = """nginx is not installed (looked for `nginx` on PATH and in /usr/sbin).
-Install it from Debian and run the benchmark again:
-
-    apt-get install -y nginx-light      # as root (or with sudo); or the package nginx
-
-The benchmark starts its own nginx with a private configuration; the system service need not run."""
 
 
 # Command line -------------------------------------------------------------------------------------------------
@@ -141,7 +158,17 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SIZE:COUNT",
         help="datasets to serve: slice size (k = KiB, m = MiB) and slice count (default: 100k:400 4m:200)",
     )
-    parser.add_argument("--clients", type=int, default=4, help="concurrent client processes (default: 4)")
+    parser.add_argument(
+        "--clients", type=int, default=4, help="concurrent clients, and trainers (default: 4)"
+    )
+    parser.add_argument(
+        "--prefetch",
+        nargs="+",
+        type=int,
+        default=[2, 3, 9],
+        metavar="P",
+        help="trainers' prefetch depths to measure, slices under 1 MiB (default: 2, the bridge's, 3 and 9)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per server (default: 3)")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of one run (default: 5)")
     parser.add_argument(
@@ -152,6 +179,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     arguments = parser.parse_args(argv)
     if arguments.clients < 1 or arguments.rounds < 1 or arguments.seconds <= 0:
         parser.error("--clients and --rounds must be at least 1, --seconds positive")
+    if any(depth < 1 or depth > 128 for depth in arguments.prefetch):
+        parser.error("--prefetch depths must be 1 to 128")
     return arguments
 
 
@@ -170,7 +199,10 @@ class Dataset:
 
     def request_path(self, index: int) -> str:
         """:meth:`path` with the slice's download token, as the control plane hands slice URLs out."""
-        token = tokens.sign(
+        return f"{self.path(index)}?token={self.token(index)}"
+
+    def token(self, index: int) -> str:
+        return tokens.sign(
             DOWNLOAD_KEY,
             dataset=self.name,
             index=index,
@@ -178,7 +210,18 @@ class Dataset:
             peer="bench",
             expires=int(time.time()) + 86400,
         )
-        return f"{self.path(index)}?token={token}"
+
+    def batch(self, first: int, size: int) -> tuple[bytes, bytes]:
+        """A batch request for ``size`` slices from ``first`` on (round-robin), each with its own token, as a
+        bridge sends it; and the frame lines its answer must hold, in order, joined."""
+        indices = [(first + offset) % self.count for offset in range(size)]
+        body = json.dumps({"slices": [{"index": index, "token": self.token(index)} for index in indices]})
+        lines = b"".join(f"{index} {self.slice_size} {self.digests[index]}\n".encode() for index in indices)
+        return body.encode(), lines
+
+    @property
+    def batch_path(self) -> str:
+        return f"/datasets/{self.name}/slices"
 
     @property
     def count(self) -> int:
@@ -238,6 +281,8 @@ class Server:
     name: str
     port: int
     child: Child
+    #: Whether it answers batch requests (our data node); others get one GET per slice.
+    batches: bool = False
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server's processes (the process and its children, e.g. nginx workers)."""
@@ -312,8 +357,10 @@ class _Registrar(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def data_node(dataset: Dataset, root: Path) -> Iterator[Server]:
+def data_node(dataset: Dataset, root: Path, *, streamed: bool = False) -> Iterator[Server]:
+    """Our data node; ``streamed``: with ``--inline-limit 0``, every slice by ``FileResponse``, as before."""
     port = free_port()
+    name = "data node, streamed" if streamed else "data node"
     registrar = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Registrar)
     thread = threading.Thread(target=registrar.serve_forever, daemon=True)
     thread.start()
@@ -321,73 +368,18 @@ def data_node(dataset: Dataset, root: Path) -> Iterator[Server]:
         sys.executable, "-m", "data_node", "--server", f"http://127.0.0.1:{registrar.server_address[1]}",
         "--token", "hd_benchmark", "--dataset", str(dataset.directory),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+        "--inline-limit", "0" if streamed else str(INLINE_LIMIT),
     ]  # fmt: skip
     try:
         with running(
-            "data node", argv, log=root / f"data-node-{dataset.name}.log", port=port,
+            name, argv, log=root / f"{name.replace(', ', '-').replace(' ', '-')}-{dataset.name}.log", port=port,
             ready_path=dataset.request_path(0),
         ) as server:  # fmt: skip
+            server.batches = not streamed
             yield server
     finally:
         registrar.shutdown()
         registrar.server_close()
-
-
-def find_nginx() -> str | None:
-    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin:/sbin")
-
-
-def nginx_config(dataset: Dataset, prefix: Path, port: int) -> str:
-    """A private nginx configuration serving ``dataset`` at the data node's URLs, with its ``X-Sha256``."""
-    # One location per index length: nginx cannot zero-pad a capture, so "/slices/7" → alias "00007…".
-    locations = []
-    for digits in range(1, 6):
-        pattern = rf"\d{{{digits},}}" if digits == 5 else rf"\d{{{digits}}}"
-        padding = "0" * (5 - digits)
-        locations.append(
-            f'        location ~ "^/datasets/{dataset.name}/slices/({pattern})$" {{\n'
-            f"            alias {dataset.directory}/{padding}$1.safetensors;\n"
-            f"            add_header X-Sha256 $slice_sha256;\n"
-            f"        }}"
-        )
-    digests = "\n".join(
-        f"        {dataset.path(index)} {digest};" for index, digest in enumerate(dataset.digests)
-    )
-    # Running as root (a container), workers would drop to www-data, which cannot read the private temp dir.
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    return f"""{user}daemon off;
-master_process on;
-worker_processes auto;
-error_log {prefix}/error.log warn;
-pid {prefix}/nginx.pid;
-lock_file {prefix}/nginx.lock;
-events {{
-    worker_connections 1024;
-}}
-http {{
-    access_log off;
-    sendfile on;
-    tcp_nopush on;
-    keepalive_requests 1000000;
-    types {{ }}
-    default_type application/octet-stream;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    map_hash_max_size {max(1024, 2 * dataset.count)};
-    map_hash_bucket_size 128;
-    map $uri $slice_sha256 {{
-        default "";
-{digests}
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-{chr(10).join(locations)}
-    }}
-}}
-"""
 
 
 def nginx(binary: str, dataset: Dataset, root: Path) -> contextlib.AbstractContextManager[Server]:
@@ -421,8 +413,33 @@ def check_answers(server: Server, dataset: Dataset) -> None:
                 problems.append(f"X-Sha256 {response.headers.get('X-Sha256')}")
             if problems:
                 raise BenchmarkFailed(f"{server.name}: {dataset.path(index)}: {', '.join(problems)}")
+        if server.batches and dataset.slice_size <= INLINE_LIMIT:
+            check_batch(connection, server, dataset, indices[-2])
     finally:
         connection.close()
+
+
+def check_batch(connection: http.client.HTTPConnection, server: Server, dataset: Dataset, first: int) -> None:
+    """A batch of three slices from ``first`` on: split by its frame lines, every slice's bytes and digest."""
+    body, _ = dataset.batch(first, 3)
+    connection.request("POST", dataset.batch_path, body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = response.read()
+    if response.status != 200 or response.headers.get("Content-Type") != BATCH_CONTENT_TYPE:
+        raise BenchmarkFailed(f"{server.name}: a batch answered {response.status}: {answer[:300]!r}")
+    position = 0
+    for offset in range(3):
+        index = (first + offset) % dataset.count
+        end = answer.index(b"\n", position)
+        line = answer[position:end].decode()
+        data = answer[end + 1 : end + 1 + dataset.slice_size]
+        if line != f"{index} {dataset.slice_size} {dataset.digests[index]}" or (
+            hashlib.sha256(data).hexdigest() != dataset.digests[index]
+        ):
+            raise BenchmarkFailed(f"{server.name}: a batch's slice {index} is wrong (frame {line!r})")
+        position = end + 1 + dataset.slice_size
+    if position != len(answer):
+        raise BenchmarkFailed(f"{server.name}: a batch's answer has {len(answer) - position} bytes too many")
 
 
 # Clients ------------------------------------------------------------------------------------------------------
@@ -437,14 +454,76 @@ class ClientResult:
     error: str | None
 
 
+@dataclass(frozen=True)
+class Request:
+    """One request a client sends: a slice's ``GET``, or a batch ``POST`` whose answer must hold ``frames``
+    (offset, frame line) and be ``length`` bytes long."""
+
+    method: str
+    path: str
+    body: bytes | None
+    slices: int
+    length: int
+    frames: tuple[tuple[int, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """How the clients ask: ``clients`` clients, each with ``connections`` requests in flight (a process and a
+    keep-alive connection each), each request for ``batch`` slices (1: a ``GET``; more: a batch ``POST`` to a
+    server that takes them, one-slice ``GET`` requests to one that does not)."""
+
+    label: str
+    clients: int
+    connections: int
+    batch: int
+
+
+def trainer_pattern(clients: int, prefetch: int) -> Pattern:
+    """What ``clients`` bridges with ``prefetch`` places send while they wait for the data node (module
+    docstring): top-ups of P - 1 slices once one is left; single slices are each their own request."""
+    batch = max(1, prefetch - 1)
+    return Pattern(
+        label=f"{clients} trainers, prefetch {prefetch}",
+        clients=clients,
+        connections=prefetch if batch == 1 else 1,
+        batch=batch,
+    )
+
+
+def requests_for(dataset: Dataset, batch: int) -> list[Request]:
+    """Per first slice index, the request for ``batch`` slices from there on."""
+    if batch == 1:
+        return [
+            Request("GET", dataset.request_path(index), None, 1, dataset.slice_size)
+            for index in range(dataset.count)
+        ]
+    made = []
+    for first in range(dataset.count):
+        body, _ = dataset.batch(first, batch)
+        frames = []
+        offset = 0
+        for step in range(batch):
+            index = (first + step) % dataset.count
+            line = f"{index} {dataset.slice_size} {dataset.digests[index]}\n".encode()
+            frames.append((offset, line))
+            offset += len(line) + dataset.slice_size
+        made.append(Request("POST", dataset.batch_path, body, batch, offset, tuple(frames)))
+    return made
+
+
 def http_client(
-    results: multiprocessing.Queue, port: int, paths: list[str], size: int, first: int, start_at: float,
+    results: multiprocessing.Queue, port: int, requests: list[Request], first: int, start_at: float,
     seconds: float,
 ) -> None:  # fmt: skip
-    """One client process: GET ``paths`` round-robin from ``first`` on one keep-alive connection."""
+    """One client process: ``requests`` round-robin from ``first`` on, one at a time on one keep-alive
+    connection."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the clients
-    buffer = memoryview(bytearray(size + 1))  # one byte spare: a longer body shows as a wrong length
+    step = requests[0].slices
+    # one byte spare: a longer body shows as a wrong length
+    buffer = memoryview(bytearray(max(request.length for request in requests) + 1))
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+    headers = {"Content-Type": "application/json"}
     slices = body_bytes = 0
     index = first
     error = None
@@ -455,16 +534,23 @@ def http_client(
         started, cpu_started = time.monotonic(), time.process_time()
         deadline = started + seconds
         while time.monotonic() < deadline:
-            connection.request("GET", paths[index])
+            request = requests[index]
+            connection.request(request.method, request.path, body=request.body, headers=headers)
             response = connection.getresponse()
             received = 0
             while count := response.readinto(buffer[received:]):
                 received += count
-            if response.status != 200 or received != size:
-                raise BenchmarkFailed(f"{paths[index]}: status {response.status}, {received} bytes of {size}")
-            slices += 1
-            body_bytes += received
-            index = (index + 1) % len(paths)
+            if response.status != 200 or received != request.length:
+                raise BenchmarkFailed(
+                    f"{request.method} {request.path.partition('?')[0]}: status {response.status}, "
+                    f"{received} bytes of {request.length}: {bytes(buffer[: min(received, 300)])!r}"
+                )
+            for offset, line in request.frames:
+                if buffer[offset : offset + len(line)] != line:
+                    raise BenchmarkFailed(f"a batch's frame at {offset} is not {line!r}")
+            slices += request.slices
+            body_bytes += received - sum(len(line) for _, line in request.frames)
+            index = (index + step) % len(requests)
     except Exception as exception:  # noqa: BLE001 — reported to the parent, which fails the run
         error = f"{type(exception).__name__}: {exception}"
     finally:
@@ -488,25 +574,19 @@ class Run:
     client_cpu: float
 
 
-def python_run(server: Server, dataset: Dataset, *, clients: int, seconds: float) -> Run:
-    paths = [dataset.request_path(index) for index in range(dataset.count)]
+def python_run(server: Server, dataset: Dataset, pattern: Pattern, *, seconds: float) -> Run:
+    requests = requests_for(dataset, pattern.batch if server.batches else 1)
     results: multiprocessing.Queue = multiprocessing.Queue()
     start_at = time.monotonic() + 0.5  # time for every client to fork and connect
+    # A trainer's requests in flight are concurrent (its bridge is asynchronous): one process each.
+    count = pattern.clients * pattern.connections
     processes = [
         multiprocessing.Process(
             target=http_client,
-            args=(
-                results,
-                server.port,
-                paths,
-                dataset.slice_size,
-                client * dataset.count // clients,
-                start_at,
-                seconds,
-            ),
+            args=(results, server.port, requests, client * dataset.count // count, start_at, seconds),
             daemon=True,
-        )  # fmt: skip
-        for client in range(clients)
+        )
+        for client in range(count)
     ]
     for process in processes:
         process.start()
@@ -629,9 +709,9 @@ def size_text(dataset: Dataset) -> str:
     return f"{dataset.slice_size / 1024:.0f} KiB"
 
 
-def print_table(rows: list[Row]) -> dict[tuple[str, str], float]:
-    """The markdown table; returns ours ÷ nginx slices/s per (size, client)."""
-    ratios: dict[tuple[str, str], float] = {}
+def print_table(rows: list[Row]) -> dict[tuple[str, str, str], float]:
+    """The markdown table; returns ours ÷ nginx slices/s per (size, client, server) of each data node row."""
+    ratios: dict[tuple[str, str, str], float] = {}
     print(
         "| slice size | client | server | slices/s | MB/s | slices/s per round | server CPU | client CPU "
         "| ours/nginx |"
@@ -639,16 +719,15 @@ def print_table(rows: list[Row]) -> dict[tuple[str, str], float]:
     print("|---|---|---|---:|---:|---|---:|---:|---:|")
     for row in rows:
         ratio = ""
-        if row.server == "data node":
+        if row.server != "nginx":
             nginx_row = next(
                 other
                 for other in rows
                 if (other.size, other.client, other.server) == (row.size, row.client, "nginx")
             )
-            ratios[(row.size, row.client)] = row.median("slices_per_second") / nginx_row.median(
-                "slices_per_second"
-            )
-            ratio = f"**{ratios[(row.size, row.client)]:.2f}×**"
+            key = (row.size, row.client, row.server)
+            ratios[key] = row.median("slices_per_second") / nginx_row.median("slices_per_second")
+            ratio = f"**{ratios[key]:.2f}×**"
         per_round = " / ".join(f"{run.slices_per_second:.0f}" for run in row.runs)
         print(
             f"| {row.size} | {row.client} | {row.server} | {row.median('slices_per_second'):.0f} "
@@ -658,29 +737,44 @@ def print_table(rows: list[Row]) -> dict[tuple[str, str], float]:
     return ratios
 
 
+def patterns(arguments: argparse.Namespace, dataset: Dataset) -> list[Pattern]:
+    """The client patterns for ``dataset``: one ``GET`` at a time, then (small slices) the trainers'."""
+    made = [Pattern(f"{arguments.clients} × http.client", clients=arguments.clients, connections=1, batch=1)]
+    if dataset.slice_size <= INLINE_LIMIT:
+        made += [trainer_pattern(arguments.clients, depth) for depth in arguments.prefetch]
+    return made
+
+
 def benchmark_size(
     arguments: argparse.Namespace, root: Path, spec: SizeSpec, nginx_binary: str, wrk_binary: str | None
 ) -> list[Row]:
-    """Prepare one dataset, serve it from both servers and measure them: a row per (client, server)."""
+    """Prepare one dataset, serve it from every server and measure them: a row per (client, server)."""
     print(f"Preparing {spec.slices} slices of {spec.samples_per_slice} × {SEQ_LEN} tokens ({spec.label})…")
     dataset = prepare_dataset(root, spec)
     size = size_text(dataset)
+    small = dataset.slice_size <= INLINE_LIMIT
     print(f"  {dataset.name}: {dataset.count} slices of {dataset.slice_size:,} bytes", flush=True)
     rows: list[Row] = []
     try:
-        with data_node(dataset, root) as ours, nginx(nginx_binary, dataset, root) as theirs:
-            servers = [ours, theirs]
-            for server in servers:
+        with contextlib.ExitStack() as stack:
+            ours = stack.enter_context(data_node(dataset, root))
+            # Slices over the inline limit are streamed either way: "as before" would measure the same code.
+            before = [stack.enter_context(data_node(dataset, root, streamed=True))] if small else []
+            theirs = stack.enter_context(nginx(nginx_binary, dataset, root))
+            for server in [ours, *before, theirs]:
                 check_answers(server, dataset)
             common = {"rounds": arguments.rounds, "warmup": arguments.warmup, "size": size}
+            for number, pattern in enumerate(patterns(arguments, dataset)):
 
-            def with_http_client(server: Server, seconds: float) -> Run:
-                return python_run(server, dataset, clients=arguments.clients, seconds=seconds)
+                def with_http_client(server: Server, seconds: float, pattern: Pattern = pattern) -> Run:
+                    return python_run(server, dataset, pattern, seconds=seconds)
 
-            rows += measure(
-                with_http_client, servers, seconds=arguments.seconds,
-                client=f"{arguments.clients} × http.client", **common,
-            )  # fmt: skip
+                # "As before" once, with the clients that fetch one slice at a time: a bridge batches only
+                # from a node that takes batches, and the streamed node refuses them.
+                servers = [ours, *(before if number == 0 else []), theirs]
+                rows += measure(
+                    with_http_client, servers, seconds=arguments.seconds, client=pattern.label, **common
+                )
             if wrk_binary and dataset.slice_size < WRK_MAX_SLICE:
                 script = root / f"wrk-{dataset.name}.lua"
 
@@ -691,7 +785,7 @@ def benchmark_size(
 
                 rows += measure(
                     with_wrk,
-                    servers,
+                    [ours, theirs],
                     seconds=arguments.seconds,
                     client=f"wrk -c {arguments.clients}",
                     **common,
@@ -707,20 +801,17 @@ def benchmark(arguments: argparse.Namespace, root: Path, nginx_binary: str, wrk_
     for spec in arguments.sizes:
         rows += benchmark_size(arguments, root, spec, nginx_binary, wrk_binary)
     print(
-        f"\nMedians of {arguments.rounds} interleaved rounds of {arguments.seconds:g} s, {arguments.clients} "
-        f"concurrent clients, loopback. CPU: % of one core (server: all its processes; client: all clients).\n"
+        f"\nMedians of {arguments.rounds} interleaved rounds of {arguments.seconds:g} s, loopback. CPU: % of one "
+        f"core (server: all its processes; client: all clients).\n"
     )
     ratios = print_table(rows)
     print()
-    for (size, client), ratio in ratios.items():
+    goal_client = trainer_pattern(arguments.clients, 2).label
+    for (size, client, server), ratio in ratios.items():
         verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
-        print(f"- {size}, {client}: data node / nginx = {ratio:.2f}× (goal ≥ {GOAL_RATIO}×: {verdict})")
+        goal = " — the goal's pattern" if client == goal_client and server == "data node" else ""
+        print(f"- {size}, {client}: {server} / nginx = {ratio:.2f}× (≥ {GOAL_RATIO}×: {verdict}){goal}")
     return EXIT_OK
-
-
-def nginx_version(binary: str) -> str:
-    done = subprocess.run([binary, "-v"], capture_output=True, text=True)
-    return (done.stderr or done.stdout).strip().removeprefix("nginx version: ")
 
 
 def main(argv: list[str] | None = None) -> int:

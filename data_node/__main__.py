@@ -1,7 +1,7 @@
 """``hypha-data-node``: serve a dataset directory's slices over HTTP and register it with the control plane.
 
     HYPHA_DATA_NODE_TOKEN=hd_… hypha-data-node --server URL --dataset DIR [--host 127.0.0.1] [--port 0] \
-        [--public-url URL] [--reachable true|false|auto]
+        [--public-url URL] [--reachable true|false|auto] [--inline-limit BYTES]
 
 The token comes from ``$HYPHA_DATA_NODE_TOKEN``, ``--token-file PATH`` or ``$HYPHA_DATA_NODE_TOKEN_FILE``;
 ``--token`` works too but puts it in the process list (``ps``) for every user of the machine to read.
@@ -71,8 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
         "node then publishes its slices to the control plane's store, from which trainers download them "
         "(default auto: not said, taken as reachable; registered with the dataset)",
     )
+    parser.add_argument(
+        "--inline-limit",
+        type=_byte_count,
+        default=1 << 20,
+        metavar="BYTES",
+        help="largest slice read straight into its answer, and the largest a batch request may hold; "
+        "larger slices are streamed from the file (default 1048576; 0 streams every slice and refuses "
+        "batches: for slices on a disk too slow to read on the event loop)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
+
+
+def _byte_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of bytes cannot be negative")
+    return value
 
 
 async def run(
@@ -84,6 +103,7 @@ async def run(
     port: int,
     public_url: str | None,
     reachable: str = "auto",
+    inline_limit: int = 1 << 20,
 ) -> int:
     import asyncio
     import signal
@@ -112,7 +132,8 @@ async def run(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    app = build_app(dataset)  # answers 503 to downloads until the registration brings the download key
+    # Answers 503 to downloads until the registration brings the download key.
+    app = build_app(dataset, inline_limit=inline_limit)
     # No access log: a slice URL's query holds its download token.
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -238,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=arguments.port,
             public_url=arguments.public_url,
             reachable=arguments.reachable,
+            inline_limit=arguments.inline_limit,
         )
     )
 

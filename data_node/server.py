@@ -1,11 +1,20 @@
 """The data node's HTTP server and its registration with the control plane.
 
-``GET /datasets/<name>/slices/<index>`` streams slice file ``index`` from disk (aiohttp's ``FileResponse``:
-``Content-Length``, ``Range`` → 206, sendfile where available), with the slice's SHA-256 as ``X-Sha256``.
-The ``ETag`` is aiohttp's own (mtime and size): aiohttp matches ``If-None-Match``/``If-Range`` against the tag
-it computes, so replacing it with the digest would break those conditional requests. An unknown dataset or an index outside ``0..n-1`` is a 404 (the original's ``index > len`` check
-let ``index == len`` crash the node). The slice list and digests are computed once at start-up: the files must
-not change while the node serves them (the control plane holds their digests).
+``GET /datasets/<name>/slices/<index>`` answers slice file ``index`` with its SHA-256 as ``X-Sha256``. A slice
+of at most ``inline_limit`` bytes (1 MiB by default, ``--inline-limit``) is read straight into the response on
+the event loop: one ``open``/``read``/``close`` from the page cache, no thread-pool hop (aiohttp's
+``FileResponse`` makes two per file, which dominated the cost of a 100 KiB slice). A larger slice, and any
+request with ``Range`` or a conditional header (``If-Range``, ``If-None-Match``, …), is answered by
+``FileResponse``: ``Content-Length``, ``Range`` → 206, sendfile where available. The ``ETag`` is aiohttp's own
+(mtime and size) on both paths: aiohttp matches ``If-None-Match``/``If-Range`` against the tag it computes, so
+replacing it with the digest would break those conditional requests. An unknown dataset or an index outside
+``0..n-1`` is a 404 (the original's ``index > len`` check let ``index == len`` crash the node). The slice list
+and digests are computed once at start-up: the files must not change while the node serves them (the control
+plane holds their digests; a file found shorter than at start-up is a 500).
+
+``POST /datasets/<name>/slices`` fetches several small slices in one request (a trainer's prefetch; see
+:mod:`data_node.batches` for the request, the limits and the framed answer). Each slice in it carries its own
+slice token, checked exactly as a ``GET`` checks it, so a batch gets nothing its slices' ``GET`` would not.
 
 Every download must carry a slice token (:mod:`data_node.tokens`) signed with the download key the control plane
 returned when the node registered, as the ``token`` query parameter of the URL the control plane handed out (or
@@ -19,18 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
-from data_node import tokens
+from data_node import batches, tokens
 from data_node.slices import SliceFile
 
 log = logging.getLogger("data_node")
 
 REGISTER_PATH = "/api/datasets/register/"
+#: Largest slice read into the response (``GET``) or a batch; larger ones are streamed from the file.
+INLINE_LIMIT = 1 << 20
 
 
 class RegistrationRefused(Exception):
@@ -78,20 +90,86 @@ def _error(status: int, error: str, detail: str, headers: dict[str, str] | None 
     return web.json_response({"error": error, "detail": detail}, status=status, headers=headers)
 
 
-def build_app(dataset: ServedDataset, *, download_key: str | None = None) -> web.Application:
+def _refusal(error: tokens.SliceTokenError) -> web.Response:
+    if error.status == 401:
+        return _error(401, "unauthorized", error.detail, {"WWW-Authenticate": 'Bearer realm="slices"'})
+    return _error(error.status, "forbidden", error.detail)
+
+
+#: Request headers that need ``FileResponse``'s handling (ranges, conditional requests).
+_FILE_RESPONSE_HEADERS = (
+    "Range",
+    "If-Range",
+    "If-None-Match",
+    "If-Match",
+    "If-Modified-Since",
+    "If-Unmodified-Since",
+)
+
+
+class SliceChanged(Exception):
+    """A slice file is not the size it had at start-up (the files must not change while the node serves)."""
+
+
+def read_slice(slice_: SliceFile, prefix: bytes = b"") -> tuple[bytearray, os.stat_result]:
+    """``prefix`` and the bytes of ``slice_``, read straight into one buffer, with the file's ``fstat``.
+
+    Blocking, on purpose: for a slice of at most the inline limit, served from the page cache, one ``read``
+    costs less than the two thread-pool hops that would hide it."""
+    buffer = bytearray(len(prefix) + slice_.size)
+    buffer[: len(prefix)] = prefix
+    view = memoryview(buffer)
+    position = len(prefix)
+    with open(slice_.path, "rb", buffering=0) as file:
+        status = os.fstat(file.fileno())
+        if status.st_size != slice_.size:
+            raise SliceChanged(f"{slice_.path} is {status.st_size} bytes, {slice_.size} at start-up")
+        while position < len(buffer):
+            count = file.readinto(view[position:])
+            if not count:
+                raise SliceChanged(f"{slice_.path} ended after {position - len(prefix)} bytes")
+            position += count
+    return buffer, status
+
+
+def _etag(status: os.stat_result) -> str:
+    """aiohttp's ``FileResponse`` tag for the file, so that conditional requests match either path's."""
+    return f"{status.st_mtime_ns:x}-{status.st_size:x}"
+
+
+def build_app(
+    dataset: ServedDataset, *, download_key: str | None = None, inline_limit: int = INLINE_LIMIT
+) -> web.Application:
     """The aiohttp application serving ``dataset``'s slices to holders of tokens signed with ``download_key``
-    (or, when ``None``, with the key :func:`set_download_key` sets later)."""
+    (or, when ``None``, with the key :func:`set_download_key` sets later). Slices of at most ``inline_limit``
+    bytes are read into the response (``GET``) or a batch; larger ones are streamed by ``FileResponse``, and
+    refused in a batch. ``0`` streams every slice and refuses every batch."""
     key_holder = DownloadKey(download_key)
+    count = len(dataset.slices)
+
+    def not_ready() -> web.Response:
+        return _error(
+            503,
+            "not_ready",
+            "this data node has not been registered with its control plane yet",
+            {"Retry-After": "5"},
+        )
+
+    def no_such_slice(name: str, index: int) -> web.Response | None:
+        if name != dataset.name or index < 0:
+            return _error(404, "not_found", "no such dataset or slice")
+        if index >= count:  # ``>=``: index == count is past the end too
+            return _error(404, "not_found", f"dataset {dataset.name} has slices 0..{count - 1}")
+        return None
+
+    def changed(error: SliceChanged) -> web.Response:
+        log.error("%s: restart the node to serve the files as they are now", error)
+        return _error(500, "slice_changed", "a slice file changed on disk since the node started")
 
     async def get_slice(request: web.Request) -> web.StreamResponse:
         key = key_holder.value
         if key is None:
-            return _error(
-                503,
-                "not_ready",
-                "this data node has not been registered with its control plane yet",
-                {"Retry-After": "5"},
-            )
+            return not_ready()
         name = request.match_info["name"]
         index_text = request.match_info["index"]
         # ASCII digits, and few: int() of a 5000-digit string raises (a 500 otherwise).
@@ -110,29 +188,78 @@ def build_app(dataset: ServedDataset, *, download_key: str | None = None) -> web
         except tokens.SliceTokenError as error:
             # The path only, never the query: it holds the token.
             log.info("refused %s (%d): %s", request.path, error.status, error.detail)
-            if error.status == 401:
-                return _error(
-                    401, "unauthorized", error.detail, {"WWW-Authenticate": 'Bearer realm="slices"'}
-                )
-            return _error(error.status, "forbidden", error.detail)
-        if name != dataset.name or index < 0:
-            return _error(404, "not_found", "no such dataset or slice")
-        if index >= len(dataset.slices):  # ``>=``: index == count is past the end too
-            return _error(404, "not_found", f"dataset {dataset.name} has slices 0..{len(dataset.slices) - 1}")
+            return _refusal(error)
+        if (missing := no_such_slice(name, index)) is not None:
+            return missing
         slice_ = dataset.slices[index]
-        return web.FileResponse(
-            slice_.path,
-            headers={
-                "X-Sha256": slice_.sha256,
-                "Content-Type": "application/octet-stream",
-            },
+        headers = {"X-Sha256": slice_.sha256, "Content-Type": "application/octet-stream"}
+        if slice_.size <= inline_limit and not any(h in request.headers for h in _FILE_RESPONSE_HEADERS):
+            try:
+                body, status = read_slice(slice_)
+            except SliceChanged as error:
+                return changed(error)
+            response = web.Response(body=body, headers=headers)
+            response.etag = _etag(status)
+            response.last_modified = status.st_mtime
+            return response
+        return web.FileResponse(slice_.path, headers=headers)
+
+    async def get_batch(request: web.Request) -> web.StreamResponse:
+        key = key_holder.value
+        if key is None:
+            return not_ready()
+        name = request.match_info["name"]
+        try:
+            entries = batches.parse_request(await _body(request, batches.MAX_BODY))
+        except batches.BatchRequestError as error:
+            return _error(error.status, error.error, error.detail)
+        for entry in entries:
+            try:
+                tokens.verify(key, entry.token, dataset=name, index=entry.index)
+            except tokens.SliceTokenError as error:
+                log.info("refused a batch of %s (%d): %s", request.path, error.status, error.detail)
+                error.detail = f"slice {entry.index}: {error.detail}"
+                return _refusal(error)
+        for entry in entries:
+            if (missing := no_such_slice(name, entry.index)) is not None:
+                return missing
+        chosen = [dataset.slices[entry.index] for entry in entries]
+        for slice_ in chosen:
+            if slice_.size > inline_limit:
+                return _error(
+                    400,
+                    "too_large",
+                    f"slice {slice_.index} is {slice_.size} bytes, over this node's batch limit of "
+                    f"{inline_limit}: download it with GET",
+                )
+        lines = [batches.frame_line(s.index, s.size, s.sha256) for s in chosen]
+        response = web.StreamResponse(
+            headers={"Content-Type": batches.CONTENT_TYPE, "X-Slice-Count": str(len(chosen))}
         )
+        response.content_length = sum(len(line) + s.size for line, s in zip(lines, chosen, strict=True))
+        # Read the first slice before answering: a changed file is still a clean 500 then.
+        try:
+            frame, _ = read_slice(chosen[0], lines[0])
+        except SliceChanged as error:
+            return changed(error)
+        await response.prepare(request)
+        # One slice in memory at a time; write() waits for the socket when its buffer fills.
+        for line, slice_ in zip(lines[1:], chosen[1:], strict=True):
+            await response.write(frame)
+            try:
+                frame, _ = read_slice(slice_, line)
+            except SliceChanged as error:
+                log.error("%s: the batch's answer is cut short", error)
+                raise  # the connection is closed mid-body: the client sees a short answer
+        await response.write(frame)
+        await response.write_eof()
+        return response
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response(
             {
                 "dataset": dataset.name,
-                "slices": len(dataset.slices),
+                "slices": count,
                 "registered": key_holder.value is not None,
             }
         )
@@ -140,8 +267,24 @@ def build_app(dataset: ServedDataset, *, download_key: str | None = None) -> web
     app = web.Application()
     app[DOWNLOAD_KEY] = key_holder
     app.router.add_get("/datasets/{name}/slices/{index}", get_slice)
+    app.router.add_post("/datasets/{name}/slices", get_batch)
     app.router.add_get("/healthz", health)
     return app
+
+
+async def _body(request: web.Request, limit: int) -> bytes:
+    """The request's body, or :class:`~data_node.batches.BatchRequestError` (413) past ``limit`` bytes."""
+    too_large = batches.BatchRequestError(
+        413, "too_large", f"a batch request's body is at most {limit} bytes"
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    body = bytearray()
+    while chunk := await request.content.read(limit + 1 - len(body)):
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
 
 
 async def register(

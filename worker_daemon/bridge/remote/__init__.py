@@ -10,6 +10,8 @@ parameter server and data nodes (plain HTTP with timeouts). See ``docs/training.
                          checked, moved to ``artifacts/<index>``, then ``slice_ack``. After a hand-out up to
                          ``prefetch`` more slices are claimed and downloaded in the background; they are acked
                          only when handed out, so a task that ends returns them to the pool with its lease.
+                         Small slices claimed together from one data node come in one batch request
+                         (``POST <node>/datasets/<name>/slices``, each with its own token; ``batched``).
   ``parameter-server`` → ``GET <peer>/jobs/<job>/model/<filename>`` per file; ``X-Round`` (rounds completed)
                          sets the next round to send and receive.
   ``uri``              → ``GET`` into ``artifacts/<last URL segment>`` (``part-0.bin`` when empty).

@@ -150,6 +150,8 @@ class RemoteBackend(SliceFetching, RelayTransfers):
         self._delivered: deque[tuple[int, Path]] = deque()
         self._slice_lock = asyncio.Lock()
         self._prefetched: dict[str, deque[asyncio.Task[CachedSlice]]] = {}
+        #: Data nodes' batch URLs that answered 404/405: their slices are fetched one by one.
+        self._batchless: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
 
@@ -161,7 +163,8 @@ class RemoteBackend(SliceFetching, RelayTransfers):
         ``{"type": "Continue"}`` at once, and counted into the next forwarded report (``covered_steps``,
         ``covered_samples``), which the control plane sees as all of those steps."""
         step = isinstance(progress, dict) and isinstance(progress.get("status"), dict)
-        if progress == "update-received":
+        merged = progress == "update-received"
+        if merged:
             self._forget_merged()
         batch_size = 0
         if step:
@@ -182,12 +185,17 @@ class RemoteBackend(SliceFetching, RelayTransfers):
                         "covered_samples": self._covered_samples + batch_size,
                     }
                 }
+        elif merged:
+            # An eager trainer merges the last round's result between two steps of a granted run: the run goes
+            # on, and the next forwarded step report carries its steps (the control plane keeps the grant).
+            pass
         elif self._covered_steps:
             # Only a step report may end a granted run of steps; the control plane grants none past the last.
             logger.warning(
                 "task %s: %d steps answered locally were never reported", self.task_id, self._covered_steps
             )
-        self.local_continues = self._covered_steps = self._covered_samples = 0
+        if not merged:
+            self.local_continues = self._covered_steps = self._covered_samples = 0
         message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=self.task_id, progress=progress)
         try:
             reply = await self.link.request(message, timeout=self.request_timeout)

@@ -1,6 +1,13 @@
 """Data slices of one task's bridge: claimed from the control plane (``fetch_slice``), downloaded from the data
 nodes (size and SHA-256 checked, patiently while none answers), handed out in claim order and prefetched. A
-mixin of :class:`~worker_daemon.bridge.remote.RemoteBackend`."""
+mixin of :class:`~worker_daemon.bridge.remote.RemoteBackend`.
+
+The prefetch (``prefetch`` places) is topped up once at most one prefetched slice is left (with the default
+2 places: after every hand-out, one slice), claiming a slice per free place at once. The small slices of
+such a group that one data node serves are then downloaded in one batch request
+(:mod:`~worker_daemon.bridge.remote.batched`); the others, and any slice of a batch that fails, one at a time
+as before, trying every node and waiting for them.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import aiohttp
 from worker_daemon import protocol
 from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
 from worker_daemon.bridge.peer_http import CachedSlice, HttpStatusError, IntegrityError, without_query
-from worker_daemon.bridge.remote.downloads import Downloads
+from worker_daemon.bridge.remote.batched import BATCH_MAX_SLICES, SliceBatches
 from worker_daemon.bridge.remote.problems import TransferProblemReports, peer_host
 from worker_daemon.link import ControlLink
 
@@ -27,7 +34,7 @@ PREFETCH_DIR = ".prefetch"
 MIN_SLICE_RETRY = 0.05
 
 
-class SliceFetching(TransferProblemReports, Downloads):
+class SliceFetching(TransferProblemReports, SliceBatches):
     """``scheduler`` fetches (the attributes are :class:`RemoteBackend`'s)."""
 
     link: ControlLink
@@ -69,15 +76,103 @@ class SliceFetching(TransferProblemReports, Downloads):
                 dataset,
                 cached.size,
             )
-            while len(queue) < self.prefetch and not self._closed:
-                queue.append(asyncio.create_task(self._claim_and_download(dataset)))
+            # Topped up once at most one prefetched slice is left: that one (downloaded by then, unless the
+            # data is late anyway) goes to the executor while the top-up downloads, as with two places and
+            # one top-up per hand-out; more places make the top-ups, and batches, larger.
+            free = self.prefetch - len(queue)
+            if free > 0 and len(queue) <= 1 and not self._closed:
+                queue.extend(self._prefetch_group(dataset, free))
             return [(str(cached.index), cached.size)]
 
-    async def _claim_and_download(self, dataset: str) -> CachedSlice:
-        assigned = await self._claim(dataset)
+    def _prefetch_group(self, dataset: str, count: int) -> list[asyncio.Task[CachedSlice]]:
+        """``count`` places of the prefetch, claimed together and, where they can be, downloaded in one batch:
+        one task per place, in claim order. Cancelling one (only :meth:`close` does) cancels the group."""
+        group = asyncio.create_task(self._claim_group(dataset, count))
+        return [asyncio.create_task(self._group_place(dataset, group, place)) for place in range(count)]
+
+    async def _claim_group(
+        self, dataset: str, count: int
+    ) -> list[CachedSlice | protocol.SliceAssigned | BaseException]:
+        """Claim ``count`` slices at once (one ``fetch_slice`` each), then download in one batch per data node
+        those that can be: per place, the downloaded slice, or the claim to download alone (a large slice, a
+        node without batches, a batch that failed, or "none yet" with its ``retry_in``), or the claim's
+        error."""
+        outcomes: list[CachedSlice | protocol.SliceAssigned | BaseException] = list(
+            await asyncio.gather(*(self._claim_once(dataset) for _ in range(count)), return_exceptions=True)
+        )
+        batches: dict[str, list[tuple[int, protocol.SliceAssigned, str]]] = {}
+        for place, outcome in enumerate(outcomes):
+            if isinstance(outcome, protocol.SliceAssigned) and outcome.index is not None:
+                target = self._batch_target(outcome)
+                if target is not None:
+                    batches.setdefault(target.url, []).append((place, outcome, target.token))
+        if batches:
+            try:
+                cache = self._prefetch_cache()
+            except OSError:
+                batches = {}  # each place meets the error alone, and says so
+        for url, members in batches.items():
+            for start in range(0, len(members), BATCH_MAX_SLICES):
+                chunk = members[start : start + BATCH_MAX_SLICES]
+                if len(chunk) < 2:
+                    continue  # one slice: its GET, which waits for the nodes if need be
+                try:
+                    cached = await self._download_batch(
+                        dataset, url, [(assigned, token) for _, assigned, token in chunk], cache
+                    )
+                except (HttpStatusError, IntegrityError, aiohttp.ClientError, TimeoutError, OSError) as error:
+                    # Each slice goes its own way now: every node in turn, waiting while none answers.
+                    problem = f"answered {error.status}" if isinstance(error, HttpStatusError) else str(error)
+                    logger.info(
+                        "task %s: a batch of %d slices of %s failed (%s); downloading them one by one",
+                        self.task_id,
+                        len(chunk),
+                        dataset,
+                        problem or type(error).__name__,
+                    )
+                    continue
+                logger.info(
+                    "task %s: slices %s of %s prefetched in one batch",
+                    self.task_id,
+                    ", ".join(str(assigned.index) for _, assigned, _ in chunk),
+                    dataset,
+                )
+                self.report_transfer_ok(
+                    *(peer_host(node) for _, assigned, _ in chunk for node in assigned.urls)
+                )
+                for (place, _, _), item in zip(chunk, cached, strict=True):
+                    outcomes[place] = item
+        return outcomes
+
+    async def _group_place(
+        self,
+        dataset: str,
+        group: asyncio.Task[list[CachedSlice | protocol.SliceAssigned | BaseException]],
+        place: int,
+    ) -> CachedSlice:
+        outcome = (await group)[place]
+        if isinstance(outcome, CachedSlice):
+            return outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome.index is None:  # none yet: ask again after ``retry_in``, alone
+            await asyncio.sleep(max(outcome.retry_in or 0.0, MIN_SLICE_RETRY))
+            outcome = await self._claim(dataset)
+        return await self._download_claimed(dataset, outcome)
+
+    def _prefetch_cache(self) -> Path:
         cache = self.work_dir / PREFETCH_DIR
         cache.mkdir(mode=0o700, exist_ok=True)
-        target = cache / str(assigned.index)
+        return cache
+
+    async def _claim_and_download(self, dataset: str) -> CachedSlice:
+        return await self._download_claimed(dataset, await self._claim(dataset))
+
+    async def _download_claimed(self, dataset: str, assigned: protocol.SliceAssigned) -> CachedSlice:
+        """The claimed slice from its data nodes, each in turn, waiting (up to ``data_wait``) while none
+        answers."""
+        assert assigned.index is not None
+        target = self._prefetch_cache() / str(assigned.index)
         deadline = asyncio.get_running_loop().time() + self.data_wait
         pause = self.retry_base
         passes = 0
@@ -146,19 +241,25 @@ class SliceFetching(TransferProblemReports, Downloads):
             await asyncio.sleep(pause)
 
     async def _claim(self, dataset: str) -> protocol.SliceAssigned:
+        """A claimed slice, asking again after each "none yet"."""
         while True:
-            message = protocol.FetchSlice(request_id=uuid.uuid4(), task_id=self.task_id, dataset=dataset)
-            try:
-                reply = await self.link.request(message, timeout=self.request_timeout)
-            except TimeoutError:
-                raise NetworkError(
-                    f"the control plane did not assign a slice within {self.request_timeout:g} s"
-                ) from None
-            assert isinstance(reply, protocol.SliceAssigned)
-            if reply.error:
-                raise ConnectorError(f"no slice of {dataset!r}: {reply.error}")
+            reply = await self._claim_once(dataset)
             if reply.index is not None:
                 return reply
-            if reply.retry_in is None:
-                raise ConnectorError(f"no slice of {dataset!r} is left for this task")
-            await asyncio.sleep(max(reply.retry_in, MIN_SLICE_RETRY))
+            await asyncio.sleep(max(reply.retry_in or 0.0, MIN_SLICE_RETRY))
+
+    async def _claim_once(self, dataset: str) -> protocol.SliceAssigned:
+        """One ``fetch_slice``: a claimed slice, or "none yet" (``index`` None, with ``retry_in``)."""
+        message = protocol.FetchSlice(request_id=uuid.uuid4(), task_id=self.task_id, dataset=dataset)
+        try:
+            reply = await self.link.request(message, timeout=self.request_timeout)
+        except TimeoutError:
+            raise NetworkError(
+                f"the control plane did not assign a slice within {self.request_timeout:g} s"
+            ) from None
+        assert isinstance(reply, protocol.SliceAssigned)
+        if reply.error:
+            raise ConnectorError(f"no slice of {dataset!r}: {reply.error}")
+        if reply.index is None and reply.retry_in is None:
+            raise ConnectorError(f"no slice of {dataset!r} is left for this task")
+        return reply
