@@ -12,7 +12,12 @@ trains three ways and evaluates each on the same held-out slices with the parame
   (several settings: one job each, on the same cluster). Eval loss per round is the parameter server's; the
   final model is downloaded and evaluated here too, as a check. Bytes are the rounds' measured
   ``bytes_in + bytes_out``. With ``--encodings`` (docs/training.md, "Encodings") one job per outer setting and
-  encoding; a last table puts each encoding's final eval loss next to float32's, as a ratio.
+  encoding; a last table puts each encoding's final eval loss next to float32's, as a ratio. With
+  ``--overlaps`` (docs/training.md, "Overlap: eager updates") one job per outer setting, encoding and overlap
+  mode — ``none``, ``eager``, or ``eager-local`` (eager with the trainer's own weights as the proxy, the
+  daemons' ``HYPHA_EAGER_PROXY=local`` experiment knob: a second cluster); a mode may be given twice, to see
+  the run-to-run noise — and a table puts each mode's final eval loss next to the first ``none``'s. Tokens
+  are the rounds' samples (an eager trainer's steps of the round after the last are never part of a round).
 * **(b) one worker**: in this process, plain torch + transformers: the same model, AdamW with the same
   learning rate (and torch's defaults, as the executor), H × rounds steps of the same batch size: the steps
   of one DiLoCo trainer with no one to average with. No communication.
@@ -35,6 +40,7 @@ Usage::
     python bench/diloco_quality.py --rounds 2 --inner-steps 10     # a quick run
     python bench/diloco_quality.py --outer 0.7:0.9,0.7:0.5,1.0:0 --skip-baselines   # outer-optimizer sweep
     python bench/diloco_quality.py --encodings float32,float16,bfloat16,int8 --skip-baselines   # encodings
+    python bench/diloco_quality.py --overlaps none,eager,eager-local,none --skip-baselines       # overlap
 
 Results and how to read them: docs/benchmarks.md.
 """
@@ -45,6 +51,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import re
 import shutil
 import sys
 import time
@@ -65,6 +72,9 @@ SEQ_LEN = 128
 SAMPLES_PER_SLICE = 64
 EVAL_BATCH_SIZE = 32
 SEED = 0  # the spec's default model.seed
+OVERLAPS = ("none", "eager", "eager-local")
+#: The daemons' environment for ``eager-local`` (worker_daemon/executors/overlap.py's experiment knob).
+LOCAL_PROXY_ENV = {"HYPHA_EAGER_PROXY": "local"}
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +101,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         default="float32",
         help="encodings of pseudo-gradients and results, comma-separated; one DiLoCo job each per outer "
         "setting (float32, float16, bfloat16, int8; default: float32)",
+    )
+    parser.add_argument(
+        "--overlaps",
+        default="none",
+        help="overlap modes, comma-separated, one DiLoCo job each per outer setting and encoding: none, eager, "
+        "eager-local (a mode may repeat: a second job of it; default: none)",
     )
     parser.add_argument(
         "--block-size", type=int, default=256, help="values per int8 scale (default: 256, the spec's default)"
@@ -140,6 +156,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [item for item in arguments.encodings if item not in ENCODINGS]
     if unknown or not arguments.encodings:
         parser.error(f"--encodings takes {', '.join(ENCODINGS)}, not {arguments.encodings!r}")
+    arguments.overlaps = [item.strip() for item in arguments.overlaps.split(",") if item.strip()]
+    if not arguments.overlaps or any(item not in OVERLAPS for item in arguments.overlaps):
+        parser.error(f"--overlaps takes {', '.join(OVERLAPS)}, not {arguments.overlaps!r}")
     return arguments
 
 
@@ -308,6 +327,21 @@ def train_in_process(
     )
 
 
+MERGED_AFTER = re.compile(r"\[task ([0-9a-f]{8})\] .*round \d+ merged after (\d+) steps of round")
+
+
+def eager_merges(cluster, job: dict) -> list[int]:
+    """How many steps of the next round each eager trainer of ``job`` had run when it merged a round's result
+    (its log lines ``round r merged after k steps``); empty for a job that does not overlap."""
+    tasks = {str(task["id"])[:8] for task in job["tasks"] if task["role"] == "trainer"}
+    steps = []
+    for child in cluster.daemons.values():
+        for found in MERGED_AFTER.finditer(child.log.read_text(errors="replace")):
+            if found[1] in tasks:
+                steps.append(int(found[2]))
+    return steps
+
+
 def _time(value: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
@@ -320,6 +354,8 @@ def run_diloco(
     evaluator,
     root: Path,
     encoding: str = "float32",
+    overlap: str = "none",
+    label: str = "",
 ):
     lr, momentum = outer
     spec = diloco_spec(
@@ -336,18 +372,22 @@ def run_diloco(
     spec["rounds"]["encoding"] = encoding
     if encoding == "int8":
         spec["rounds"]["encoding_block_size"] = arguments.block_size
+    if overlap != "none":
+        spec["rounds"]["overlap"] = "eager"  # eager-local: the same job on daemons with the knob set
+    label = label or overlap
     started = time.monotonic()
-    job_id = cluster.submit(spec, name=f"quality-{lr:g}-{momentum:g}-{encoding}")
+    job_id = cluster.submit(spec, name=f"quality-{lr:g}-{momentum:g}-{encoding}-{label.replace(' ', '')}")
 
     def show(round_: dict) -> None:
         print(
-            f"  DiLoCo {lr:g}:{momentum:g} {encoding}: round {round_['number']}/{arguments.rounds}: "
+            f"  DiLoCo {lr:g}:{momentum:g} {encoding} {label}: round {round_['number']}/{arguments.rounds}: "
             f"{len(round_['participants'])} trainers, train loss {round_['mean_loss']}, "
             f"eval loss {round_['eval_loss']} ({time.monotonic() - started:.0f} s)",
             flush=True,
         )
 
     job = cluster.follow(job_id, timeout=arguments.timeout, on_round=show)
+    merged_after = eager_merges(cluster, job)
     if job["status"] != "completed":
         raise RuntimeError(f"job {job_id} is {job['status']}: {job['status_reason']}\n{cluster.logs()}")
     # The final model, evaluated here with the same evaluator: must match the parameter server's last eval.
@@ -362,14 +402,16 @@ def run_diloco(
 
     rounds = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
     trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
-    samples = sum(task["samples_total"] for task in trainers)
+    # The rounds' samples: an eager trainer's steps after its last update are never part of a round.
+    samples = sum(r["samples"] for r in rounds)
     first_step = min(_time(task["first_step_at"]) for task in trainers)
     created = _time(job["created_at"])
     ended = _time(job["ended_at"]) if job.get("ended_at") else _time(rounds[-1]["closed_at"])
     training_seconds = (_time(rounds[-1]["closed_at"]) - first_step).total_seconds()
     return Result(
         name=f"(a) DiLoCo, outer {lr:g}:{momentum:g}"
-        + ("" if arguments.encodings == ["float32"] else f", {encoding}"),
+        + ("" if arguments.encodings == ["float32"] else f", {encoding}")
+        + ("" if arguments.overlaps == ["none"] else f", overlap {label}"),
         eval_losses=[None, *[r["eval_loss"] for r in rounds]],
         tokens=samples * SEQ_LEN,
         wall_seconds=training_seconds,
@@ -385,6 +427,8 @@ def run_diloco(
             "bytes_out": [r["bytes_out"] for r in rounds],
             "outer": outer,
             "encoding": encoding,
+            "overlap": label,
+            "merged_after": merged_after,
             "round_encodings": [r.get("encoding") for r in rounds],
             "detail": job,
         },
@@ -432,6 +476,7 @@ def print_tables(
     for result in results:
         print(f"| {result.name} | " + " | ".join(_loss(v) for v in result.extra["train_losses"]) + " |")
     print_encodings(results, arguments)
+    print_overlaps(results, arguments)
     checks = [r for r in results if "final_eval_here" in r.extra]
     if checks:
         print()
@@ -442,6 +487,12 @@ def print_tables(
                 f"{result.extra['submit_to_first_step_seconds']:.1f} s; bytes in/out per round "
                 f"{[round(b / 1e6, 2) for b in result.extra['bytes_in']]} / "
                 f"{[round(b / 1e6, 2) for b in result.extra['bytes_out']]} MB"
+                + (
+                    f"; merged each result after {min(steps)}–{max(steps)} steps of the next round (mean "
+                    f"{sum(steps) / len(steps):.1f})"
+                    if (steps := result.extra.get("merged_after"))
+                    else ""
+                )
             )
 
 
@@ -449,7 +500,7 @@ def print_encodings(results: list[Result], arguments: argparse.Namespace) -> Non
     """Per outer setting, each encoding's final eval loss and bytes side by side, as a ratio to float32's."""
     if arguments.encodings == ["float32"]:
         return
-    diloco = [r for r in results if "encoding" in r.extra]
+    diloco = [r for r in results if "encoding" in r.extra and r.extra["overlap"] == "none"]
     print("\nFinal eval loss and bytes per encoding, as a ratio to float32 (same outer setting):\n")
     print("| outer | " + " | ".join(arguments.encodings) + " |")
     print("|---|" + "---:|" * len(arguments.encodings))
@@ -469,6 +520,80 @@ def print_encodings(results: list[Result], arguments: argparse.Namespace) -> Non
                 size = result.bytes_communicated / max(1, reference.bytes_communicated)
                 cells.append(f"{loss:.3f} (×{ratio:.4f}), bytes ×{size:.3f}")
         print(f"| {outer[0]:g}:{outer[1]:g} | " + " | ".join(cells) + " |")
+
+
+def overlap_labels(overlaps: list[str]) -> list[str]:
+    """Each mode's label: a mode given twice gets ``#2`` (``none, eager, none`` → ``none, eager, none #2``)."""
+    labels, seen = [], {}
+    for overlap in overlaps:
+        seen[overlap] = seen.get(overlap, 0) + 1
+        labels.append(overlap if seen[overlap] == 1 else f"{overlap} #{seen[overlap]}")
+    return labels
+
+
+def print_overlaps(results: list[Result], arguments: argparse.Namespace) -> None:
+    """Per outer setting and encoding, each overlap mode's final eval loss (and tokens) next to the first
+    ``none``'s, as a ratio (goal: within 1 %)."""
+    if arguments.overlaps == ["none"]:
+        return
+    labels = overlap_labels(arguments.overlaps)
+    diloco = [r for r in results if "overlap" in r.extra]
+    print("\nFinal eval loss per overlap mode, as a ratio to none's (goal: within 1 % at equal tokens):\n")
+    print("| outer | encoding | " + " | ".join(labels) + " |")
+    print("|---|---|" + "---:|" * len(labels))
+    for outer in arguments.outer:
+        for encoding in arguments.encodings:
+            row = {
+                r.extra["overlap"]: r
+                for r in diloco
+                if r.extra["outer"] == outer and r.extra["encoding"] == encoding
+            }
+            reference = row.get("none")
+            base = None if reference is None else reference.eval_losses[-1]
+            cells = []
+            for label in labels:
+                result = row.get(label)
+                loss = None if result is None else result.eval_losses[-1]
+                if loss is None:
+                    cells.append("—")
+                elif base is None:
+                    cells.append(f"{loss:.3f} ({result.tokens:,} tokens)")
+                else:
+                    ratio = loss / base
+                    cells.append(
+                        f"{loss:.3f} (×{ratio:.4f}{_verdict(label, ratio)}; {result.tokens:,} tokens)"
+                    )
+            print(f"| {outer[0]:g}:{outer[1]:g} | {encoding} | " + " | ".join(cells) + " |")
+            print_repeats(row)
+
+
+def _verdict(label: str, ratio: float) -> str:
+    """Within 1 % of none's: met; more than 1 % lower: better (the goal is not to lose quality); higher: MISSED."""
+    if label.startswith("none"):
+        return ""
+    if ratio > 1.01:
+        return " MISSED"
+    return " met" if ratio >= 0.99 else " better"
+
+
+def print_repeats(row: dict[str, Result]) -> None:
+    """When a mode ran more than once: each mode's mean final eval loss, its spread, and the ratio of the means
+    (one run's difference can be within the run-to-run noise of this benchmark)."""
+    modes: dict[str, list[float]] = {}
+    for label, result in row.items():
+        if result.eval_losses[-1] is not None:
+            modes.setdefault(label.split(" #")[0], []).append(result.eval_losses[-1])
+    if all(len(losses) < 2 for losses in modes.values()):
+        return
+    base = modes.get("none")
+    for mode, losses in modes.items():
+        average = sum(losses) / len(losses)
+        ratio = (
+            "" if not base or mode == "none" else f", ÷ none's mean ×{average / (sum(base) / len(base)):.4f}"
+        )
+        print(
+            f"  {mode}: {len(losses)} run(s), mean {average:.3f}, {min(losses):.3f}–{max(losses):.3f}{ratio}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,21 +651,38 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"Starting the cluster ({mode}): control plane, data node, {arguments.trainers + 1} daemons"
             )
-            with training_cluster(
-                root=root / "cluster", dataset_dir=dataset, workers=arguments.trainers + 1, mode=mode
-            ) as cluster:
-                for outer in arguments.outer:
-                    for encoding in arguments.encodings:
-                        results.append(
-                            run_diloco(
-                                cluster,
-                                arguments=arguments,
-                                outer=outer,
-                                evaluator=evaluator,
-                                root=root,
-                                encoding=encoding,
-                            )
-                        )
+            labels = overlap_labels(arguments.overlaps)
+            # eager-local jobs need daemons with the experiment knob set: a second cluster, after the first.
+            for local in (False, True):
+                chosen = [
+                    (overlap, label)
+                    for overlap, label in zip(arguments.overlaps, labels, strict=True)
+                    if (overlap == "eager-local") == local
+                ]
+                if not chosen:
+                    continue
+                with training_cluster(
+                    root=root / ("cluster-local-proxy" if local else "cluster"),
+                    dataset_dir=dataset,
+                    workers=arguments.trainers + 1,
+                    mode=mode,
+                    daemon_env=LOCAL_PROXY_ENV if local else None,
+                ) as cluster:
+                    for outer in arguments.outer:
+                        for encoding in arguments.encodings:
+                            for overlap, label in chosen:
+                                results.append(
+                                    run_diloco(
+                                        cluster,
+                                        arguments=arguments,
+                                        outer=outer,
+                                        evaluator=evaluator,
+                                        root=root,
+                                        encoding=encoding,
+                                        overlap=overlap,
+                                        label=label,
+                                    )
+                                )
         results.sort(key=lambda result: result.name)
         print_tables(results, arguments, size, evaluator.loss(build_model(), build_model().state_dict()))
         print(f"\nLoad average at end: {load_average()}")

@@ -1,4 +1,4 @@
-"""WAN benchmark: DiLoCo rounds over emulated internet links, direct vs through the relay, float32 vs float16 vs int8.
+"""WAN benchmark: DiLoCo rounds over emulated internet links, direct vs relay, float32 vs float16 vs int8, overlap.
 
 One real cluster (``bench.cluster.training_cluster``, embedded control plane on the host) with every peer in a
 network namespace of its own behind an emulated link (``tests/e2e/wan.py``: 50 Mbit/s, 40 ms RTT, 0.5 % loss
@@ -37,10 +37,22 @@ trainer counts), measured, not estimated:
 Ratios: relay ÷ direct mean round wall time (goal ≤ 1.15×), int8 ÷ float32 and float16 ÷ float32 update bytes
 per round (``bytes_in``; goal int8 ≤ 0.27×) and wire bytes per round.
 
+**Overlap** (a config's third part, ``PATH-ENCODING-OVERLAP``: ``none``, the default, or ``eager``: the job's
+``rounds.overlap``, docs/training.md "Overlap: eager updates"). An eager trainer's round r ends when it has sent
+round r's update and starts round r + 1 from its proxy (its log line ``round r: … sent in S s; round r+1 starts
+from the proxy``); it merges round r's result later, between two steps (``round r merged after k steps of round
+r+1 (waited W s)``). Per round, **wall** is still start of round r → round r's result merged (for an eager
+trainer that is in the middle of round r + 1), and **cycle** is round r's end → round r+1's end for both modes
+(the end of a trainer that waits: its merge). **Utilisation** per trainer, over the steady rounds 2…R:
+``Σ train_seconds`` of rounds 2…R ÷ (end of round R − end of round 1): time in steps ÷ wall time, as
+``bench/utilisation.py`` counts it. Goal: ≥ 95 % with eager + int8 at ≥ 25 M parameters, where none + float32
+is far below.
+
 Needs root, ``ip`` and ``/dev/net/tun`` (``tests/e2e/wan.py``'s ``wan_available``). Usage::
 
     python bench/wan.py                                    # 2 rounds × 4 steps, 6 jobs: ≈ 14 min on 2 cores
     python bench/wan.py --configs direct-float32,relay-float32 --rounds 3 --model-size 512x8
+    python bench/wan.py --configs direct-float32,direct-int8-eager --model-size 512x8 --rounds 3 --steps 20
 
 Run it under ``flock /tmp/hypha-e2e.lock`` where end-to-end tests run too. Results: docs/benchmarks.md.
 """
@@ -79,10 +91,25 @@ from tests.e2e.wan import LinkShape, Wan, wan_available  # noqa: E402
 
 RELAY_GOAL = 1.15
 INT8_GOAL = 0.27
+UTILISATION_GOAL = 0.95
+#: The parameters the utilisation goal asks for at least.
+UTILISATION_GOAL_PARAMETERS = 25_000_000
 ENCODINGS = ("float32", "float16", "int8")
 PATHS = ("direct", "relay")
+OVERLAPS = ("none", "eager")
 #: Interleaved per encoding: the two sides of a relay ÷ direct ratio run one after the other.
 ALL_CONFIGS = tuple(f"{path}-{encoding}" for encoding in ENCODINGS for path in PATHS)
+
+
+def split_config(config: str) -> tuple[str, str, str] | None:
+    """``PATH-ENCODING[-OVERLAP]`` → (path, encoding, overlap), None when it is not one."""
+    parts = config.split("-")
+    if len(parts) == 2:
+        parts.append("none")
+    if len(parts) != 3 or parts[0] not in PATHS or parts[1] not in ENCODINGS or parts[2] not in OVERLAPS:
+        return None
+    return parts[0], parts[1], parts[2]
+
 
 #: The daemons (``training_cluster`` names them worker-1…): the direct path's parameter server (public,
 #: reachable), the relay path's (behind NAT), then the trainers.
@@ -107,7 +134,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default=",".join(ALL_CONFIGS),
-        help=f"PATH-ENCODING jobs to run, in order (default: {','.join(ALL_CONFIGS)})",
+        help=f"PATH-ENCODING[-OVERLAP] jobs to run, in order; OVERLAP none (default) or eager "
+        f"(default: {','.join(ALL_CONFIGS)})",
     )
     parser.add_argument(
         "--model-size",
@@ -122,9 +150,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")
     arguments = parser.parse_args(argv)
     arguments.configs = [value.strip() for value in arguments.configs.split(",") if value.strip()]
-    unknown = [value for value in arguments.configs if value not in ALL_CONFIGS]
+    unknown = [value for value in arguments.configs if split_config(value) is None]
     if not arguments.configs or unknown:
-        parser.error(f"--configs: {unknown or 'none'}; each one of {', '.join(ALL_CONFIGS)}")
+        parser.error(
+            f"--configs: {unknown or 'none'}; each PATH-ENCODING[-OVERLAP] of {', '.join(PATHS)} × "
+            f"{', '.join(ENCODINGS)} × {', '.join(OVERLAPS)}"
+        )
     match = re.fullmatch(r"(\d+)x(\d+)", arguments.model_size)
     if match is None or int(match[1]) % 64 or not 1 <= int(match[2]) <= 48:
         parser.error("--model-size: WIDTHxLAYERS, WIDTH a multiple of 64, 1..48 layers (e.g. 512x6)")
@@ -157,7 +188,7 @@ def server_toml(*, reachable: bool, floor: float) -> str:
     return template + f"\n[parameter_server]\nreachable = {str(reachable).lower()}\n"
 
 
-def job_spec(arguments: argparse.Namespace, path: str, encoding: str) -> dict:
+def job_spec(arguments: argparse.Namespace, path: str, encoding: str, overlap: str = "none") -> dict:
     spec = diloco_spec(
         dataset="stdlib",
         trainers=arguments.trainers,
@@ -172,6 +203,8 @@ def job_spec(arguments: argparse.Namespace, path: str, encoding: str) -> dict:
     # No held-out eval: it would compete with the next round for the CPUs and is not what is measured.
     spec.pop("evaluation", None)
     spec["rounds"]["encoding"] = encoding
+    if overlap != "none":
+        spec["rounds"]["overlap"] = overlap
     server = spec["parameter_server"]
     if path == "direct":
         server["reachable"] = "require"
@@ -233,6 +266,11 @@ LOG_LINE = re.compile(
     r"^.*(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) +(?P<level>[A-Z]+) +(?P<logger>[\w.]+): (?P<message>.*)$"
 )
 MERGED = re.compile(r"round (?P<round>\d+): \d+ steps, .*, sync (?P<sync>[\d.]+) s")
+#: An eager trainer's end of round r (update sent, round r + 1 started) and its later merge of round r's result.
+SENT_EAGER = re.compile(r"round (?P<round>\d+): \d+ steps, .*, sent in (?P<sent>[\d.]+) s; round \d+ starts")
+MERGED_EAGER = re.compile(
+    r"round (?P<round>\d+) merged after (?P<steps>\d+) steps of round \d+(?: \(waited (?P<waited>[\d.]+) s\))?"
+)
 SENT = re.compile(r"task (?P<task>[0-9a-f-]+): round (?P<round>\d+) update sent")
 RECEIVED = re.compile(r"task (?P<task>[0-9a-f-]+): received round (?P<round>\d+) result(?P<relay> through)?")
 ACCEPTED = re.compile(r"round (?P<round>\d+): update from (?P<peer>\S+) accepted")
@@ -247,6 +285,10 @@ class Timeline:
     """What the logs of one job say, as epoch seconds."""
 
     merged: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (task, r) → (at, sync)
+    #: An eager trainer's rounds: (task, r) → (at, seconds the sending took), and its merges: (task, r) →
+    #: (at, steps of round r + 1 before it, seconds it waited for the result at the end of round r + 1).
+    sent_eager: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    merged_eager: dict[tuple[str, int], tuple[float, int, float]] = field(default_factory=dict)
     sent: dict[tuple[str, int], float] = field(default_factory=dict)  # (task, r) → at
     received: dict[tuple[str, int], float] = field(default_factory=dict)
     through_relay: set[str] = field(default_factory=set)  # trainer tasks that received results through it
@@ -295,6 +337,14 @@ def parse_timeline(logs: dict[str, str], job: dict) -> Timeline:
             elif owner is not None:
                 if found := MERGED.search(message):
                     timeline.merged[(owner, int(found["round"]))] = (at, float(found["sync"]))
+                elif found := SENT_EAGER.search(message):
+                    timeline.sent_eager[(owner, int(found["round"]))] = (at, float(found["sent"]))
+                elif found := MERGED_EAGER.search(message):
+                    timeline.merged_eager[(owner, int(found["round"]))] = (
+                        at,
+                        int(found["steps"]),
+                        float(found["waited"] or 0.0),
+                    )
             elif (found := SENT.search(message)) and found["task"] in tasks:
                 timeline.sent.setdefault((found["task"], int(found["round"])), at)
             elif (found := RECEIVED.search(message)) and found["task"] in tasks:
@@ -311,6 +361,20 @@ def _max(values: list[float]) -> float | None:
     return max(values) if values else None
 
 
+def trainer_round(timeline: Timeline, task_id: str, number: int) -> tuple[float, float, float | None] | None:
+    """A trainer's round ``number``: (end of its inner loop, end of the round — the next round's start —, round
+    ``number``'s result merged), None when the logs do not say. A trainer that waits ends its round with the
+    merge; an eager one when it has sent its update (and merges later, in the next round)."""
+    if (task_id, number) in timeline.merged:
+        at, sync = timeline.merged[(task_id, number)]
+        return at - sync, at, at
+    if (task_id, number) in timeline.sent_eager:
+        at, after_steps = timeline.sent_eager[(task_id, number)]
+        merged = timeline.merged_eager.get((task_id, number))
+        return at - after_steps, at, merged[0] if merged else None
+    return None
+
+
 def round_rows(
     job: dict, timeline: Timeline, sampler: LinkSampler, server_peer: str, trainer_peers: list[str]
 ) -> list[dict]:
@@ -319,19 +383,21 @@ def round_rows(
     rows = []
     for round_ in sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"]):
         number = round_["number"]
-        starts, merges, computes, updates, results, merging = [], [], [], [], [], []
+        starts, merges, computes, updates, results, merging, cycles = [], [], [], [], [], [], []
         for task in trainers:
             task_id, worker = str(task["id"]), str(task["worker_id"])
             metrics = round_["trainer_metrics"].get(worker) or {}
-            merged = timeline.merged.get((task_id, number))
-            if merged is None or not metrics.get("samples_per_second"):
+            ends = trainer_round(timeline, task_id, number)
+            if ends is None or ends[2] is None or not metrics.get("samples_per_second"):
                 continue
-            merged_at, sync = merged
+            inner_end, round_end, merged_at = ends
             inner = metrics["samples"] / metrics["samples_per_second"]
-            inner_end = merged_at - sync
             starts.append(inner_end - inner)
             merges.append(merged_at)
             computes.append(float(metrics.get("train_seconds", 0.0)))
+            previous = trainer_round(timeline, task_id, number - 1)
+            if previous is not None:
+                cycles.append(round_end - previous[1])
             accepted = timeline.accepted.get((worker, number), timeline.sent.get((task_id, number)))
             if accepted is not None:
                 updates.append(accepted - inner_end)
@@ -353,6 +419,7 @@ def round_rows(
                 "start": start,
                 "end": end,
                 "wall": end - start,
+                "cycle": _max(cycles),
                 "compute": max(computes),
                 "update": _max(updates),
                 "server": None if closes is None or published is None else published - closes,
@@ -380,6 +447,33 @@ def round_rows(
     return rows
 
 
+def utilisation(job: dict, timeline: Timeline) -> list[dict]:
+    """Per trainer, over the steady rounds 2…R: Σ ``train_seconds`` ÷ (end of round R − end of round 1), and
+    what else it spent: the seconds it waited for a result (eager: at a round's end; none: the whole sync)."""
+    trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
+    closed = sorted((r for r in job["rounds"] if r["closed"]), key=lambda r: r["number"])
+    found = []
+    for task in trainers:
+        task_id, worker = str(task["id"]), str(task["worker_id"])
+        ends = {r["number"]: trainer_round(timeline, task_id, r["number"]) for r in closed}
+        numbers = [number for number, end in ends.items() if end is not None]
+        if len(numbers) < 2 or numbers != list(range(numbers[0], numbers[-1] + 1)):
+            continue
+        first, last = numbers[0], numbers[-1]
+        steady = [r for r in closed if first < r["number"] <= last]
+        metrics = [r["trainer_metrics"].get(worker) or {} for r in steady]
+        if not all("train_seconds" in m for m in metrics):
+            continue
+        wall = ends[last][1] - ends[first][1]
+        train = sum(float(m["train_seconds"]) for m in metrics)
+        waited = sum(timeline.merged_eager.get((task_id, r["number"] - 1), (0.0, 0, 0.0))[2] for r in steady)
+        found.append(
+            {"task": task_id, "rounds": f"{first + 1}…{last}", "train": train, "wall": wall,
+             "utilisation": train / wall if wall > 0 else None, "waited": waited}
+        )  # fmt: skip
+    return found
+
+
 @dataclass
 class Outcome:
     config: str
@@ -387,6 +481,8 @@ class Outcome:
     encoding: str
     job: dict
     rows: list[dict]
+    overlap: str
+    utilisation: list[dict]
     path_seen: str
     startup: float | None
     total: float
@@ -414,11 +510,13 @@ def _time(value: str | None) -> float | None:
 
 
 def run_config(cluster: Cluster, sampler: LinkSampler, arguments: argparse.Namespace, config: str) -> Outcome:
-    """Run the job of ``config`` (``PATH-ENCODING``) on ``cluster`` and measure it."""
-    path, encoding = config.split("-", 1)
+    """Run the job of ``config`` (``PATH-ENCODING[-OVERLAP]``) on ``cluster`` and measure it."""
+    split = split_config(config)
+    assert split is not None
+    path, encoding, overlap = split
     offsets = {name: child.log.stat().st_size for name, child in cluster.daemons.items()}
     started = time.monotonic()
-    job_id = cluster.submit(job_spec(arguments, path, encoding), name=f"wan-{config}")
+    job_id = cluster.submit(job_spec(arguments, path, encoding, overlap), name=f"wan-{config}")
 
     def show(round_: dict) -> None:
         print(
@@ -467,7 +565,8 @@ def run_config(cluster: Cluster, sampler: LinkSampler, arguments: argparse.Names
         failure = f"ran on {server_worker} via {path_seen}, not {path}"
     return Outcome(
         config=config, path=path, encoding=encoding, job=job, rows=rows, path_seen=path_seen,
-        startup=startup, total=total, server_worker=server_worker, failure=failure,
+        startup=startup, total=total, server_worker=server_worker, failure=failure, overlap=overlap,
+        utilisation=utilisation(job, timeline),
     )  # fmt: skip
 
 
@@ -509,18 +608,19 @@ def _wire(outcome: Outcome | None, key: str) -> float | None:
 def print_report(outcomes: list[Outcome]) -> None:
     print("\nPer round (seconds; the slower trainer; the phases as in the module docstring):\n")
     print(
-        "| config | round | wall | compute | wall − compute | update | server | result | merge "
+        "| config | round | wall | cycle | compute | wall − compute | update | server | result | merge "
         "| bytes_in MB | bytes_out MB | relay out MB | checkpoint MB | PS link in / out MB | PS queue drops "
         "| trainer links in / out MB |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for outcome in outcomes:
         for row in outcome.rows:
             if not row.get("measured"):
-                print(f"| {outcome.config} | {row['round']} | (not in the logs) ||||||||||||||")
+                print(f"| {outcome.config} | {row['round']} | (not in the logs) |||||||||||||||")
                 continue
             print(
-                f"| {outcome.config} | {row['round']} | {_s(row['wall'])} | {_s(row['compute'])} "
+                f"| {outcome.config} | {row['round']} | {_s(row['wall'])} | {_s(row['cycle'])} "
+                f"| {_s(row['compute'])} "
                 f"| {_s(row['wall'] - row['compute'])} | {_s(row['update'])} | {_s(row['server'])} "
                 f"| {_s(row['result'])} | {_s(row['merge'])} | {_mb(row['bytes_in'])} | {_mb(row['bytes_out'])} "
                 f"| {_mb(row['relay_out'])} | {_mb(row['checkpoint_bytes'])} "
@@ -554,7 +654,12 @@ def print_report(outcomes: list[Outcome]) -> None:
             f"| {_mb(_wire(outcome, 'server_out'))} | {'—' if loss is None else f'{loss:.3f}'} |"
         )
 
-    found = {(outcome.path, outcome.encoding): outcome for outcome in outcomes if not outcome.failure}
+    print_utilisation(outcomes)
+    found = {
+        (outcome.path, outcome.encoding): outcome
+        for outcome in outcomes
+        if not outcome.failure and outcome.overlap == "none"
+    }
     print(f"\nRelay ÷ direct, mean round wall time (goal ≤ {RELAY_GOAL:g}×):\n")
     # wall − compute as well: the trainers' steps share the CPUs with everything else on the machine, and
     # their time varies between jobs by several seconds; the rest of the round is what the path changes.
@@ -596,6 +701,42 @@ def print_report(outcomes: list[Outcome]) -> None:
                 f"| {_x(_ratio(_wire(other, 'server_out'), _wire(base, 'server_out')))} "
                 f"| {_x(_ratio(other.mean('wall'), base.mean('wall')))} |"
             )
+
+
+def print_utilisation(outcomes: list[Outcome]) -> None:
+    """Per job: each trainer's utilisation over rounds 2…R, and the goal (eager + int8 ≥ 95 %)."""
+    print(
+        f"\nUtilisation: Σ train_seconds ÷ wall over rounds 2…R, per trainer (goal ≥ {UTILISATION_GOAL:.0%} "
+        "with eager + int8; waited: an eager trainer's seconds waiting for a result at a round's end):\n"
+    )
+    print("| config | rounds | trainer utilisation | in steps (s) | wall (s) | waited (s) | mean cycle (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for outcome in outcomes:
+        if not outcome.utilisation:
+            print(f"| {outcome.config} | (not measured: fewer than 2 rounds in the logs) ||||||")
+            continue
+        cells = [
+            " / ".join(_percent(trainer[key]) if key == "utilisation" else _s(trainer[key])
+                       for trainer in outcome.utilisation)
+            for key in ("utilisation", "train", "wall", "waited")
+        ]  # fmt: skip
+        print(
+            f"| {outcome.config} | {outcome.utilisation[0]['rounds']} | {cells[0]} | {cells[1]} | {cells[2]} "
+            f"| {cells[3]} | {_s(outcome.mean('cycle', steady=True))} |"
+        )
+    for outcome in outcomes:
+        if outcome.overlap == "eager" and outcome.encoding == "int8" and outcome.utilisation:
+            values = [trainer["utilisation"] for trainer in outcome.utilisation if trainer["utilisation"]]
+            lowest = min(values) if values else None
+            verdict = "met" if lowest is not None and lowest >= UTILISATION_GOAL else "MISSED"
+            print(
+                f"\n{outcome.config}: lowest trainer utilisation {_percent(lowest)} (goal ≥ "
+                f"{UTILISATION_GOAL:.0%}): **{verdict}**"
+            )
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f} %"
 
 
 def congestion_control(wan: Wan, peer: str) -> str:
@@ -659,12 +800,24 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in arguments.configs:
                 outcomes.append(run_config(cluster, sampler, arguments, name))
+                if outcomes[-1].overlap == "eager" and parameters < UTILISATION_GOAL_PARAMETERS:
+                    print(
+                        f"  (the utilisation goal asks for ≥ {UTILISATION_GOAL_PARAMETERS:,} parameters; this "
+                        f"model has {parameters:,})",
+                        flush=True,
+                    )
         print_report(outcomes)
         if arguments.json:
             arguments.json.write_text(
                 json.dumps(
                     [
-                        {"config": o.config, "failure": o.failure, "rows": o.rows, "job": o.job}
+                        {
+                            "config": o.config,
+                            "failure": o.failure,
+                            "rows": o.rows,
+                            "job": o.job,
+                            "utilisation": o.utilisation,
+                        }
                         for o in outcomes
                     ],
                     indent=1,

@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hypha_tensors.formats import (
     DEFAULT_BLOCK_SIZE,
@@ -129,6 +137,27 @@ class ProgressSpec(_Shape):
     steps_per_round: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
+class OverlapSpec(_Shape):
+    """Ours, not Hypha's: how a trainer overlaps a round's communication with the next round's steps
+    (docs/training.md, "Overlap: eager updates"). ``none`` (also: the key absent) waits for each round's
+    result; ``eager`` sends round r's update and trains on at once from a proxy of the parameter server's step,
+    which needs the job's outer optimizer: ``outer_learning_rate`` (> 0) and ``outer_momentum`` (0 ≤ μ < 1)."""
+
+    mode: Literal["none", "eager"]
+    outer_learning_rate: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _eager_needs_the_outer_optimizer(self) -> OverlapSpec:
+        if self.mode == "eager" and (self.outer_learning_rate is None or self.outer_momentum is None):
+            raise ValueError("eager overlap needs outer_learning_rate and outer_momentum")
+        return self
+
+    @property
+    def eager(self) -> bool:
+        return self.mode == "eager"
+
+
 class TrainConfig(_Shape):
     model: ModelSpec
     data: Reference
@@ -142,6 +171,8 @@ class TrainConfig(_Shape):
     #: Ours, not Hypha's: how the pseudo-gradients travel and the results come (docs/training.md, "Encodings").
     encoding: str = DEFAULT_ENCODING
     encoding_block_size: Annotated[int, Field(ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)] = DEFAULT_BLOCK_SIZE
+    #: Ours, not Hypha's: only eager jobs carry it (docs/training.md, "Overlap: eager updates").
+    overlap: OverlapSpec | None = None
 
     @field_validator("encoding")
     @classmethod

@@ -20,6 +20,11 @@ variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``)::
    load ``θ_global_prev + u`` into the model; send ``"update-received"``: ``Done`` ends the job (exit 0),
    anything else starts the next round. AdamW's state is kept across rounds.
 
+An eager job (``overlap.mode = "eager"`` in the job JSON) does not wait in step 3: it sends round r's update
+and trains round r+1 from a proxy of the parameter server's step at once, merging round r's result between
+two steps when it arrives (:mod:`~worker_daemon.executors.overlap`, docs/training.md, "Overlap: eager
+updates").
+
 Counter (exactly Hypha's): it is -1 at the start of each round; a ``ScheduleUpdate`` reply sets it to the
 reply's ``counter``, every other reply decrements it; the round's inner loop ends when it reaches 0. So
 ``ScheduleUpdate{0}`` means "this was the last step", ``ScheduleUpdate{k}`` "k more steps".
@@ -56,7 +61,7 @@ if TYPE_CHECKING:
 
     from hypha_tensors.encoding import ErrorFeedback
     from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
-    from worker_daemon.executors.consistency import Merged
+    from worker_daemon.executors.consistency import Merged, Published
     from worker_daemon.executors.job import PreprocessorSpec, TrainConfig, TrainJob
 
 logger = logging.getLogger("worker_daemon.executors.training")
@@ -160,9 +165,30 @@ def load_model(
     if auto_class is None:
         raise JobConfigError(f"this transformers has none of {names} for task {config.model.task!r}")
     try:
-        return auto_class.from_pretrained(directory, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model = auto_class.from_pretrained(
+            directory, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, KeyError) as error:
         raise JobConfigError(f"cannot load the model from {[f.path for f in files]}: {error}") from error
+    _own_memory(model)
+    return model
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Give every parameter and buffer memory of its own. ``from_pretrained`` may leave them in a private memory
+    map of ``artifacts/model.safetensors``, and a private map is not private enough: when that file is
+    rewritten in place (a bridge that fetches the full weights again without writing a new file), truncating
+    it throws away even the pages training already wrote, and the live weights silently become the file's
+    new contents. Tied parameters stay one object; shared buffers stay shared."""
+    for parameter in model.parameters():
+        parameter.data = parameter.data.clone()
+    copies: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                if id(buffer) not in copies:
+                    copies[id(buffer)] = buffer.clone()
+                module._buffers[name] = copies[id(buffer)]
 
 
 def load_preprocessor(
@@ -342,17 +368,25 @@ def run_round(
     lr_schedule: Any | None,
     batches: Iterator[dict[str, torch.Tensor]],
     input_names: list[str],
-    round_number: int,
+    round_number: int | Callable[[], int],
     slowdown: float = 1.0,
+    between_steps: Callable[[], None] | None = None,
 ) -> RoundStats:
-    """The inner loop of one round: train and report each step until the scheduler's counter reaches 0."""
+    """The inner loop of one round: train and report each step until the scheduler's counter reaches 0.
+
+    ``between_steps`` (an eager job's merge of the previous round, :mod:`~worker_daemon.executors.overlap`)
+    runs before each step, outside its ``step_time``; it may renumber the round (``round_number`` is then a
+    callable) but never touches the counter. Whatever it raises ends the loop."""
     from worker_daemon.executors.exceptions import DataError, DivergedError
 
+    number = round_number if callable(round_number) else lambda: round_number
     stats = RoundStats()
     counter = -1
     started = time.perf_counter()
     model.train()
     while True:
+        if between_steps is not None:
+            between_steps()
         step_started = time.perf_counter()
         try:
             batch = next(batches)
@@ -373,7 +407,7 @@ def run_round(
             time.sleep((slowdown - 1.0) * (time.perf_counter() - step_started))
         step_time = time.perf_counter() - step_started
         if not math.isfinite(loss_value):
-            raise DivergedError(f"round {round_number}, step {stats.steps + 1}: the loss is {loss_value}")
+            raise DivergedError(f"round {number()}, step {stats.steps + 1}: the loss is {loss_value}")
         batch_size = int(inputs[input_names[0]].shape[0])
         stats.steps += 1
         stats.samples += batch_size
@@ -388,7 +422,7 @@ def run_round(
             counter -= 1
         logger.debug(
             "round %d step %d: loss %.4f, %d samples in %.3f s, reply %s, counter %d",
-            round_number,
+            number(),
             stats.steps,
             loss_value,
             batch_size,
@@ -402,41 +436,26 @@ def run_round(
     return stats
 
 
-def synchronise(
+def send_update(
     *,
     client: BridgeClient,
-    results: ReceiveStream,
     model: torch.nn.Module,
     global_previous: dict[str, torch.Tensor],
     config: TrainConfig,
     work_dir: Path,
     round_number: int,
     stats: RoundStats,
-    published_dtypes: dict[str, torch.dtype] | None = None,
     feedback: ErrorFeedback | None = None,
-) -> tuple[dict[str, Any], Merged]:
-    """The outer step: send the pseudo-gradient and metrics, merge the parameter server's update.
-
-    Returns the reply to ``"update-received"`` and the new global weights (already loaded into ``model``):
-    θ_r, checked against the digest the parameter server published with round ``round_number``'s result
-    (:mod:`~worker_daemon.executors.consistency`); when the result cannot give θ_r (a missed round, a file
-    that is not the event's, a digest that differs), the full global weights are fetched instead and the
-    returned ``rounds_completed`` says which round they are. The model is modified only by the final in-place
-    load, after the weights were read and checked. ``published_dtypes``: the names and dtypes of the
-    parameter server's global weights (the digest is taken in them). ``feedback``: the job's encoding and
-    this trainer's error-feedback residual (None: float32 without metadata).
-    """
+) -> dict[str, torch.Tensor]:
+    """The first half of the outer step: send ``"update"``, write the pseudo-gradient
+    ``delta = θ_local − θ_global_prev`` (in the job's encoding, with error feedback) and hand it to the bridge,
+    report the round's metrics. Returns ``delta`` itself (float32, tied like ``global_previous``, before any
+    encoding): an eager trainer's proxy is made of it. The model is only read."""
     from hypha_tensors import weights
     from hypha_tensors.exceptions import TensorError
     from hypha_tensors.formats import EncodingError
-    from worker_daemon.executors import consistency
     from worker_daemon.executors.exceptions import DivergedError
-    from worker_daemon.executors.pseudo_gradient import (
-        compute_delta,
-        encode_update,
-        float_state,
-        load_into,
-    )
+    from worker_daemon.executors.pseudo_gradient import compute_delta, encode_update, float_state
 
     client.status("update")
     delta = compute_delta(float_state(model), global_previous)
@@ -448,7 +467,7 @@ def synchronise(
         weights.save(work_dir / relative, tensors, metadata=metadata)
     except (TensorError, EncodingError) as error:
         raise DivergedError(f"round {round_number}: the pseudo-gradient is unusable: {error}") from error
-    del delta, tensors
+    del tensors
     client.send(config.updates, relative)
     # The bridge sends in the background: earlier rounds' files are surely sent by now (their results came back).
     for older in (work_dir / UPDATES_DIR).glob("*.safetensors"):
@@ -469,6 +488,27 @@ def synchronise(
             }
         }
     )
+    return delta
+
+
+def receive_result(
+    *,
+    client: BridgeClient,
+    results: ReceiveStream,
+    config: TrainConfig,
+    work_dir: Path,
+    round_number: int,
+    global_previous: dict[str, torch.Tensor],
+    published_dtypes: dict[str, torch.dtype] | None = None,
+) -> tuple[Merged, Published | None]:
+    """The second half's reading: θ_r, the global weights after round ``round_number``, checked against the
+    digest the parameter server published with its result (:mod:`~worker_daemon.executors.consistency`);
+    when the result cannot give θ_r (a missed round, a file that is not the event's, a digest that differs),
+    the full global weights fetched instead (their ``rounds_completed`` says which round they are) and, second,
+    what their file says (its ``dtypes`` replace ``published_dtypes`` from then on; None when merged). Reads
+    the stream and, on a refetch, ``client``; touches neither the model nor ``published_dtypes``."""
+    from worker_daemon.executors import consistency
+
     try:
         merged = consistency.receive_round(
             results=results,
@@ -486,15 +526,61 @@ def synchronise(
         merged, publication = consistency.refetch(
             client=client, artifact=config.model.artifact, work_dir=work_dir, global_previous=global_previous
         )
-        merged = dataclasses.replace(merged, refetched_because=str(drift))
-        if published_dtypes is not None:
-            published_dtypes.clear()
-            published_dtypes.update(publication.dtypes)
         logger.warning(
             "rejoined with the global weights after round %d (digest %s, checked)",
             merged.rounds_completed,
             merged.digest,
         )
+        return dataclasses.replace(merged, refetched_because=str(drift)), publication
+    return merged, None
+
+
+def synchronise(
+    *,
+    client: BridgeClient,
+    results: ReceiveStream,
+    model: torch.nn.Module,
+    global_previous: dict[str, torch.Tensor],
+    config: TrainConfig,
+    work_dir: Path,
+    round_number: int,
+    stats: RoundStats,
+    published_dtypes: dict[str, torch.dtype] | None = None,
+    feedback: ErrorFeedback | None = None,
+) -> tuple[dict[str, Any], Merged]:
+    """The outer step: send the pseudo-gradient and metrics, merge the parameter server's update.
+
+    Returns the reply to ``"update-received"`` and the new global weights (already loaded into ``model``):
+    θ_r, or the full global weights when the result cannot give θ_r (:func:`receive_result`). The model is
+    modified only by the final in-place load, after the weights were read and checked. ``published_dtypes``:
+    the names and dtypes of the parameter server's global weights (the digest is taken in them; updated after
+    a refetch). ``feedback``: the job's encoding and this trainer's error-feedback residual (None: float32
+    without metadata).
+    """
+    from worker_daemon.executors.pseudo_gradient import load_into
+
+    send_update(
+        client=client,
+        model=model,
+        global_previous=global_previous,
+        config=config,
+        work_dir=work_dir,
+        round_number=round_number,
+        stats=stats,
+        feedback=feedback,
+    )
+    merged, publication = receive_result(
+        client=client,
+        results=results,
+        config=config,
+        work_dir=work_dir,
+        round_number=round_number,
+        global_previous=global_previous,
+        published_dtypes=published_dtypes,
+    )
+    if publication is not None and published_dtypes is not None:
+        published_dtypes.clear()
+        published_dtypes.update(publication.dtypes)
     load_into(model, merged.weights)
     reply = client.status("update-received")
     return reply, merged
@@ -579,6 +665,34 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 round_number - 1,
                 start.digest,
             )
+        if config.overlap is not None and config.overlap.eager:
+            from worker_daemon.executors.overlap import EagerRounds, train_eagerly
+
+            # The result of a round is read (and, when it cannot be merged, the full weights fetched) while
+            # the next round trains: a second bridge connection for that thread.
+            with BridgeClient(arguments.socket) as side_client:
+                rounds = EagerRounds(
+                    client=client,
+                    side_client=side_client,
+                    results=results,
+                    model=unwrapped,
+                    config=config,
+                    work_dir=work_dir,
+                    global_previous=global_previous,
+                    published_dtypes=published_dtypes,
+                    feedback=feedback,
+                    round_number=round_number,
+                )
+                return train_eagerly(
+                    rounds=rounds,
+                    accelerator=accelerator,
+                    model=model,
+                    optimizer=optimizer,
+                    lr_schedule=lr_schedule,
+                    batches=batches,
+                    slowdown=slowdown,
+                    job_id=job.job_id,
+                )
         while True:
             stats = run_round(
                 accelerator=accelerator,

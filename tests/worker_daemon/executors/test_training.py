@@ -254,3 +254,38 @@ def test_help_is_fast() -> None:
     )
     assert run.returncode == 0
     assert "--socket" in run.stdout and "SOCKET_PATH" in run.stdout
+
+
+def test_the_loaded_model_does_not_share_memory_with_its_file(tiny_model: TinyModel, tmp_path: Path) -> None:
+    """``from_pretrained`` maps the safetensors file privately; rewriting that file in place (truncate, write)
+    would otherwise replace even weights training already changed with the file's new contents."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from worker_daemon.executors.training import _own_memory
+
+    # given: a model loaded from a file, then changed (as an optimizer step changes it)
+    directory = tmp_path / "artifacts"
+    shutil.copytree(tiny_model.directory, directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    _own_memory(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5)
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    # when: the file is rewritten in place with other weights
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model.directory, other)
+    shifted = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in shifted.parameters():
+            parameter.add_(3.0)
+    shifted.save_pretrained(other)
+    shutil.copyfile(other / "model.safetensors", directory / "model.safetensors")
+
+    # then: the live weights are what training made them, and tied weights are still tied
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert model.lm_head.weight is model.transformer.wte.weight
