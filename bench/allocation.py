@@ -20,12 +20,19 @@ Per fleet size it measures
   control plane fell behind its renewals.
 
 A second table splits the median allocation into its steps: the POST round trip, the first advert's
-arrival at a daemon, the last trainer grant and the parameter server's grant, and the offers per job.
+arrival at a daemon, the last trainer grant and the parameter server's grant, and the offers per job. A third
+shows the CPU of each process and of the whole machine, and what the run's PostgreSQL database did, over the
+allocation phase (``bench/harness.py``).
+
+``--web N --celery M`` (services mode): N daphne processes, the daemons connected to them in turn (round robin,
+as a load balancer spreads websockets), and M Celery workers; comma-separated lists run one control plane after
+the other, side by side in the tables. Goal (issue 15): allocation p50 < 500 ms at 256 daemons.
 
 Usage::
 
     python bench/allocation.py                          # 8, 16 and 32 daemons, 20 jobs each, mode auto
     python bench/allocation.py --sizes 16 --jobs 50
+    python bench/allocation.py --mode services --sizes 256 --lease-ttl 10 --web 1,2 --celery 1,2
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/hypha_bench REDIS_URL=redis://127.0.0.1:6379/15 \\
         SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(40))') python bench/allocation.py
 
@@ -92,6 +99,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--renewal-seconds", type=float, default=10.0, help="length of the renewal window (default: 10)"
     )
+    harness.add_scale_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="daemon and control-plane logs at INFO")
     parser.add_argument(
         "--keep", action="store_true", help="keep the run's directory (control-plane logs) and print its path"
@@ -105,6 +113,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"every fleet size must be at least {LEASES_PER_JOB} (one job's leases)")
     if arguments.jobs < 1:
         parser.error("--jobs must be at least 1")
+    arguments.scales = harness.scale_configurations(parser, arguments)
     return arguments
 
 
@@ -180,6 +189,7 @@ class Recorder:
 @dataclass
 class SizeResult:
     daemons: int
+    scale: harness.Scale = field(default_factory=harness.Scale)
     latencies: list[float] = field(default_factory=list)
     #: Per allocated job: seconds to the first advert, the last trainer grant, the parameter server's grant.
     phases: list[tuple[float, float, float] | None] = field(default_factory=list)
@@ -191,6 +201,10 @@ class SizeResult:
     renewal_seconds: float = 0.0
     leases_held: int = 0
     expired: int = 0
+    #: CPU per process over the allocation phase (% of one core), the machine's, and the database's work.
+    cpu: dict[str, float] = field(default_factory=dict)
+    machine_cpu: float = 0.0
+    database: dict[str, float] = field(default_factory=dict)
 
 
 async def run_size(
@@ -199,27 +213,34 @@ async def run_size(
 ) -> SizeResult:  # fmt: skip
     recorder = Recorder()
     names = sorted(tokens)[:size]
+    # Each daemon connects to one web process, in turn (round robin, as a load balancer spreads websockets).
     daemons = [
         SimulatedDaemon(
             name=name,
             token=tokens[name],
-            server_url=plane.base_url,
+            server_url=plane.url_for(index),
             work_dir=work_root / name,
             recorder=recorder,
         )
-        for name in names
+        for index, name in enumerate(names)
     ]
     for daemon in daemons:
         (work_root / daemon.name).mkdir(parents=True, exist_ok=True)
         daemon.start()
-    result = SizeResult(daemons=size)
+    result = SizeResult(daemons=size, scale=arguments.scale)
     try:
         if not await wait_for(lambda: all(daemon.welcomed for daemon in daemons), timeout=30.0):
             raise RuntimeError(f"only {sum(d.welcomed for d in daemons)} of {size} daemons were welcomed")
 
         # --- allocation latency: one job at a time, cancelled once allocated --------------------------
+        meter = harness.CpuMeter(harness.process_groups(plane))
+        database = harness.PostgresSampler(plane.env["DATABASE_URL"]) if plane.mode == "services" else None
         for index in range(arguments.warmup + arguments.jobs):
             measured = index >= arguments.warmup
+            if index == arguments.warmup:
+                meter.start()
+                if database is not None:
+                    database.start()
             sent = time.perf_counter()
             response = await api.post("/api/jobs/", json={"name": f"bench-{size}-{index}", **JOB})
             returned = time.perf_counter()
@@ -238,6 +259,11 @@ async def run_size(
             if not await wait_for(lambda: all(daemon.free for daemon in daemons), timeout=FREE_TIMEOUT):
                 busy = [daemon.name for daemon in daemons if not daemon.free]
                 print(f"  warning: {busy} still busy {FREE_TIMEOUT:g}s after a cancellation", file=sys.stderr)
+        meter.stop()
+        result.cpu, result.machine_cpu = meter.percent, meter.machine
+        if database is not None:
+            database.stop()
+            result.database = database.summary()
 
         # --- renewal throughput: every daemon holds a lease --------------------------------------------
         expired_before = recorder.expired
@@ -295,7 +321,7 @@ def per_second(count: int, seconds: float) -> str:
 
 def results_table(results: list[SizeResult]) -> str:
     header = [
-        "daemons", "jobs", "allocation p50 (ms)", "p95 (ms)", "max (ms)", "not allocated",
+        "daemons", "control plane", "jobs", "allocation p50 (ms)", "p95 (ms)", "max (ms)", "not allocated",
         "leases held", "renewals/s sent", "renewals/s confirmed", "leases expired",
     ]  # fmt: skip
     rows = []
@@ -304,6 +330,7 @@ def results_table(results: list[SizeResult]) -> str:
         rows.append(
             [
                 str(result.daemons),
+                str(result.scale),
                 str(len(result.latencies) + result.unallocated),
                 milliseconds(percentile(latencies, 0.5)),
                 milliseconds(percentile(latencies, 0.95)),
@@ -321,7 +348,7 @@ def results_table(results: list[SizeResult]) -> str:
 def phases_table(results: list[SizeResult]) -> str:
     """Where the time goes: medians, in ms after POST /api/jobs/ returned."""
     header = [
-        "daemons", "POST round trip", "first advert arrives", "both trainers granted",
+        "daemons", "control plane", "POST round trip", "first advert arrives", "both trainers granted",
         "parameter server granted", "offers per job",
     ]  # fmt: skip
     rows = []
@@ -332,12 +359,45 @@ def phases_table(results: list[SizeResult]) -> str:
         rows.append(
             [
                 str(result.daemons),
+                str(result.scale),
                 milliseconds(statistics.median(result.submit)),
                 *(milliseconds(statistics.median(phase[index] for phase in phases)) for index in range(3)),
                 f"{statistics.mean(result.offers):.1f}",
             ]
         )
     return markdown(header, rows)
+
+
+def costs_table(results: list[SizeResult]) -> str:
+    """CPU per process (% of one core) and the machine's over the measured allocations; the database's work."""
+    names = sorted({name for result in results for name in result.cpu}, key=_cpu_order)
+    header = [
+        "daemons", "control plane", *(f"CPU {name} (%)" for name in names), "CPU machine (%)",
+        "PostgreSQL transactions/s", "active backends (mean)", "waiting for a lock (mean)",
+    ]  # fmt: skip
+    rows = [
+        [
+            str(result.daemons),
+            str(result.scale),
+            *(f"{result.cpu[name]:.0f}" if name in result.cpu else "-" for name in names),
+            f"{result.machine_cpu:.0f}",
+            *(
+                f"{result.database[key]:.1f}" if key in result.database else "-"
+                for key in ("transactions/s", "active (mean)", "waiting for a lock (mean)")
+            ),
+        ]  # fmt: skip
+        for result in results
+        if result.cpu
+    ]
+    return markdown(header, rows)
+
+
+def _cpu_order(name: str) -> tuple[int, str]:
+    order = ["server", "web", "worker", "beat", "postgres", "redis", "benchmark"]
+    for index, prefix in enumerate(order):
+        if name.startswith(prefix):
+            return (index, name)
+    return (len(order), name)
 
 
 async def run(
@@ -367,6 +427,9 @@ async def run(
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
     mode = harness.resolve_mode(arguments.mode)
+    if mode != "services" and arguments.scales != [harness.Scale()]:
+        raise SystemExit("--web and --celery above 1 need services mode (DATABASE_URL and REDIS_URL)")
+    harness.exit_on_sigterm()
     load_at_start = harness.load_average()
     logging.basicConfig(
         level=logging.INFO if arguments.verbose else logging.ERROR,
@@ -380,16 +443,23 @@ def main(argv: list[str] | None = None) -> int:
         "HYPHA_READVERTISE_BASE": "0.5",
         "HYPHA_READVERTISE_MAX": "2.0",
     }
-    with (
-        harness.run_directory(
-            "hypha-bench-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
-        ) as root,
-        harness.control_plane(
-            mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose
-        ) as plane,
-    ):
-        results = asyncio.run(run(arguments, plane, root / "daemons"))
-        details = plane.details
+    results: list[SizeResult] = []
+    details: dict[str, str] = {}
+    for scale in arguments.scales:
+        arguments.scale = scale
+        if len(arguments.scales) > 1:
+            print(f"… control plane: {scale}", file=sys.stderr, flush=True)
+        with (
+            harness.run_directory(
+                "hypha-bench-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
+            ) as root,
+            harness.control_plane(
+                mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose,
+                web=scale.web, celery=scale.celery,
+            ) as plane,
+        ):  # fmt: skip
+            results += asyncio.run(run(arguments, plane, root / "daemons"))
+            details = plane.details
 
     harness.print_markdown_header(
         "Allocation benchmark",
@@ -402,10 +472,18 @@ def main(argv: list[str] | None = None) -> int:
             f"renewal window {arguments.renewal_seconds:g}s"
         ),
     )
-    print("- daemons: real WorkerDaemon sessions (2 cpu, 4 GB, strategy whole) in this one asyncio process\n")
+    print(
+        "- daemons: real WorkerDaemon sessions (2 cpu, 4 GB, strategy whole) in this one asyncio process, "
+        "connected to the web processes in turn\n"
+    )
     print(results_table(results))
     print("\nWhere the time goes (medians, ms after POST /api/jobs/ returned):\n")
     print(phases_table(results))
+    print(
+        "\nCPU over the measured allocations (% of one core; the machine's over all its cores) and what "
+        "PostgreSQL did (this run's database):\n"
+    )
+    print(costs_table(results))
     return 0 if all(result.unallocated == 0 for result in results) else 1
 
 

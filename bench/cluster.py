@@ -279,6 +279,10 @@ def training_cluster(
     wan: Wan | None = None,
     public_workers: Collection[str] = (),
     data_node_reachable: bool = True,
+    web: int = 1,
+    celery: int = 1,
+    daemon_web: list[int] | None = None,
+    data_node_web: int = 0,
 ) -> Iterator[Cluster]:
     """Control plane + one data node serving ``dataset_dir`` + ``workers`` daemons, all stopped on exit.
     ``worker_tomls``: each daemon's config template (:func:`worker_toml`); by default :data:`WORKER_TOML` for
@@ -287,17 +291,29 @@ def training_cluster(
     data node (a public peer) and every daemon (a private peer, behind NAT, unless ``public_workers`` names
     it: ``worker-<n>``, numbered from 1) run in namespaces of their own. ``data_node_reachable`` False starts
     the data node with ``--reachable false`` (with ``wan``: a private peer behind NAT, which only reaches the
-    control plane), so it publishes its slices to the control plane's store and trainers download them there."""
+    control plane), so it publishes its slices to the control plane's store and trainers download them there.
+
+    Scale-out (services mode): ``web`` daphne processes and ``celery`` Celery workers (``bench/harness.py``);
+    ``daemon_web`` names the web process (an index into ``plane.web_urls``) each daemon connects to (default:
+    in turn), ``data_node_web`` the data node's. The REST API (:meth:`Cluster.api`) goes to the first."""
     if worker_tomls is not None and len(worker_tomls) != workers:
         raise ValueError(f"{len(worker_tomls)} worker configs for {workers} workers")
+    if daemon_web is not None and (len(daemon_web) != workers or not all(0 <= i < web for i in daemon_web)):
+        raise ValueError(
+            f"daemon_web {daemon_web} must give each of {workers} daemons one of {web} web processes"
+        )
+    if not 0 <= data_node_web < web:
+        raise ValueError(f"data_node_web {data_node_web} is not one of {web} web processes")
     host = wan.host_address if wan is not None else "127.0.0.1"
-    with control_plane(mode=mode, root=root, settings=settings or {}, quiet=quiet, host=host) as plane:
+    with control_plane(
+        mode=mode, root=root, settings=settings or {}, quiet=quiet, host=host, web=web, celery=celery
+    ) as plane:
         api_token = plane.manage("create_user_token", "cluster-admin", "--staff")
         node_token = plane.manage("create_data_node_token", "data-node-1", "--url", "http://127.0.0.1:1")
         # Tokens go in files (0600), never on a command line, which every user of the host sees in ps.
         # A fixed port, so that a data node restarted by a test serves at the address trainers were given.
         data_node_argv = [
-            str(BIN_DIR / "hypha-data-node"), "--server", plane.base_url,
+            str(BIN_DIR / "hypha-data-node"), "--server", plane.url_for(data_node_web),
             "--token-file", str(token_file(root / "data-node.token", node_token)),
             "--dataset", str(dataset_dir), "--port", str(free_port()), "--log-level", "WARNING",
         ]  # fmt: skip
@@ -324,13 +340,14 @@ def training_cluster(
         plane.env = environment  # plane.start uses plane.env; daemons get a daemon's environment
         try:
             templates = worker_tomls or [worker_toml(benchmark=benchmark)] * workers
-            for name, token, template in zip(names, tokens, templates, strict=True):
+            servers = [plane.url_for(index) for index in daemon_web or range(workers)]
+            for name, token, template, server in zip(names, tokens, templates, servers, strict=True):
                 work_dir = root / "workers" / name
                 work_dir.mkdir(parents=True, exist_ok=True)
                 config = root / "workers" / f"{name}.toml"
                 config.write_text(template.format(work_dir=work_dir))
                 daemon_argv = [
-                    str(BIN_DIR / "hypha-worker-daemon"), "--server", plane.base_url,
+                    str(BIN_DIR / "hypha-worker-daemon"), "--server", server,
                     "--token-file", str(token_file(root / "workers" / f"{name}.token", token)),
                     "--config", str(config), "--log-level", "INFO",
                 ]  # fmt: skip

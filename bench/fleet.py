@@ -34,7 +34,16 @@ Measured (renewal figures over the window):
   error frames, reconnects) and the REST driver's latencies and errors.
 
 Goal: 0 wrongful expiries (and 0 leases lost the other way: dropped by a daemon that no ``renew_lease`` reached
-within the TTL, then released by its late ``renew_refused``).
+within the TTL, then released by its late ``renew_refused``) — issue 15: at 1,000 daemons, one of them flooding.
+
+Hostile load: ``--flooders N`` (default 1) workers flood the first web process during the window
+(``bench/flooder.py``, a process each: ``lease_renewed`` frames of leases they do not hold, as fast as the socket
+takes them, reconnecting at once whenever the gateway closes them), as in ``tests/e2e/test_flood.py``.
+
+Scale-out: ``--web N --celery M`` run the control plane with N daphne processes (the daemons connect to them in
+turn, as a load balancer spreads websockets) and M Celery workers; comma-separated lists run one control plane
+after the other, and the report puts them side by side, with the CPU of every process, of the run's PostgreSQL
+backends and of the whole machine, and what the database did (``bench/harness.py``).
 
 Usage::
 
@@ -43,6 +52,7 @@ Usage::
         python bench/fleet.py                            # 200 daemons, 5 minutes, TTL 10 s
     python bench/fleet.py --quick                        # 30 daemons, 30 s, for development
     python bench/fleet.py --daemons 200 --duration 180 --ttl 3
+    python bench/fleet.py --daemons 1000 --duration 120 --web 1,2 --celery 1,2   # 1 vs 2 of each, one flooder
 
 Exits 1 if any lease expired wrongfully, 2 if the fleet did not hold half of its leases (nothing measured). Results: docs/benchmarks.md.
 """
@@ -70,24 +80,23 @@ if str(REPO_ROOT) not in sys.path:  # run as `python bench/fleet.py`: the repo r
 import httpx  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.simulated import SimulatedDaemon, markdown, milliseconds, percentile, wait_for  # noqa: E402
-from bench.status_load import BenchJobManager, CpuMeter, process_tree, processes_named  # noqa: E402
+from bench.fleet_report import DRAIN_TIMEOUT, RENEW_AT_REMAINING, SUMMARY_HEADER, report, summary_row  # noqa: E402
+from bench.flooder import start_flooders, stop_flooders  # noqa: E402
+from bench.harness import CpuMeter, PostgresSampler, Scale, process_tree  # noqa: E402
+from bench.simulated import SimulatedDaemon, markdown, wait_for  # noqa: E402
+from bench.status_load import BenchJobManager  # noqa: E402
 from worker_daemon import protocol  # noqa: E402
 
 #: The default job (POST /api/jobs/ with only num_trainers): 2 trainers + 1 parameter server, 1 cpu, 1 GB each.
 JOB = {"num_trainers": 2}
 LEASES_PER_JOB = 3
-#: The control plane asks for a renewal once this fraction of the TTL is left (set explicitly, so the
-#: "needed" rate below is computed from what the control plane really runs with).
-RENEW_AT_REMAINING = 0.67
 #: Seconds to wait for one job's leases while the fleet fills up, and for the whole fill.
 JOB_FILL_TIMEOUT = 20.0
 FILL_TIMEOUT = 240.0
+#: The whole fill may take at least this long per job (300 jobs at 1,000 daemons: 300 s).
+FILL_SECONDS_PER_JOB = 1.0
 WELCOME_TIMEOUT = 120.0
-DRAIN_TIMEOUT = 60.0
 SAMPLE_INTERVAL = 0.5
-#: The daemon's ``renew_refused`` reason for a lease it no longer holds (worker_daemon/connection.py).
-NOT_HELD = "lease not held by this daemon"
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,6 +138,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="HYPHA_OFFER_WINDOW, seconds an advert takes offers (default: 1, the control plane's default); "
         "HYPHA_OFFER_TTL is 3 s or twice the window, whichever is longer",
     )
+    parser.add_argument(
+        "--flooders",
+        type=int,
+        default=1,
+        help="hostile workers flooding the first web process during the window (bench/flooder.py; default: 1)",
+    )
+    harness.add_scale_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="a short run for development: 30 daemons, 30 s")
     parser.add_argument("--verbose", action="store_true", help="daemon and control-plane logs at INFO")
     parser.add_argument(
@@ -147,6 +163,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--jobs × {LEASES_PER_JOB} leases must fit in --daemons (one lease per daemon)")
     if arguments.churn <= 0 or arguments.duration <= 0:
         parser.error("--churn and --duration must be positive")
+    if arguments.flooders < 0:
+        parser.error("--flooders must not be negative")
+    arguments.scales = harness.scale_configurations(parser, arguments)
     return arguments
 
 
@@ -414,6 +433,7 @@ def control_plane_problems(plane: harness.ControlPlane) -> Counter[str]:
 @dataclass
 class Run:
     daemons: int
+    scale: Scale = field(default_factory=Scale)
     window_start: float = 0.0
     window_end: float = 0.0
     fill_seconds: float = 0.0
@@ -423,13 +443,21 @@ class Run:
     sampler: Sampler | None = None
     cpu: dict[str, float] = field(default_factory=dict)
     bench_cpu_percent: float = 0.0
+    #: Busy CPU of the whole machine in the window, % of one core.
+    machine_cpu: float = 0.0
+    #: What PostgreSQL did in the window (PostgresSampler.summary()).
+    database: dict[str, float] = field(default_factory=dict)
+    #: Each flooder's report (bench/flooder.py), and the web process it flooded.
+    flood: list[dict] = field(default_factory=list)
     problems: Counter[str] = field(default_factory=Counter)
     not_welcomed: int = 0
     not_freed: int = 0
 
 
-async def fleet_run(arguments: argparse.Namespace, plane: harness.ControlPlane, work_root: Path) -> Run:
-    run = Run(daemons=arguments.daemons)
+async def fleet_run(
+    arguments: argparse.Namespace, plane: harness.ControlPlane, work_root: Path, scale: Scale
+) -> Run:
+    run = Run(daemons=arguments.daemons, scale=scale)
     api_token = plane.manage("create_user_token", "bench", "--staff")
     async with httpx.AsyncClient(
         base_url=plane.base_url, headers={"Authorization": f"Token {api_token}"}, timeout=30.0
@@ -440,12 +468,18 @@ async def fleet_run(arguments: argparse.Namespace, plane: harness.ControlPlane, 
             response = await api.post("/api/workers/", json={"name": name})
             response.raise_for_status()
             tokens[name] = response.json()["token"]
+        flooder_tokens = []
+        for index in range(arguments.flooders):
+            response = await api.post("/api/workers/", json={"name": f"fleet-flooder-{index + 1}"})
+            response.raise_for_status()
+            flooder_tokens.append(response.json()["token"])
         daemons = []
-        for name, token in tokens.items():
+        # Each daemon connects to one web process, in turn (round robin, as a load balancer spreads websockets).
+        for index, (name, token) in enumerate(tokens.items()):
             (work_root / name).mkdir(parents=True, exist_ok=True)
             daemons.append(
                 simulated_daemon(
-                    name=name, token=token, server_url=plane.base_url, work_dir=work_root / name,
+                    name=name, token=token, server_url=plane.url_for(index), work_dir=work_root / name,
                     recorder=run.recorder,
                 )
             )  # fmt: skip
@@ -482,7 +516,7 @@ async def fleet_run(arguments: argparse.Namespace, plane: harness.ControlPlane, 
                     timeout=JOB_FILL_TIMEOUT,
                     interval=0.05,
                 )
-                if time.monotonic() - started > FILL_TIMEOUT:
+                if time.monotonic() - started > max(FILL_TIMEOUT, FILL_SECONDS_PER_JOB * arguments.jobs):
                     break
             await wait_for(lambda: held_now() >= wanted, timeout=JOB_FILL_TIMEOUT, interval=0.1)
             run.fill_seconds = time.monotonic() - started
@@ -500,26 +534,33 @@ async def fleet_run(arguments: argparse.Namespace, plane: harness.ControlPlane, 
                     file=sys.stderr,
                     flush=True,
                 )
-                meter = CpuMeter(
-                    {
-                        **{
-                            child.name: (lambda pid=child.popen.pid: process_tree(pid))
-                            for child in plane.children
-                        },
-                        "postgres": processes_named("postgres"),
-                        "redis": processes_named("redis-server"),
-                    }
-                )
+                flooders = start_flooders(plane, flooder_tokens, plane.log_dir)
+                groups = harness.process_groups(plane)
+                # The load generator's own share is measured below (rusage); the flooders are the hostile load.
+                del groups["benchmark (load generator)"]
+                if flooders:
+                    groups["flooders"] = lambda: [p for f in flooders for p in process_tree(f.pid)]
+                meter = CpuMeter(groups)
+                database = PostgresSampler(plane.env["DATABASE_URL"])
                 run.sampler = Sampler(daemons=daemons)
                 until = time.monotonic() + arguments.duration
                 meter.start()
+                database.start()
                 cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 run.window_start = time.time()
-                await asyncio.gather(driver.churn(rate=arguments.churn, until=until), run.sampler.run(until))
-                run.window_end = time.time()
-                cpu_after = resource.getrusage(resource.RUSAGE_SELF)
-                meter.stop()
+                try:
+                    await asyncio.gather(
+                        driver.churn(rate=arguments.churn, until=until), run.sampler.run(until)
+                    )
+                finally:
+                    run.window_end = time.time()
+                    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+                    meter.stop()
+                    database.stop()
+                    run.flood = stop_flooders(flooders)
                 run.cpu = meter.percent
+                run.machine_cpu = meter.machine
+                run.database = database.summary()
                 used = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
                 run.bench_cpu_percent = 100.0 * used / (run.window_end - run.window_start)
 
@@ -534,247 +575,6 @@ async def fleet_run(arguments: argparse.Namespace, plane: harness.ControlPlane, 
     run.leases = read_leases(plane.env["DATABASE_URL"])
     run.problems = control_plane_problems(plane)
     return run
-
-
-# --- the report --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Renewal:
-    lease_id: uuid.UUID
-    committed: float
-    #: Time left on the lease when this renewal committed (its previous expires_at − now).
-    left: float
-    #: When it became due: once RENEW_AT_REMAINING of the TTL is left on its previous expiry.
-    due: float
-    #: The daemon's ``renew_lease`` arrival and ``lease_renewed`` send that led to this commit, if matched.
-    request_arrived: float | None
-    confirmation_sent: float | None
-
-
-def renewals_in_window(run: Run, ttl: float) -> list[Renewal]:
-    """Every renewal committed in the window, matched with the daemon's ``lease_renewed`` that caused it (the
-    latest one sent before the commit) and the ``renew_lease`` it answered (the latest arrival before that)."""
-    renewals = []
-    for lease in run.leases.values():
-        trace = run.recorder.leases.get(lease.id)
-        previous_expiry = None
-        for kind, at, expires_at in lease.events:
-            if kind == "renewed" and run.window_start <= at <= run.window_end and previous_expiry is not None:
-                sent = arrived = None
-                if trace is not None:
-                    sent = max((moment for moment in trace.confirmations if moment <= at), default=None)
-                    if sent is not None:
-                        arrived = max((moment for moment in trace.requests if moment <= sent), default=None)
-                renewals.append(
-                    Renewal(
-                        lease_id=lease.id, committed=at, left=previous_expiry - at,
-                        due=previous_expiry - RENEW_AT_REMAINING * ttl, request_arrived=arrived,
-                        confirmation_sent=sent,
-                    )
-                )  # fmt: skip
-            previous_expiry = expires_at
-    return renewals
-
-
-def latency_row(label: str, values: list[float]) -> list[str]:
-    if not values:
-        return [label, "0", "-", "-", "-", "-"]
-    return [
-        label,
-        str(len(values)),
-        *(milliseconds(percentile(values, fraction)) for fraction in (0.5, 0.95, 0.99)),
-        milliseconds(max(values)),
-    ]
-
-
-def clock(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(value, datetime.UTC).strftime("%H:%M:%S.%f")[:-3]
-
-
-def report(run: Run, arguments: argparse.Namespace) -> bool:
-    """Print the tables; True if the goal (no wrongful expiry) was met."""
-    seconds = max(run.window_end - run.window_start, 1e-9)  # 0 when the window was skipped
-    renewals = renewals_in_window(run, arguments.ttl)
-    held = sum(run.sampler.held) / len(run.sampler.held) if run.sampler and run.sampler.held else 0.0
-    schedule = held / (arguments.ttl * (1.0 - RENEW_AT_REMAINING))
-    minimum = held / arguments.ttl
-    rate = len(renewals) / seconds if seconds else 0.0
-    in_window = [
-        trace
-        for trace in run.recorder.leases.values()
-        if any(run.window_start <= moment <= run.window_end for moment in trace.requests)
-    ]
-    requests = sum(
-        sum(run.window_start <= moment <= run.window_end for moment in trace.requests) for trace in in_window
-    )
-    confirmations = sum(
-        sum(run.window_start <= moment <= run.window_end for moment in trace.confirmations)
-        for trace in in_window
-    )
-    print("## Renewals (window)\n")
-    print(
-        markdown(
-            ["daemons", "window (s)", "leases held (mean)", "requests received/s", "confirmations sent/s",
-             "renewals committed/s", "÷ schedule", "÷ minimum (1 per TTL)"],
-            [[
-                str(run.daemons), f"{seconds:.0f}", f"{held:.1f}", f"{requests / seconds:.1f}",
-                f"{confirmations / seconds:.1f}", f"{rate:.1f}", f"{rate / schedule:.2f}" if schedule else "-",
-                f"{rate / minimum:.2f}" if minimum else "-",
-            ]],
-        )
-    )  # fmt: skip
-    print(
-        f"\nschedule = leases held ÷ (TTL × (1 − {RENEW_AT_REMAINING})) = {schedule:.1f}/s; "
-        f"minimum = leases held ÷ TTL = {minimum:.1f}/s\n"
-    )
-    print("## Renewal latency (ms, window)\n")
-    left = [renewal.left for renewal in renewals]
-    print(
-        markdown(
-            ["from → to", "renewals", "p50", "p95", "p99", "max"],
-            [
-                latency_row("due → renew_lease arrived", [r.request_arrived - r.due for r in renewals if r.request_arrived is not None]),
-                latency_row("lease_renewed sent → committed", [r.committed - r.confirmation_sent for r in renewals if r.confirmation_sent is not None]),
-                latency_row("due → committed", [r.committed - r.due for r in renewals]),
-            ],
-        )
-    )  # fmt: skip
-    if left:
-        print(
-            f"\nTime left on a lease when its renewal committed (s): min {min(left):.2f}, "
-            f"p1 {percentile(left, 0.01):.2f}, p50 {percentile(left, 0.5):.2f} (TTL {arguments.ttl:g})"
-        )
-
-    leases = list(run.leases.values())
-
-    def window(value: float | None) -> bool:
-        return value is not None and run.window_start <= value <= run.window_end
-
-    wrongful = [lease for lease in leases if lease.status == "expired" and lease.activated_at is not None]
-    # The other way to lose a lease although the daemon is alive: no renew_lease reached it within the TTL,
-    # so it dropped the lease, and answered the late request with renew_refused (the lease is then released).
-    lost = [
-        lease
-        for lease in leases
-        if lease.status == "released" and lease.reason.startswith(f"released by the worker: {NOT_HELD}")
-    ]
-    offers_expired = [lease for lease in leases if lease.status == "expired" and lease.activated_at is None]
-    print("\n## Leases\n")
-    print(
-        markdown(
-            ["", "created", "activated", "released", "expired while ACTIVE (wrongful)",
-             "released: dropped by its daemon for want of a renew_lease", "offers expired (TEMPORARY)"],
-            [
-                ["window", str(sum(window(lease.created_at) for lease in leases)),
-                 str(sum(window(lease.activated_at) for lease in leases)),
-                 str(sum(window(lease.ended_at) and lease.status == "released" for lease in leases)),
-                 str(sum(window(lease.ended_at) for lease in wrongful)),
-                 str(sum(window(lease.ended_at) for lease in lost)),
-                 str(sum(window(lease.ended_at) for lease in offers_expired))],
-                ["whole run", str(len(leases)), str(sum(lease.activated_at is not None for lease in leases)),
-                 str(sum(lease.status == "released" for lease in leases)), str(len(wrongful)), str(len(lost)),
-                 str(len(offers_expired))],
-            ],
-        )
-    )  # fmt: skip
-    if wrongful:
-        print("\n### Wrongful expiries\n")
-        rows = []
-        for lease in sorted(wrongful, key=lambda lease: lease.ended_at or 0.0):
-            trace = run.recorder.leases.get(lease.id)
-            renewed = [at for kind, at, _ in lease.events if kind == "renewed"]
-            rows.append(
-                [
-                    str(lease.id)[:8], lease.worker, lease.role, clock(lease.activated_at),
-                    clock(trace.requests[-1] if trace and trace.requests else None),
-                    clock(trace.confirmations[-1] if trace and trace.confirmations else None),
-                    clock(renewed[-1] if renewed else None), clock(lease.expires_at), clock(lease.ended_at),
-                    lease.reason,
-                ]
-            )  # fmt: skip
-        print(
-            markdown(
-                ["lease", "worker", "role", "activated", "last renew_lease arrived", "last lease_renewed sent",
-                 "last renewal committed", "expires_at", "expired at", "reason"],
-                rows,
-            )
-        )  # fmt: skip
-
-    recorder = run.recorder
-    dropped = [trace for trace in recorder.leases.values() if trace.dropped_at is not None]
-    reconnects = sum(recorder.hellos.values()) - len(recorder.hellos)
-    print("\n## What the daemons saw (whole run)\n")
-    print(
-        markdown(
-            ["renew_lease received", "lease_renewed sent", "renew_refused sent", "dropped locally (no request in time)",
-             "lease_ended expired", "error frames", "reconnects", "dispatches", "adverts received", "offers sent"],
-            [[
-                str(recorder.received_types["renew_lease"]), str(recorder.sent_types["lease_renewed"]),
-                str(recorder.sent_types["renew_refused"]), str(len(dropped)),
-                str(sum(1 for t in recorder.leases.values() if t.ended and t.ended[0] == "expired")),
-                str(sum(recorder.errors.values())), str(reconnects), str(recorder.received_types["dispatch_job"]),
-                str(recorder.received_types["advertisement"]), str(recorder.sent_types["offer"]),
-            ]],
-        )
-    )  # fmt: skip
-    print(
-        "\nReceived: "
-        + ", ".join(f"{kind} {count}" for kind, count in sorted(recorder.received_types.items()))
-    )
-    print("Sent: " + ", ".join(f"{kind} {count}" for kind, count in sorted(recorder.sent_types.items())))
-    if recorder.declines:
-        print(
-            "Offers declined: "
-            + "; ".join(f"{why} ×{count}" for why, count in recorder.declines.most_common(6))
-        )
-    if recorder.errors:
-        print("\nError frames: " + ", ".join(f"{code} ×{count}" for code, count in recorder.errors.items()))
-        for sample in recorder.error_samples:
-            print(f"  - {sample}")
-    if recorder.refusals:
-        print(
-            "\nrenew_refused: "
-            + "; ".join(f"{str(lease)[:8]}: {why}" for lease, why in recorder.refusals[:10])
-        )
-
-    driver = run.driver
-    if driver is not None:
-        print("\n## REST driver (whole run)\n")
-        print(
-            markdown(
-                ["call", "calls", "p50 (ms)", "p95 (ms)", "p99 (ms)", "max (ms)"],
-                [latency_row("POST /api/jobs/", driver.submit_seconds),
-                 latency_row("POST /api/jobs/{id}/cancel/", driver.cancel_seconds)],
-            )
-        )  # fmt: skip
-        print(
-            f"\nsubmitted {driver.submitted}, cancelled {driver.cancelled}; failures: "
-            + (", ".join(f"{what} ×{count}" for what, count in driver.failures.items()) or "none")
-        )
-
-    if run.cpu:
-        lag = run.sampler.lag if run.sampler else []
-        print("\n## CPU in the window (% of one core) and this process's event-loop lag\n")
-        names = [*run.cpu, "benchmark (daemons + driver)"]
-        print(
-            markdown(
-                [*names, "loop lag p99 (ms)", "loop lag max (ms)"],
-                [[*(f"{value:.0f}" for value in run.cpu.values()), f"{run.bench_cpu_percent:.0f}",
-                  milliseconds(percentile(lag, 0.99)) if lag else "-", milliseconds(max(lag)) if lag else "-"]],
-            )
-        )  # fmt: skip
-    if run.problems:
-        print("\n## Control-plane log: warnings and errors\n")
-        for text, count in run.problems.most_common(15):
-            print(f"- ×{count} {text}")
-    if run.not_freed:
-        print(
-            f"\nwarning: {run.not_freed} daemons still held a lease or reservation {DRAIN_TIMEOUT:g}s after the drain"
-        )
-    return not wrongful and not lost
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -795,16 +595,21 @@ def main(argv: list[str] | None = None) -> int:
         "HYPHA_OFFER_TTL": f"{max(3.0, 2 * arguments.offer_window):g}",
         "HYPHA_READVERTISE_MAX": "5",
     }
-    with (
-        harness.run_directory(
-            "hypha-fleet-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
-        ) as root,
-        harness.control_plane(
-            mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose
-        ) as plane,
-    ):
-        run = asyncio.run(fleet_run(arguments, plane, root / "daemons"))
-        details = plane.details
+    runs: list[Run] = []
+    details: dict[str, str] = {}
+    for scale in arguments.scales:
+        print(f"… control plane: {scale}", file=sys.stderr, flush=True)
+        with (
+            harness.run_directory(
+                "hypha-fleet-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
+            ) as root,
+            harness.control_plane(
+                mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose,
+                web=scale.web, celery=scale.celery,
+            ) as plane,
+        ):  # fmt: skip
+            runs.append(asyncio.run(fleet_run(arguments, plane, root / "daemons", scale)))
+            details = plane.details
 
     harness.print_markdown_header(
         "Fleet benchmark",
@@ -814,20 +619,31 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings,
         run=(
             f"{arguments.daemons} daemons, {arguments.jobs} jobs held, churn {arguments.churn:g} jobs/s, "
-            f"window {arguments.duration:g}s (fill took {run.fill_seconds:.0f}s)"
+            f"window {arguments.duration:g}s, {arguments.flooders} flooder(s) on the first web process"
         ),
     )
-    print("- daemons: real WorkerDaemon sessions (2 cpu, 4 GB, strategy whole) in this one asyncio process\n")
-    met = report(run, arguments)
-    held = run.sampler.held if run.sampler else []
-    if met and (not held or sum(held) / len(held) < 0.5 * arguments.jobs * LEASES_PER_JOB):
-        print(
-            "\nGoal (0 wrongful expiries): NOT MEASURED — the fleet held under half of its "
-            f"{arguments.jobs * LEASES_PER_JOB} leases in the window (see the offers declined above)"
-        )
-        return 2
-    print(f"\nGoal (0 wrongful expiries): {'met' if met else 'MISSED'}")
-    return 0 if met else 1
+    print(
+        "- daemons: real WorkerDaemon sessions (2 cpu, 4 GB, strategy whole) in this one asyncio process, "
+        "connected to the web processes in turn\n"
+    )
+    print("## Side by side\n")
+    print(markdown(SUMMARY_HEADER, [summary_row(run, arguments) for run in runs]))
+    status = 0
+    for run in runs:
+        print(f"\n# {run.scale} (fill took {run.fill_seconds:.0f}s)\n")
+        met = report(run, arguments)
+        held = run.sampler.held if run.sampler else []
+        if met and (not held or sum(held) / len(held) < 0.5 * arguments.jobs * LEASES_PER_JOB):
+            print(
+                f"\nGoal (0 wrongful expiries), {run.scale}: NOT MEASURED — the fleet held under half of its "
+                f"{arguments.jobs * LEASES_PER_JOB} leases in the window (see the offers declined above)"
+            )
+            status = max(status, 2)
+            continue
+        print(f"\nGoal (0 wrongful expiries), {run.scale}: {'met' if met else 'MISSED'}")
+        if not met:
+            status = 1 if status != 2 else status
+    return status
 
 
 if __name__ == "__main__":

@@ -5,6 +5,14 @@ processes, on a throw-away PostgreSQL database ``hypha_bench_<random>`` (dropped
 Redis database number claimed for the run (flushed at the end), so a benchmark never shares a Celery queue
 with a test run. Otherwise → *embedded*: one ``hypha-server`` process with a private ``HYPHA_DATA_DIR``.
 
+Scale-out (services only; docs/deploy.md "Scaling out"): ``web=N`` starts N daphne processes on N ports (the
+first migrates, the others start with ``--no-migrate`` once it answers) and ``celery=M`` M Celery workers, all on
+the one database, Redis and ``HYPHA_DATA_DIR``, with one beat. There is no load balancer: a client picks a
+web process itself (:meth:`ControlPlane.url_for`, round robin), as nginx's ``upstream`` would.
+:func:`add_scale_arguments` and :func:`scale_configurations` give benchmarks ``--web``/``--celery`` lists (one
+run per configuration, side by side); :class:`PostgresSampler` and :func:`process_groups` say where the CPU and
+the database's time went.
+
 Children run in their own process groups with their output in log files; :func:`control_plane` stops them
 (SIGTERM, then SIGKILL after 5 s) however the benchmark ends, and prints the log tails if it failed.
 
@@ -17,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import secrets
 import signal
 import subprocess
@@ -70,6 +79,22 @@ class ControlPlane:
     children: list[Child] = field(default_factory=list)
     #: What the mode runs on, for the report (database and Redis server versions in services mode).
     details: dict[str, str] = field(default_factory=dict)
+    #: The base URL of every web process, the first being ``base_url`` (more than one only in services mode).
+    web_urls: list[str] = field(default_factory=list)
+
+    def url_for(self, index: int) -> str:
+        """The web process the ``index``-th client connects to: round robin over :attr:`web_urls` (what a
+        load balancer in front of them would do for long-lived websockets)."""
+        urls = self.web_urls or [self.base_url]
+        return urls[index % len(urls)]
+
+    def named(self, prefix: str) -> list[Child]:
+        """The children called ``prefix`` or ``prefix-<letter>`` (``web``, ``web-b``, …), in start order."""
+        return [
+            child
+            for child in self.children
+            if child.name == prefix or re.fullmatch(rf"{re.escape(prefix)}-[a-z]", child.name)
+        ]
 
     def start(self, name: str, argv: list[str]) -> Child:
         log = self.log_dir / f"{name}.log"
@@ -105,17 +130,22 @@ class ControlPlane:
             raise RuntimeError(f"manage.py {' '.join(arguments)} exited {done.returncode}:\n{done.stderr}")
         return done.stdout.strip()
 
-    def wait_healthy(self) -> None:
+    def wait_healthy(self, url: str | None = None) -> None:
+        """Wait until ``url`` (default: every web process) answers ``/healthz``; fail if a child exits."""
+        for base_url in [url] if url is not None else self.web_urls or [self.base_url]:
+            self._wait_healthy(base_url)
+
+    def _wait_healthy(self, base_url: str) -> None:
         deadline = time.monotonic() + STARTUP_DEADLINE
         while time.monotonic() < deadline:
             for child in self.children:
                 if child.popen.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with {child.popen.returncode}:\n{child.tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/healthz", timeout=2.0).status_code == 200:
+                if httpx.get(f"{base_url}/healthz", timeout=2.0).status_code == 200:
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"{self.base_url}/healthz did not answer within {STARTUP_DEADLINE:g}s")
+        raise RuntimeError(f"{base_url}/healthz did not answer within {STARTUP_DEADLINE:g}s")
 
 
 def resolve_mode(requested: str) -> str:
@@ -132,10 +162,24 @@ def resolve_mode(requested: str) -> str:
 
 @contextlib.contextmanager
 def control_plane(
-    *, mode: str, root: Path, settings: dict[str, str], quiet: bool = True, host: str = "127.0.0.1"
+    *,
+    mode: str,
+    root: Path,
+    settings: dict[str, str],
+    quiet: bool = True,
+    host: str = "127.0.0.1",
+    web: int = 1,
+    celery: int = 1,
 ) -> Iterator[ControlPlane]:
     """A running control plane in ``mode`` with the ``HYPHA_*`` ``settings``, listening on ``host`` (a
-    ``tests/e2e/wan.py`` Wan's ``host_address`` for peers in namespaces); stopped and cleaned up on exit."""
+    ``tests/e2e/wan.py`` Wan's ``host_address`` for peers in namespaces); stopped and cleaned up on exit.
+
+    In services mode: ``web`` daphne processes (children ``web``, ``web-b``, …, each on its own port:
+    :attr:`ControlPlane.web_urls`) and ``celery`` Celery workers (``worker``, ``worker-b``, …), one beat."""
+    if web < 1 or celery < 1:
+        raise ValueError("a control plane needs at least one web process and one Celery worker")
+    if mode != "services" and (web, celery) != (1, 1):
+        raise ValueError("several web processes or Celery workers need services mode (PostgreSQL, Redis)")
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     env = {
@@ -155,8 +199,12 @@ def control_plane(
     )
     if host != "127.0.0.1":  # Django answers 400 to a Host it does not know
         env.setdefault("ALLOWED_HOSTS", f"localhost,127.0.0.1,[::1],{host}")
-    port = free_port()
-    plane = ControlPlane(mode=mode, base_url=f"http://{host}:{port}", env=env, log_dir=root / "logs")
+    ports: list[int] = []
+    while len(ports) < web:  # free_port() may hand out a port twice in a row: N distinct ones
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    web_urls = [f"http://{host}:{port}" for port in ports]
+    plane = ControlPlane(mode=mode, base_url=web_urls[0], env=env, log_dir=root / "logs", web_urls=web_urls)
     server = str(BIN_DIR / "hypha-server")
     failed = True
     with contextlib.ExitStack() as stack:
@@ -175,12 +223,20 @@ def control_plane(
         try:
             common = [server, "--log-level", log_level]
             if mode == "services":
-                plane.start("web", [*common, "web", "--host", host, "--port", str(port)])
+                # The first web process migrates the fresh database; the others wait for it, then skip it
+                # (two concurrent migrations of one database would race on creating the same tables).
+                for index, port in enumerate(ports):
+                    web_argv = [*common, "web", "--host", host, "--port", str(port)]
+                    plane.start(numbered("web", index), web_argv + (["--no-migrate"] if index else []))
+                    if index == 0:
+                        plane.wait_healthy(web_urls[0])
                 plane.wait_healthy()
-                plane.start("worker", [*common, "worker"])
+                for index in range(celery):
+                    plane.start(numbered("worker", index), [*common, "worker"])
+                # One beat, whatever the number of workers: each beat would send every clock's ticks again.
                 plane.start("beat", [*common, "beat"])
             else:
-                plane.start("server", [*common, "--host", host, "--port", str(port)])
+                plane.start("server", [*common, "--host", host, "--port", str(ports[0])])
                 plane.wait_healthy()
             yield plane
             failed = False
@@ -188,6 +244,12 @@ def control_plane(
             if failed:
                 for child in plane.children:
                     print(f"--- {child.name} log (tail) ---\n{child.tail()}", file=sys.stderr)
+
+
+def numbered(name: str, index: int) -> str:
+    """``name`` for the first of a kind (index 0), ``name-b``, ``name-c``, … for the others (letters: the
+    training cluster's daemons are ``worker-1``, ``worker-2``, … among the same children)."""
+    return name if index == 0 else f"{name}-{chr(ord('a') + index)}"
 
 
 def _postgres_version(database_url: str) -> str:
@@ -283,3 +345,286 @@ def print_markdown_header(
     for key, value in details.items():
         print(f"- {key}: {value}")
     print("- settings: " + ", ".join(f"{key}={value}" for key, value in settings.items()) + f"; {run}")
+
+
+# --- scale-out: --web N --celery M, side by side ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One configuration of a services-mode control plane: ``web`` daphne processes, ``celery`` workers."""
+
+    web: int = 1
+    celery: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.web} web, {self.celery} Celery"
+
+
+def add_scale_arguments(parser, *, default: str = "1") -> None:
+    """``--web`` and ``--celery``: comma-separated counts, one control plane per position (side by side)."""
+    parser.add_argument(
+        "--web",
+        default=default,
+        help="web (daphne) processes, comma-separated for runs side by side: --web 1,2 --celery 1 runs "
+        "1 web + 1 Celery, then 2 web + 1 Celery (services mode; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--celery",
+        default=default,
+        help="Celery worker processes (each with 2 pool processes), comma-separated like --web; a single "
+        "value applies to every run (default: %(default)s)",
+    )
+
+
+def scale_configurations(parser, arguments) -> list[Scale]:
+    """The runs ``--web``/``--celery`` ask for: the i-th of each list (a single value applies to every run)."""
+    try:
+        webs = [int(value) for value in str(arguments.web).split(",") if value.strip()]
+        celeries = [int(value) for value in str(arguments.celery).split(",") if value.strip()]
+    except ValueError:
+        parser.error(
+            f"--web and --celery must be comma-separated integers, not {arguments.web!r}/{arguments.celery!r}"
+        )
+    if not webs or not celeries or min(webs + celeries) < 1 or max(webs + celeries) > 16:
+        parser.error("--web and --celery take counts from 1 to 16")
+    runs = max(len(webs), len(celeries))
+    if {len(webs), len(celeries)} - {1, runs}:
+        parser.error("--web and --celery must have as many values as each other, or one value")
+    webs, celeries = webs * (runs // len(webs)), celeries * (runs // len(celeries))
+    return [Scale(web=web, celery=celery) for web, celery in zip(webs, celeries, strict=True)]
+
+
+# --- where the time goes: CPU per process, and the database ----------------------------------------------
+
+
+def process_tree(pid: int) -> list:
+    """``pid`` and its descendants (a Celery worker's pool processes) as psutil processes."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def processes_named(name: str):
+    """A finder of every process of this machine whose name starts with ``name``."""
+    import psutil
+
+    def find() -> list:
+        return [
+            process
+            for process in psutil.process_iter(["name"])
+            if (process.info["name"] or "").startswith(name)
+        ]
+
+    return find
+
+
+def database_backends(database_url: str):
+    """A finder of the PostgreSQL server processes that serve ``database_url``'s database (not the other
+    databases of a shared server), through ``pg_stat_activity``; the server must be on this machine."""
+    import psutil
+
+    name = database_url.rsplit("/", 1)[-1].split("?", 1)[0]
+    connection = None
+
+    def find() -> list:
+        nonlocal connection
+        import psycopg
+
+        try:
+            if connection is None or connection.closed:
+                connection = psycopg.connect(database_url, autocommit=True, connect_timeout=5)
+            rows = connection.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", (name,)
+            ).fetchall()
+        except psycopg.Error:
+            connection = None
+            return []
+        found = []
+        for (pid,) in rows:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(pid))
+        return found
+
+    return find
+
+
+def process_groups(plane: ControlPlane) -> dict:
+    """The process groups a report shows the CPU of: every control-plane child with its descendants, the
+    PostgreSQL backends of its database and the Redis server (services mode), and this process (the load
+    generator: simulated daemons, drivers)."""
+    import psutil
+
+    groups: dict = {child.name: (lambda pid=child.popen.pid: process_tree(pid)) for child in plane.children}
+    if plane.mode == "services":
+        groups["postgres (this database)"] = database_backends(plane.env["DATABASE_URL"])
+        groups["redis (shared server)"] = processes_named("redis-server")
+    groups["benchmark (load generator)"] = lambda: [psutil.Process()]
+    return groups
+
+
+class CpuMeter:
+    """CPU seconds used by groups of processes between :meth:`start` and :meth:`stop`, as % of one core;
+    and the whole machine's (``machine``: % of one core, so up to 100 × cores).
+
+    A thread samples every ``interval`` s, so processes that come and go meanwhile count too (PostgreSQL
+    backends live as long as a Django connection, 60 s): one born in the window counts from zero, one that
+    ended counts up to its last sample."""
+
+    def __init__(self, groups: dict, *, interval: float = 0.5) -> None:
+        self.groups = groups
+        self.interval = interval
+        self.percent: dict[str, float] = {}
+        #: Busy CPU of the whole machine, % of one core (every process, ours or not).
+        self.machine = 0.0
+        self._baseline: dict[str, dict[int, float]] = {}
+        self._latest: dict[str, dict[int, float]] = {}
+        self._started = 0.0
+        self._started_at = 0.0
+        self._machine_before = None
+        self._stopping = None
+        self._thread = None
+
+    def _sample(self, *, first: bool) -> None:
+        import psutil
+
+        for name, finder in self.groups.items():
+            baseline = self._baseline.setdefault(name, {})
+            latest = self._latest.setdefault(name, {})
+            for process in finder():
+                with contextlib.suppress(psutil.Error):
+                    times = process.cpu_times()
+                    used = times.user + times.system
+                    if process.pid not in baseline:
+                        born_in_window = not first and process.create_time() >= self._started_at
+                        baseline[process.pid] = 0.0 if born_in_window else used
+                    latest[process.pid] = used
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            self._sample(first=False)
+
+    def start(self) -> None:
+        import threading
+
+        import psutil
+
+        self._started = time.perf_counter()
+        self._started_at = time.time()
+        self._machine_before = psutil.cpu_times()
+        self._sample(first=True)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        import psutil
+
+        self._stopping.set()
+        self._thread.join()
+        self._sample(first=False)
+        elapsed = time.perf_counter() - self._started
+        self.percent = {
+            name: 100.0
+            * sum(max(0.0, used - self._baseline[name].get(pid, used)) for pid, used in latest.items())
+            / elapsed
+            for name, latest in self._latest.items()
+        }
+        self.machine = 100.0 * (_busy(psutil.cpu_times()) - _busy(self._machine_before)) / elapsed
+
+
+def _busy(times) -> float:
+    """CPU seconds the machine's cores spent running something (not idle, not waiting for I/O, not stolen by
+    the hypervisor; guest time is part of user time on Linux)."""
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+
+
+class PostgresSampler:
+    """What one database did between :meth:`start` and :meth:`stop`: transactions committed per second, and
+    every ``interval`` s the backends of ``pg_stat_activity`` — how many were running a statement, how many
+    of those waited for a lock. By Little's law, mean active backends ÷ transactions per second is the mean
+    time a transaction spends in the server."""
+
+    def __init__(self, database_url: str, *, interval: float = 0.25) -> None:
+        self.database_url = database_url
+        self.name = database_url.rsplit("/", 1)[-1].split("?", 1)[0]
+        self.interval = interval
+        self.active: list[int] = []
+        self.waiting: list[int] = []
+        self.connections: list[int] = []
+        self.transactions_per_second = 0.0
+        self._before = 0
+        self._started = 0.0
+        self._stopping = None
+        self._thread = None
+
+    def _transactions(self, connection) -> int:
+        row = connection.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s", (self.name,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def _run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.database_url, autocommit=True, connect_timeout=5) as connection:
+            while not self._stopping.wait(self.interval):
+                rows = connection.execute(
+                    "SELECT state, wait_event_type FROM pg_stat_activity"
+                    " WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (self.name,),
+                ).fetchall()
+                self.connections.append(len(rows))
+                self.active.append(sum(state == "active" for state, _ in rows))
+                self.waiting.append(sum(state == "active" and wait == "Lock" for state, wait in rows))
+
+    def start(self) -> None:
+        import threading
+
+        import psycopg
+
+        with psycopg.connect(self.database_url, autocommit=True, connect_timeout=5) as connection:
+            # pg_stat_database is a snapshot per transaction: a fresh connection reads fresh numbers.
+            self._before = self._transactions(connection)
+        self._started = time.perf_counter()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="postgres-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        import psycopg
+
+        self._stopping.set()
+        self._thread.join()
+        elapsed = time.perf_counter() - self._started
+        with psycopg.connect(self.database_url, autocommit=True, connect_timeout=5) as connection:
+            after = self._transactions(connection)
+        self.transactions_per_second = max(0, after - self._before) / elapsed
+
+    def summary(self) -> dict[str, float]:
+        """Transactions/s, mean and max active backends, mean backends waiting for a lock, mean connections."""
+
+        def mean(values: list[int]) -> float:
+            return sum(values) / len(values) if values else 0.0
+
+        return {
+            "transactions/s": self.transactions_per_second,
+            "active (mean)": mean(self.active),
+            "active (max)": float(max(self.active, default=0)),
+            "waiting for a lock (mean)": mean(self.waiting),
+            "connections (mean)": mean(self.connections),
+        }
+
+
+def cpu_model() -> str:
+    """``lscpu``'s model name (what docs/benchmarks.md quotes), else /proc/cpuinfo's."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        output = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        for line in output.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    return machine_details()["CPU"]

@@ -40,12 +40,24 @@ Celery worker and beat, PostgreSQL, Redis, and this benchmark's own simulated da
 machine's cores). ``--profile DIR`` records the web process with py-spy during each window (py-spy is not a
 dependency: ``pip install py-spy`` into the venv).
 
-Goal: at least 1,000 round trips/s in total with p99 < 50 ms.
+``--rate R`` paces the trainers instead of the closed loop: each sends its next report ``trainers / R`` seconds
+after the last one was sent (or at once when the answer came later), so the fleet offers R round trips per
+second in total, as trainers with real steps do, and the latency is that of a control plane that is not driven
+to saturation by construction.
+
+``--web N --celery M`` (services mode; comma-separated lists run one control plane after the other and print
+them side by side): N daphne processes, the daemons connected to them in turn (round robin, as a load balancer
+would spread their websockets), and M Celery workers. Per run it also shows the CPU of each process, of the
+PostgreSQL backends of the run's database and of the whole machine, and what the database did
+(``bench/harness.py`` :class:`PostgresSampler`).
+
+Goal: at least 1,000 round trips/s in total with p99 < 50 ms (issue 15: with two web processes).
 
 Usage::
 
     python bench/status_load.py                         # 16 and 64 trainers, 20 s windows, mode auto
     python bench/status_load.py --trainers 16 --seconds 10 --profile /tmp/status-profiles
+    python bench/status_load.py --mode services --trainers 64 --rate 1000 --web 1,2   # 1 vs 2 web processes
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/hypha_ci REDIS_URL=redis://127.0.0.1:6379/15 \\
         SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(40))') python bench/status_load.py
 
@@ -76,10 +88,10 @@ if str(REPO_ROOT) not in sys.path:  # run as `python bench/status_load.py`: the 
     sys.path.insert(0, str(REPO_ROOT))
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
 
 from bench import harness  # noqa: E402
 from bench.cluster import diloco_spec, prepare_stdlib_text  # noqa: E402
+from bench.harness import CpuMeter, PostgresSampler, Scale  # noqa: E402
 from data_node.server import ServedDataset, register  # noqa: E402
 from data_node.slices import scan  # noqa: E402
 from worker_daemon import protocol  # noqa: E402
@@ -144,6 +156,14 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--lease-ttl", type=float, default=10.0, help="HYPHA_LEASE_TTL, seconds (default: 10, the default)"
     )
     parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="round trips per second offered in total, paced over the trainers (default: none, a closed "
+        "loop: each trainer's next report as soon as the last is answered)",
+    )
+    harness.add_scale_arguments(parser)
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -169,6 +189,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--inner-steps must be between 1 and 2**31 - 1")
     if arguments.profile is not None and py_spy() is None:
         parser.error("--profile needs py-spy (pip install py-spy into the venv)")
+    if arguments.rate is not None and arguments.rate <= 0:
+        parser.error("--rate must be positive")
+    arguments.scales = harness.scale_configurations(parser, arguments)
     return arguments
 
 
@@ -268,10 +291,30 @@ class Samples:
     failures: list[tuple[float, str]] = field(default_factory=list)
 
 
-async def trainer_loop(daemon: SimulatedDaemon, task: Task, samples: Samples, stop: asyncio.Event) -> None:
+class Pacer:
+    """When a trainer sends its next report: at once (closed loop, ``interval`` None), or ``interval`` s after
+    the previous send — at once if that moment has passed (no burst to catch up)."""
+
+    def __init__(self, interval: float | None) -> None:
+        self.interval = interval
+        self.next_at = time.perf_counter()
+
+    async def wait(self) -> None:
+        if self.interval is None:
+            return
+        delay = self.next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.next_at = max(self.next_at, time.perf_counter() - self.interval) + self.interval
+
+
+async def trainer_loop(
+    daemon: SimulatedDaemon, task: Task, samples: Samples, stop: asyncio.Event, pacer: Pacer
+) -> None:
     """``--path link``: a trainer that does nothing but report steps straight to the control plane, one at a
-    time, the next as soon as it is answered."""
+    time, the next as soon as it is answered (or when ``pacer`` says)."""
     while not stop.is_set():
+        await pacer.wait()
         sent = time.perf_counter()
         try:
             reply = await daemon.request(task.task_id, PROGRESS)
@@ -286,7 +329,7 @@ async def trainer_loop(daemon: SimulatedDaemon, task: Task, samples: Samples, st
 
 
 async def bridge_trainer_loop(
-    daemon: SimulatedDaemon, task: Task, samples: Samples, stop: asyncio.Event, work_dir: Path
+    daemon: SimulatedDaemon, task: Task, samples: Samples, stop: asyncio.Event, work_dir: Path, pacer: Pacer
 ) -> None:
     """``--path bridge``: a trainer as its executor talks to the bridge — step reports through the daemon's
     bridge backend until Hypha's counter reaches 0, then ``"update"`` and ``"update-received"``."""
@@ -300,6 +343,7 @@ async def bridge_trainer_loop(
     counter = -1
     try:
         while not stop.is_set():
+            await pacer.wait()
             forwarded = backend.local_continues == 0
             sent = time.perf_counter()
             try:
@@ -324,74 +368,30 @@ async def bridge_trainer_loop(
         await backend.close()
 
 
-class CpuMeter:
-    """CPU seconds used by groups of processes between :meth:`start` and :meth:`stop`."""
-
-    def __init__(self, groups: dict[str, Callable[[], list[psutil.Process]]]) -> None:
-        self.groups = groups
-        self._before: dict[str, float] = {}
-        self._started = 0.0
-        self.percent: dict[str, float] = {}
-
-    def _sample(self) -> dict[str, float]:
-        totals = {}
-        for name, processes in self.groups.items():
-            total = 0.0
-            for process in processes():
-                with contextlib.suppress(psutil.Error):
-                    times = process.cpu_times()
-                    total += times.user + times.system
-            totals[name] = total
-        return totals
-
-    def start(self) -> None:
-        self._before = self._sample()
-        self._started = time.perf_counter()
-
-    def stop(self) -> None:
-        elapsed = time.perf_counter() - self._started
-        after = self._sample()
-        self.percent = {
-            name: 100.0 * max(0.0, after[name] - self._before.get(name, 0.0)) / elapsed for name in after
-        }
-
-
-def process_tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def processes_named(name: str) -> Callable[[], list[psutil.Process]]:
-    def find() -> list[psutil.Process]:
-        return [
-            process
-            for process in psutil.process_iter(["name"])
-            if (process.info["name"] or "").startswith(name)
-        ]
-
-    return find
-
-
 _METRIC_LINE = re.compile(r'^hypha_status_message_seconds_(sum|count)\{kind="status"\} (\S+)$', re.MULTILINE)
 
 
-async def status_seconds(api: httpx.AsyncClient) -> tuple[float, float] | None:
-    """(sum of seconds, count) of the web process's ``hypha_status_message_seconds{kind="status"}``."""
-    with contextlib.suppress(httpx.HTTPError):
-        response = await api.get("/metrics")
-        if response.status_code == 200:
-            values = {kind: float(value) for kind, value in _METRIC_LINE.findall(response.text)}
-            if "sum" in values and "count" in values:
-                return values["sum"], values["count"]
-    return None
+async def status_seconds(api: httpx.AsyncClient, web_urls: list[str]) -> tuple[float, float] | None:
+    """(sum of seconds, count) of ``hypha_status_message_seconds{kind="status"}``, summed over the web
+    processes (each counts the reports it handled: hypha_site/metrics.py); None if one did not answer."""
+    total, count = 0.0, 0.0
+    for url in web_urls:
+        values: dict[str, float] = {}
+        with contextlib.suppress(httpx.HTTPError):
+            response = await api.get(f"{url}/metrics")
+            if response.status_code == 200:
+                values = {kind: float(value) for kind, value in _METRIC_LINE.findall(response.text)}
+        if "sum" not in values or "count" not in values:
+            return None
+        total += values["sum"]
+        count += values["count"]
+    return total, count
 
 
 @dataclass
 class Result:
     trainers: int
+    scale: Scale = field(default_factory=Scale)
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     #: Step reports of the window that reached the control plane (the others were answered by the daemon).
@@ -402,6 +402,10 @@ class Result:
     #: Mean seconds the control plane spent per status (from /metrics), None if unavailable.
     server_mean: float | None = None
     cpu: dict[str, float] = field(default_factory=dict)
+    #: Busy CPU of the whole machine over the window, % of one core.
+    machine_cpu: float = 0.0
+    #: What the database did over the window (services mode): PostgresSampler.summary().
+    database: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     #: The job's status and reason after the window, when a status was answered Error.
     job_reason: str | None = None
@@ -422,12 +426,13 @@ async def run_count(
     *, trainers: int, api: httpx.AsyncClient, plane: harness.ControlPlane, tokens: dict[str, str],
     arguments: argparse.Namespace, work_root: Path,
 ) -> Result:  # fmt: skip
-    result = Result(trainers=trainers)
+    result = Result(trainers=trainers, scale=arguments.scale)
+    # Each daemon connects to one web process, in turn (round robin, as a load balancer spreads websockets).
     daemons = [
         SimulatedDaemon.create(
-            name=name, token=tokens[name], server_url=plane.base_url, work_dir=work_root / name
+            name=name, token=tokens[name], server_url=plane.url_for(index), work_dir=work_root / name
         )
-        for name in sorted(tokens)[: trainers + 1]
+        for index, name in enumerate(sorted(tokens)[: trainers + 1])
     ]
     samples = Samples()
     stop = asyncio.Event()
@@ -471,7 +476,8 @@ async def run_count(
             raise RuntimeError(f"the parameter server was not dispatched: {await job_reason()}")
         server_daemon, server_task = started("parameter_server")[0]
         ready = await server_daemon.request(server_task.task_id, READY)
-        if ready.reply != {"type": "Ok"}:
+        # Ok, with the path trainers take to it ("relay": nothing listens at READY's address).
+        if ready.reply.get("type") != "Ok":
             raise RuntimeError(
                 f"the parameter server's ready was answered {ready.reply}: {await job_reason()}"
             )
@@ -482,25 +488,20 @@ async def run_count(
         result.setup_seconds = time.perf_counter() - submitted
 
         # --- load: every trainer in a closed loop; measure a window after the warm-up -------------------------
+        interval = None if arguments.rate is None else trainers / arguments.rate
         loops = [
             asyncio.create_task(
-                bridge_trainer_loop(daemon, task, samples, stop, work_root / daemon.name)
+                bridge_trainer_loop(daemon, task, samples, stop, work_root / daemon.name, Pacer(interval))
                 if arguments.path == "bridge"
-                else trainer_loop(daemon, task, samples, stop),
+                else trainer_loop(daemon, task, samples, stop, Pacer(interval)),
                 name=f"trainer-{daemon.name}",
             )
             for daemon, task in started("trainer")
         ]
         await asyncio.sleep(arguments.warmup)
         web = next(child for child in plane.children if child.name in ("web", "server"))
-        groups: dict[str, Callable[[], list[psutil.Process]]] = {
-            child.name: (lambda pid=child.popen.pid: process_tree(pid)) for child in plane.children
-        }
-        groups["benchmark (daemons)"] = lambda: [psutil.Process()]
-        if plane.mode == "services":
-            groups["postgres"] = processes_named("postgres")
-            groups["redis"] = processes_named("redis-server")
-        meter = CpuMeter(groups)
+        meter = CpuMeter(harness.process_groups(plane))
+        database = PostgresSampler(plane.env["DATABASE_URL"]) if plane.mode == "services" else None
         if arguments.profile is not None:
             arguments.profile.mkdir(parents=True, exist_ok=True)
             output = arguments.profile / f"web-{plane.mode}-{trainers}.txt"
@@ -509,14 +510,20 @@ async def run_count(
                  "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(output)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
-        server_before = await status_seconds(api)
+        server_before = await status_seconds(api, plane.web_urls)
         meter.start()
+        if database is not None:
+            database.start()
         window_start = time.perf_counter()
         await asyncio.sleep(arguments.seconds)
         window_end = time.perf_counter()
         meter.stop()
-        server_after = await status_seconds(api)
+        if database is not None:
+            database.stop()
+            result.database = database.summary()
+        server_after = await status_seconds(api, plane.web_urls)
         result.cpu = meter.percent
+        result.machine_cpu = meter.machine
         result.seconds = window_end - window_start
         if server_before and server_after and server_after[1] > server_before[1]:
             result.server_mean = (server_after[0] - server_before[0]) / (server_after[1] - server_before[1])
@@ -583,13 +590,14 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 def results_table(results: list[Result], mode: str) -> str:
     header = [
-        "trainers", "mode", "window (s)", "round trips", "round trips/s", "per trainer/s", "p50 (ms)",
-        "p99 (ms)", "max (ms)", "to the control plane/s", "errors", "goal",
+        "trainers", "mode", "control plane", "window (s)", "round trips", "round trips/s", "per trainer/s",
+        "p50 (ms)", "p99 (ms)", "max (ms)", "to the control plane/s", "errors", "goal",
     ]  # fmt: skip
     rows = []
     for result in results:
+        scale = str(result.scale) if mode == "services" else "one process"
         if result.error is not None:
-            rows.append([str(result.trainers), mode, *["-"] * 8, "setup failed", "-"])
+            rows.append([str(result.trainers), mode, scale, *["-"] * 8, "setup failed", "-"])
             continue
         latencies = result.latencies
         met = result.per_second >= GOAL_PER_SECOND and percentile(latencies, 0.99) < GOAL_P99
@@ -597,6 +605,7 @@ def results_table(results: list[Result], mode: str) -> str:
             [
                 str(result.trainers),
                 mode,
+                scale,
                 f"{result.seconds:.1f}",
                 str(len(latencies)),
                 f"{result.per_second:.0f}",
@@ -616,32 +625,71 @@ def costs_table(results: list[Result]) -> str:
     names = sorted({name for result in results for name in result.cpu}, key=_cpu_order)
     header = [
         "trainers",
+        "control plane",
         "mean latency (ms)",
         "control plane per status (ms)",
-        "web CPU per round trip (ms)",
+        "web CPU per forwarded report (ms)",
         *(f"CPU {n} (%)" for n in names),
+        "CPU machine (%)",
     ]
     rows = []
     for result in results:
         if result.error is not None or not result.latencies:
             continue
-        # The process that serves the websockets (embedded: the only one) answers every status.
-        web_cpu = result.cpu.get("web", result.cpu.get("server", math.nan))
+        # The processes that serve the websockets (embedded: the only one) answer every forwarded status.
+        web_cpu = sum(
+            percent for name, percent in result.cpu.items() if name == "server" or name.split("-")[0] == "web"
+        )
+        forwarded = result.forwarded
         rows.append(
             [
                 str(result.trainers),
+                str(result.scale),
                 milliseconds(statistics.fmean(result.latencies)),
                 milliseconds(result.server_mean),
-                f"{web_cpu / 100 * result.seconds / len(result.latencies) * 1000:.1f}",
-                *(f"{result.cpu.get(name, math.nan):.0f}" for name in names),
+                f"{web_cpu / 100 * result.seconds / forwarded * 1000:.1f}" if forwarded else "-",
+                *(f"{result.cpu[name]:.0f}" if name in result.cpu else "-" for name in names),
+                f"{result.machine_cpu:.0f}",
             ]
         )
     return markdown(header, rows)
 
 
+def database_table(results: list[Result]) -> str:
+    """What PostgreSQL did in each window (services mode)."""
+    keys = [
+        "transactions/s",
+        "active (mean)",
+        "active (max)",
+        "waiting for a lock (mean)",
+        "connections (mean)",
+    ]
+    rows = [
+        [
+            str(result.trainers),
+            str(result.scale),
+            *(f"{result.database[key]:.1f}" for key in keys),
+            # Little's law: mean busy backends ÷ throughput = mean time per transaction in the server.
+            f"{1000 * result.database['active (mean)'] / result.database['transactions/s']:.1f}"
+            if result.database.get("transactions/s")
+            else "-",
+        ]
+        for result in results
+        if result.database
+    ]
+    return markdown(["trainers", "control plane", *keys, "ms in the server per transaction"], rows)
+
+
 def _cpu_order(name: str) -> tuple[int, str]:
-    order = ["server", "web", "worker", "beat", "postgres", "redis", "benchmark (daemons)"]
-    return (order.index(name) if name in order else len(order), name)
+    order = ["server", "web", "worker", "beat"]
+    base = name.split("-")[0]
+    if base in order:
+        return (order.index(base), name)
+    if name.startswith("postgres"):
+        return (len(order), name)
+    if name.startswith("redis"):
+        return (len(order) + 1, name)
+    return (len(order) + 2, name)
 
 
 # --- running it --------------------------------------------------------------------------------------------
@@ -683,6 +731,9 @@ async def run(arguments: argparse.Namespace, plane: harness.ControlPlane, root: 
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
     mode = harness.resolve_mode(arguments.mode)
+    if mode != "services" and arguments.scales != [Scale()]:
+        raise SystemExit("--web and --celery above 1 need services mode (DATABASE_URL and REDIS_URL)")
+    harness.exit_on_sigterm()
     load_at_start = harness.load_average()
     logging.basicConfig(
         level=logging.INFO if arguments.verbose else logging.ERROR,
@@ -698,16 +749,23 @@ def main(argv: list[str] | None = None) -> int:
         # status_seconds() scrapes /metrics without credentials
         "HYPHA_METRICS_PUBLIC": "1",
     }
-    with (
-        harness.run_directory(
-            "hypha-bench-status-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
-        ) as root,
-        harness.control_plane(
-            mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose
-        ) as plane,
-    ):
-        results = asyncio.run(run(arguments, plane, root))
-        details = plane.details
+    results: list[Result] = []
+    details: dict[str, str] = {}
+    for scale in arguments.scales:
+        arguments.scale = scale
+        if len(arguments.scales) > 1:
+            print(f"… control plane: {scale}", file=sys.stderr, flush=True)
+        with (
+            harness.run_directory(
+                "hypha-bench-status-", keep=arguments.keep, note=" (control-plane logs in control-plane/logs/)"
+            ) as root,
+            harness.control_plane(
+                mode=mode, root=root / "control-plane", settings=settings, quiet=not arguments.verbose,
+                web=scale.web, celery=scale.celery,
+            ) as plane,
+        ):  # fmt: skip
+            results += asyncio.run(run(arguments, plane, root))
+            details = plane.details
 
     harness.print_markdown_header(
         "Status round-trip benchmark",
@@ -717,30 +775,42 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings,
         run=(
             f"{arguments.seconds:g} s window after {arguments.warmup:g} s warm-up, "
-            f"inner_steps {arguments.inner_steps}, path {arguments.path}"
+            f"inner_steps {arguments.inner_steps}, path {arguments.path}, "
+            + (f"offered {arguments.rate:g} round trips/s in total" if arguments.rate else "closed loop")
         ),
+    )
+    pacing = (
+        f"each trainer paced to {arguments.rate:g}/N reports per second"
+        if arguments.rate
+        else "each trainer one status at a time (closed loop)"
     )
     print(
         "- daemons: N trainers + 1 parameter server, real WorkerDaemon sessions (2 cpu, 4 GB, whole) in this "
-        "one asyncio process; each trainer one status at a time (closed loop)"
+        f"one asyncio process, connected to the web processes in turn; {pacing}"
     )
-    setups = ", ".join(f"{r.trainers}: {r.setup_seconds:.1f} s" for r in results if r.error is None)
+    setups = ", ".join(
+        f"{r.trainers} ({r.scale}): {r.setup_seconds:.1f} s" for r in results if r.error is None
+    )
     print(f"- submission to every trainer dispatched: {setups or '-'}\n")
     print(results_table(results, mode))
     print(
         "\nWhere the time goes (mean client latency; the control plane's own time per status, "
-        "hypha_status_message_seconds; the web process's CPU time per round trip; CPU % of one core over "
-        "the window):\n"
+        "hypha_status_message_seconds summed over the web processes; the web processes' CPU time per report "
+        "that reached them; CPU % of one core over the window, the machine's over all its cores):\n"
     )
     print(costs_table(results))
+    if any(result.database for result in results):
+        print("\nPostgreSQL (this run's database; sampled every 0.25 s):\n")
+        print(database_table(results))
     for result in results:
+        label = f"{result.trainers} trainers ({result.scale})"
         if result.failures:
-            print(f"\n{result.trainers} trainers, failures: {dict(result.failures)}")
+            print(f"\n{label}, failures: {dict(result.failures)}")
         other = {kind: count for kind, count in result.replies.items() if kind not in ("Continue",)}
         if other:
-            print(f"\n{result.trainers} trainers, replies other than Continue: {other}")
+            print(f"\n{label}, replies other than Continue: {other}")
         if result.job_reason:
-            print(f"\n{result.trainers} trainers, the job after the window: {result.job_reason}")
+            print(f"\n{label}, the job after the window: {result.job_reason}")
     failed = any(result.error is not None or result.errors or not result.latencies for result in results)
     return 1 if failed else 0
 
