@@ -124,7 +124,7 @@ def _web(args, *, embedded: bool) -> int:
     from django.core.management import call_command
 
     if not args.no_migrate:
-        call_command("migrate", interactive=False, verbosity=0)
+        _migrate(call_command)
     from daphne.endpoints import build_endpoint_description_strings
 
     from hypha_site.asgi import application
@@ -157,6 +157,27 @@ def _web(args, *, embedded: bool) -> int:
         verbosity=0,
     ).run()
     return 0
+
+
+#: The PostgreSQL advisory lock ``migrate`` runs under (any constant: only hypha-server takes it).
+MIGRATE_LOCK = 0x6879_7068_61  # "hypha"
+
+
+def _migrate(call_command) -> None:
+    """Apply the migrations. Several web processes started at once (a scaled-out deployment) take turns on
+    PostgreSQL: Django's ``migrate`` is not safe to run concurrently (both would create the same tables, and one
+    process would exit); the later ones then find nothing to do."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        call_command("migrate", interactive=False, verbosity=0)
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK])
+        try:
+            call_command("migrate", interactive=False, verbosity=0)
+        finally:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [MIGRATE_LOCK])
 
 
 def _start_runner() -> None:
