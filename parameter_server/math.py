@@ -302,19 +302,34 @@ def measure(update: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, float]
     return total, peaks
 
 
+#: Values whose float64 norm is taken at a time (8 MiB of float64): a tensor's norm is combined from its
+#: slices' with ``math.hypot`` instead of widening the whole tensor to float64 (a copy twice its size).
+NORM_SLICE = 1 << 20
+
+
 def _norm_of(tensor: torch.Tensor) -> float:
     if tensor.numel() == 0:
         return 0.0
     if tensor.element_size() == 1:
         tensor = tensor.to(torch.float16)
-    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    if tensor.numel() <= NORM_SLICE or not tensor.is_contiguous():
+        return float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    flat = tensor.view(-1)
+    total = 0.0
+    for start in range(0, flat.numel(), NORM_SLICE):
+        part = float(torch.linalg.vector_norm(flat[start : start + NORM_SLICE], dtype=torch.float64))
+        if math.isnan(part):
+            return part  # NaN wins over Inf, as in a norm taken whole (hypot(inf, nan) is inf)
+        total = math.hypot(total, part)
+    return total
 
 
 def update_norm(update: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of all the floating-point tensors of ``update`` taken together (integer tensors are
-    skipped). Summed in float64 and combined with ``math.hypot``: finite for any finite float32, float16 or
-    bfloat16 input (a float32 square is at most ~1.2e77, float64 reaches 1.8e308); ``math.inf`` when a
-    float64 input's squares overflow or a value is Inf, NaN when one is NaN."""
+    skipped). Summed in float64 (a slice of :data:`NORM_SLICE` values at a time) and combined with
+    ``math.hypot``: finite for any finite float32, float16 or bfloat16 input (a float32 square is at most
+    ~1.2e77, float64 reaches 1.8e308); ``math.inf`` when a float64 input's squares overflow or a value is
+    Inf, NaN when one is NaN."""
     total = 0.0
     for name in sorted(update):
         tensor = update[name]

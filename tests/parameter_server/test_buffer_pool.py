@@ -4,6 +4,7 @@ mutated, buffers nobody holds are reused, and the arithmetic is bit for bit that
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import pytest
@@ -462,3 +463,18 @@ def test_step_bounds_follow_the_step():
     assert step_bounds(
         gradient=3.0, momentum=0.0, weights=0.0, learning_rate=0.1, momentum_factor=0.0, averaged=True
     ).update == pytest.approx(3.0)  # a buffer's u is g
+
+
+def test_a_large_tensors_norm_is_taken_by_slices_in_float64(monkeypatch):
+    from parameter_server import math as server_math
+
+    monkeypatch.setattr(server_math, "NORM_SLICE", 1000)
+    values = torch.randn(4321, generator=torch.Generator().manual_seed(7)) * 1e19  # squares past float32
+    whole = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+
+    assert server_math.update_norm({"w": values}) == pytest.approx(whole, rel=1e-12)
+    with_inf, with_nan = values.clone(), values.clone()
+    with_inf[10] = float("inf")
+    with_nan[10], with_nan[4000] = float("inf"), float("nan")  # NaN in a later slice than the Inf
+    assert server_math.update_norm({"w": with_inf}) == float("inf")
+    assert math.isnan(server_math.update_norm({"w": with_nan}))
