@@ -2,8 +2,8 @@
 
 Why: a round makes model-sized results (the accumulator, ``u``, the new momentum, the new weights). Filling
 a *fresh* allocation costs the page faults of every page (31–55 ms for 102 MB on a 2-core VM, 200–550 ms
-for 500 MB) where writing into memory already in use costs 4–7 ms (docs/benchmarks.md, "Parameter server
-aggregation"): most of a round's step was page faults.
+for 500 MB) where refilling memory already in use costs 4–7 ms per 102 MB (docs/benchmarks.md, "Parameter
+server aggregation"): most of a round's step was page faults.
 
 The rule the pool keeps: **a tensor is handed out again only when nothing else holds any part of it.** The
 published weights of round r (served, checkpointed, read by the eval thread) are never mutated while a
@@ -13,10 +13,10 @@ holders of a storage (``torch._C._storage_Use_Count``: one for the pool's object
 it, one per other storage object), and Python counts the references to the storage object itself (torch
 hands out the pool's own object for ``tensor.untyped_storage()``). A storage with no holder but the pool has
 no tensor, no view, no storage object and no NumPy array (``Tensor.numpy()`` holds the tensor) left
-anywhere: no reader can reach its memory, so it may be refilled.
-(``_storage_Use_Count`` is private torch API: tests/parameter_server/test_buffer_pool.py pins what the pool
-relies on, so a torch that changes it fails there.)
-Nothing has to release a buffer explicitly: dropping the last reference (the coordinator replacing its
+anywhere: no reader can reach its memory, so it may be refilled. (``_storage_Use_Count`` is private torch
+API, and the Python count depends on how torch keeps a storage's object alive: tests/parameter_server/
+test_buffer_pool.py pins both, so a torch that changes them fails there.) Nothing has to release a buffer
+explicitly: dropping the last reference (the coordinator replacing its
 weights, the eval thread finishing, a served result being pruned) frees it for the next round.
 
 Buffers come in *sets*: one tensor per name of a signature (name → shape, dtype), like a state dict, all on
@@ -195,8 +195,3 @@ class BufferPool:
         """Bytes of all the sets the pool holds, free or handed out."""
         with self._lock:
             return sum(candidate.nbytes for candidate in self._sets)
-
-
-def signature_of(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict:
-    """The :data:`Signature` of ``tensors`` (in ``dtype`` when given)."""
-    return {name: (tuple(tensor.shape), dtype or tensor.dtype) for name, tensor in tensors.items()}
