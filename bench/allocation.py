@@ -235,12 +235,14 @@ async def run_size(
         # --- allocation latency: one job at a time, cancelled once allocated --------------------------
         meter = harness.CpuMeter(harness.process_groups(plane))
         database = harness.PostgresSampler(plane.env["DATABASE_URL"]) if plane.mode == "services" else None
+        queue = harness.CeleryQueueSampler(plane.env["REDIS_URL"]) if plane.mode == "services" else None
         for index in range(arguments.warmup + arguments.jobs):
             measured = index >= arguments.warmup
             if index == arguments.warmup:
                 meter.start()
                 if database is not None:
                     database.start()
+                    queue.start()
             sent = time.perf_counter()
             response = await api.post("/api/jobs/", json={"name": f"bench-{size}-{index}", **JOB})
             returned = time.perf_counter()
@@ -263,7 +265,8 @@ async def run_size(
         result.cpu, result.machine_cpu = meter.percent, meter.machine
         if database is not None:
             database.stop()
-            result.database = database.summary()
+            queue.stop()
+            result.database = {**database.summary(), **queue.summary()}
 
         # --- renewal throughput: every daemon holds a lease --------------------------------------------
         expired_before = recorder.expired
@@ -373,7 +376,8 @@ def costs_table(results: list[SizeResult]) -> str:
     names = sorted({name for result in results for name in result.cpu}, key=_cpu_order)
     header = [
         "daemons", "control plane", *(f"CPU {name} (%)" for name in names), "CPU machine (%)",
-        "PostgreSQL transactions/s", "active backends (mean)", "waiting for a lock (mean)",
+        "PostgreSQL transactions/s", "active backends (mean)", "waiting for a lock (mean)", "Celery queue (mean)",
+        "Celery queue (max)",
     ]  # fmt: skip
     rows = [
         [
@@ -383,7 +387,13 @@ def costs_table(results: list[SizeResult]) -> str:
             f"{result.machine_cpu:.0f}",
             *(
                 f"{result.database[key]:.1f}" if key in result.database else "-"
-                for key in ("transactions/s", "active (mean)", "waiting for a lock (mean)")
+                for key in (
+                    "transactions/s",
+                    "active (mean)",
+                    "waiting for a lock (mean)",
+                    "Celery queue (mean)",
+                    "Celery queue (max)",
+                )
             ),
         ]  # fmt: skip
         for result in results

@@ -82,7 +82,7 @@ import httpx  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.fleet_report import DRAIN_TIMEOUT, RENEW_AT_REMAINING, SUMMARY_HEADER, report, summary_row  # noqa: E402
 from bench.flooder import start_flooders, stop_flooders  # noqa: E402
-from bench.harness import CpuMeter, PostgresSampler, Scale, process_tree  # noqa: E402
+from bench.harness import CeleryQueueSampler, CpuMeter, PostgresSampler, Scale, process_tree  # noqa: E402
 from bench.simulated import SimulatedDaemon, markdown, wait_for  # noqa: E402
 from bench.status_load import BenchJobManager  # noqa: E402
 from worker_daemon import protocol  # noqa: E402
@@ -447,8 +447,10 @@ class Run:
     machine_cpu: float = 0.0
     #: What PostgreSQL did in the window (PostgresSampler.summary()).
     database: dict[str, float] = field(default_factory=dict)
-    #: Each flooder's report (bench/flooder.py), and the web process it flooded.
+    #: Each flooder's report (bench/flooder.py); they flood the first web process.
     flood: list[dict] = field(default_factory=list)
+    #: The web process (index into plane.web_urls) each daemon connected to, by worker name.
+    web_of: dict[str, int] = field(default_factory=dict)
     problems: Counter[str] = field(default_factory=Counter)
     not_welcomed: int = 0
     not_freed: int = 0
@@ -476,6 +478,7 @@ async def fleet_run(
         daemons = []
         # Each daemon connects to one web process, in turn (round robin, as a load balancer spreads websockets).
         for index, (name, token) in enumerate(tokens.items()):
+            run.web_of[name] = index % len(plane.web_urls)
             (work_root / name).mkdir(parents=True, exist_ok=True)
             daemons.append(
                 simulated_daemon(
@@ -542,10 +545,12 @@ async def fleet_run(
                     groups["flooders"] = lambda: [p for f in flooders for p in process_tree(f.pid)]
                 meter = CpuMeter(groups)
                 database = PostgresSampler(plane.env["DATABASE_URL"])
+                queue = CeleryQueueSampler(plane.env["REDIS_URL"])
                 run.sampler = Sampler(daemons=daemons)
                 until = time.monotonic() + arguments.duration
                 meter.start()
                 database.start()
+                queue.start()
                 cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 run.window_start = time.time()
                 try:
@@ -557,10 +562,11 @@ async def fleet_run(
                     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
                     meter.stop()
                     database.stop()
+                    queue.stop()
                     run.flood = stop_flooders(flooders)
                 run.cpu = meter.percent
                 run.machine_cpu = meter.machine
-                run.database = database.summary()
+                run.database = {**database.summary(), **queue.summary()}
                 used = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
                 run.bench_cpu_percent = 100.0 * used / (run.window_end - run.window_start)
 

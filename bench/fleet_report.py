@@ -136,6 +136,8 @@ def report(run: Run, arguments: argparse.Namespace) -> bool:
             f"\nTime left on a lease when its renewal committed (s): min {min(left):.2f}, "
             f"p1 {percentile(left, 0.01):.2f}, p50 {percentile(left, 0.5):.2f} (TTL {arguments.ttl:g})"
         )
+    if len(set(run.web_of.values())) > 1 or run.flood:
+        print_by_web(run, renewals)
 
     leases = list(run.leases.values())
 
@@ -248,11 +250,13 @@ def report(run: Run, arguments: argparse.Namespace) -> bool:
         lag = run.sampler.lag if run.sampler else []
         print("\n## CPU in the window (% of one core) and this process's event-loop lag\n")
         names = [*run.cpu, "benchmark (daemons + driver)"]
+        other = run.machine_cpu - sum(run.cpu.values()) - run.bench_cpu_percent
         print(
             markdown(
-                [*names, "machine (all cores)", "loop lag p99 (ms)", "loop lag max (ms)"],
+                [*names, "other work on the machine", "machine (all cores)", "loop lag p99 (ms)",
+                 "loop lag max (ms)"],
                 [[*(f"{value:.0f}" for value in run.cpu.values()), f"{run.bench_cpu_percent:.0f}",
-                  f"{run.machine_cpu:.0f}",
+                  f"{max(0.0, other):.0f}", f"{run.machine_cpu:.0f}",
                   milliseconds(percentile(lag, 0.99)) if lag else "-", milliseconds(max(lag)) if lag else "-"]],
             )
         )  # fmt: skip
@@ -261,7 +265,9 @@ def report(run: Run, arguments: argparse.Namespace) -> bool:
             f"{100 * (os.cpu_count() or 1)} % (what is not listed above is other work on the machine)"
         )
     if run.database:
-        print("\n## PostgreSQL in the window (this run's database, sampled every 0.25 s)\n")
+        print(
+            "\n## PostgreSQL (this run's database) and the Celery queue in the window, sampled every 0.25 s\n"
+        )
         keys = list(run.database)
         print(markdown(keys, [[f"{run.database[key]:.1f}" for key in keys]]))
     if run.flood:
@@ -290,6 +296,42 @@ def report(run: Run, arguments: argparse.Namespace) -> bool:
             f"\nwarning: {run.not_freed} daemons still held a lease or reservation {DRAIN_TIMEOUT:g}s after the drain"
         )
     return not wrongful and not lost
+
+
+def print_by_web(run: Run, renewals: list[Renewal]) -> None:
+    """The renewal path and the losses of the daemons of each web process (the flooders flood web 1)."""
+    rows = []
+    for web in sorted(set(run.web_of.values())):
+        on_web = [r for r in renewals if run.web_of.get(run.leases[r.lease_id].worker) == web]
+        leases = [lease for lease in run.leases.values() if run.web_of.get(lease.worker) == web]
+        arrived = [r.request_arrived - r.due for r in on_web if r.request_arrived is not None]
+        committed = [r.committed - r.confirmation_sent for r in on_web if r.confirmation_sent is not None]
+
+        def pair(values: list[float]) -> str:
+            if not values:
+                return "-"
+            return f"{milliseconds(percentile(values, 0.5))} / {milliseconds(percentile(values, 0.99))}"
+
+        rows.append(
+            [
+                f"web {web + 1}" + (" (flooded)" if run.flood and web == 0 else ""),
+                str(sum(1 for index in run.web_of.values() if index == web)),
+                str(len(on_web)),
+                pair(arrived),
+                pair(committed),
+                str(sum(lease.status == "expired" and lease.activated_at is not None for lease in leases)),
+                str(sum(lease.status == "released" and lease.reason.startswith(f"released by the worker: {NOT_HELD}")
+                        for lease in leases)),
+            ]
+        )  # fmt: skip
+    print("\n## By web process (window; losses over the whole run)\n")
+    print(
+        markdown(
+            ["web process", "daemons", "renewals", "due → renew_lease arrived p50 / p99 (ms)",
+             "lease_renewed sent → committed p50 / p99 (ms)", "expired while ACTIVE", "dropped by the daemon"],
+            rows,
+        )
+    )  # fmt: skip
 
 
 def busiest(run: Run) -> str:
@@ -324,12 +366,15 @@ def summary_row(run: Run, arguments: argparse.Namespace) -> list[str]:
         f"{milliseconds(percentile(due, 0.5))} / {milliseconds(percentile(due, 0.99))}" if due else "-",
         f"{min(renewal.left for renewal in renewals):.2f}" if renewals else "-",
         f"**{wrongful}**", f"**{lost}**", flood or "-", busiest(run), f"{run.machine_cpu:.0f}",
+        f"{max(0.0, run.machine_cpu - sum(run.cpu.values()) - run.bench_cpu_percent):.0f}",
         f"{run.database.get('transactions/s', 0.0):.0f}" if run.database else "-",
+        f"{run.database.get('Celery queue (mean)', 0.0):.1f} / {run.database.get('Celery queue (max)', 0.0):.0f}",
     ]  # fmt: skip
 
 
 SUMMARY_HEADER = [
     "control plane", "daemons", "fill (s)", "leases held (mean)", "renewals ÷ schedule",
     "due → committed p50 / p99 (ms)", "least time left (s)", "expired while ACTIVE", "dropped by the daemon",
-    "flooder", "busiest process (% of a core)", "machine CPU (% of 200)", "PostgreSQL transactions/s",
+    "flooder", "busiest process (% of a core)", "machine CPU (%, 100 per core)", "of which other work",
+    "PostgreSQL transactions/s", "Celery queue mean / max",
 ]  # fmt: skip

@@ -620,6 +620,48 @@ class PostgresSampler:
         }
 
 
+class CeleryQueueSampler:
+    """How many tasks wait in the Celery broker's queue (Redis list ``celery``), every ``interval`` s between
+    :meth:`start` and :meth:`stop`: a queue that grows means the Celery workers fall behind (the lease and market
+    clocks' ticks wait in it with everything else)."""
+
+    def __init__(self, redis_url: str, *, interval: float = 0.25) -> None:
+        self.redis_url = redis_url
+        self.interval = interval
+        self.lengths: list[int] = []
+        self._stopping = None
+        self._thread = None
+
+    def _run(self) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=5)
+        try:
+            while not self._stopping.wait(self.interval):
+                with contextlib.suppress(redis.RedisError):
+                    self.lengths.append(int(client.llen("celery")))
+        finally:
+            client.close()
+
+    def start(self) -> None:
+        import threading
+
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="celery-queue-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        lengths = self.lengths or [0]
+        return {
+            "Celery queue (mean)": sum(lengths) / len(lengths),
+            "Celery queue (max)": float(max(lengths)),
+        }
+
+
 def cpu_model() -> str:
     """``lscpu``'s model name (what docs/benchmarks.md quotes), else /proc/cpuinfo's."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
