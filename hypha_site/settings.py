@@ -549,9 +549,22 @@ if HYPHA_RELAY_STORE == "s3":
             f"HYPHA_RELAY_PART_SIZE ({HYPHA_RELAY_PART_SIZE}) bytes, S3's limit; raise the part size"
         )
 
+#: A clock tick still queued this long after beat sent it is dropped by the worker that takes it (Celery's
+#: ``expires``): the ticks are idempotent and the next one is already behind it, so on a saturated machine
+#: the workers catch up at once instead of running a backlog of stale ticks (bench/fleet.py, 1,000 daemons).
+HYPHA_TICK_EXPIRES = max(2.0, 4 * HYPHA_TICK_INTERVAL)
+
 CELERY_BEAT_SCHEDULE = {
-    "lease-clock": {"task": "apps.jobs.tasks.tick_leases", "schedule": HYPHA_TICK_INTERVAL},
-    "market-clock": {"task": "apps.jobs.tasks.tick_market", "schedule": HYPHA_TICK_INTERVAL},
+    "lease-clock": {
+        "task": "apps.jobs.tasks.tick_leases",
+        "schedule": HYPHA_TICK_INTERVAL,
+        "options": {"expires": HYPHA_TICK_EXPIRES},
+    },
+    "market-clock": {
+        "task": "apps.jobs.tasks.tick_market",
+        "schedule": HYPHA_TICK_INTERVAL,
+        "options": {"expires": HYPHA_TICK_EXPIRES},
+    },
     "relay-sweep": {"task": "apps.relay.tasks.sweep_relay", "schedule": HYPHA_RELAY_SWEEP_INTERVAL},
 }
 

@@ -443,9 +443,10 @@ class ErrorFeedback:
         self.residual: StateDict = {}
 
     def encode(self, tensors: Mapping[str, torch.Tensor]) -> StateDict:
-        """The wire tensors of ``tensors`` plus the residual; the residual is replaced only on success."""
+        """The wire tensors of ``tensors`` plus the residual; the residual of their names is replaced only on
+        success, that of names not sent this time is kept (Streaming DiLoCo sends one fragment a round)."""
         result = encode_with_feedback(tensors, self.residual, self.encoding)
-        self.residual = result.residual
+        self.residual = {**self.residual, **result.residual}
         return result.encoded
 
     def metadata(self) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Why a task's process failed, read from the last lines of its output.
 
-A trainer runs under ``accelerate launch``, which re-raises its child's failure as its own: the output of a
-trainer that could not reach its parameter server ends with the launcher's traceback and
+A trainer configured as a ``process`` executor under ``accelerate launch`` (the default before the ``trainer``
+runtime, and still anyone's choice) runs under a launcher that re-raises its child's failure as its own: the
+output of a trainer that could not reach its parameter server ends with the launcher's traceback and
 ``subprocess.CalledProcessError: Command '['…/python', '-m', 'worker_daemon.executors.training', …]' returned
 non-zero exit status 3.`` — true, and useless. :func:`root_cause` skips such wrappers and the traceback frames,
 and returns the failure the executor itself reported, the latest one in the output:

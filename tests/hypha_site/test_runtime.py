@@ -194,3 +194,13 @@ async def test_the_lease_clock_expires_a_run_out_lease(fast_clocks, ada):
     # then
     ended = await database_sync_to_async(Lease.objects.get)(pk=lease.pk)
     assert ended.status_reason == "not renewed before it ran out"
+
+
+def test_the_clocks_ticks_expire_in_the_broker_so_a_backlog_is_dropped(settings):
+    """A saturated Celery worker must not run a queue of stale lease ticks one after another (each would
+    renew and expire leases late): beat sends the clocks' ticks with ``expires``, which the worker honours by
+    revoking the ones it takes too late (bench/fleet.py at 1,000 daemons)."""
+    for name in ("lease-clock", "market-clock"):
+        entry = settings.CELERY_BEAT_SCHEDULE[name]
+        expires = entry["options"]["expires"]
+        assert entry["schedule"] < expires <= max(2.0, 4 * entry["schedule"]), entry

@@ -307,3 +307,15 @@ def test_tied_names_share_their_residual():
     result = encode_with_feedback({"a": shared, "b": shared}, None, INT8)
     assert result.residual["a"] is result.residual["b"]
     assert result.encoded["a"] is result.encoded["b"]
+
+
+def test_error_feedback_keeps_the_residual_of_tensors_not_sent_this_time():
+    """Streaming DiLoCo sends one fragment per round: encoding fragment B must not drop fragment A's residual."""
+    feedback = ErrorFeedback(Encoding("int8", 64))
+    a = torch.linspace(-1.0, 1.0, 256) * 1.2345
+    feedback.encode({"a": a})
+    kept = feedback.residual["a"].clone()
+    assert kept.abs().max() > 0
+    feedback.encode({"b": torch.linspace(-3.0, 3.0, 256)})
+    assert set(feedback.residual) == {"a", "b"}
+    assert torch.equal(feedback.residual["a"], kept)
