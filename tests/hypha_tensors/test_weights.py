@@ -163,6 +163,21 @@ def test_save_refuses_non_finite_values_and_writes_nothing(tmp_path, state, bad_
     assert files_in(tmp_path) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_finite_values_whose_sum_overflows_are_accepted_and_both_infinities_refused(tmp_path, state, dtype):
+    """The finiteness check sums first: a sum that overflows from finite values must not refuse them, and
+    +Inf next to −Inf (a NaN sum) is still Inf."""
+    largest = torch.finfo(dtype).max
+    state["large"] = torch.tensor([largest, largest, largest], dtype=dtype)
+    weights.save(tmp_path / "large.safetensors", state)
+    assert torch.equal(weights.load(tmp_path / "large.safetensors")["large"], state["large"])
+
+    state["large"] = torch.tensor([float("inf"), 1.0, float("-inf")], dtype=dtype)
+    with pytest.raises(TensorRefused) as refused:
+        weights.save(tmp_path / "infinite.safetensors", state)
+    assert (refused.value.name, refused.value.reason) == ("large", "contains Inf")
+
+
 def test_save_refuses_a_non_tensor_and_leaves_the_old_file(tmp_path, state):
     path = tmp_path / "global.safetensors"
     weights.save(path, state)
