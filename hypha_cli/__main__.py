@@ -14,10 +14,12 @@ from typing import Any, NoReturn
 
 from hypha_cli.exceptions import CLIError, ExitCode
 from hypha_tensors.formats import ENCODINGS
+from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
 
 PROG = "hypha"
-#: ``rounds.overlap`` of a spec (docs/training.md, "Overlap: eager updates"); the server checks it again.
-OVERLAPS = ("none", "eager")
+#: ``rounds.overlap`` of a spec (docs/training.md, "Overlap: eager updates", "Overlap: streaming"); the server
+#: checks it again, and ``--fragments``/``--mix`` too.
+OVERLAPS = ("none", "eager", "streaming")
 
 DESCRIPTION = """\
 The command line of a Hypha control plane: submit DiLoCo training jobs, watch them learn, cancel them,
@@ -87,6 +89,26 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _fragments(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not MIN_FRAGMENTS <= value <= MAX_FRAGMENTS:
+        raise argparse.ArgumentTypeError(f"must be from {MIN_FRAGMENTS} to {MAX_FRAGMENTS}: {text!r}")
+    return value
+
+
+def _mix(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be at least 0 and less than 1: {text!r}")
     return value
 
 
@@ -181,8 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap",
         choices=OVERLAPS,
         help="how trainers overlap a round's communication with computation (sets rounds.overlap of a JSON "
-        "spec): none (wait for each round's result; the default) or eager (send the update and train the "
-        "next round at once); streaming is not available yet",
+        "spec): none (wait for each round's result; the default), eager (send the update and train the "
+        "next round at once) or streaming (sync one fragment of the model a round while training on)",
+    )
+    submit.add_argument(
+        "--fragments",
+        type=_fragments,
+        metavar="N",
+        help=f"streaming: fragments of the model, synced one a round in turn (sets rounds.fragments; "
+        f"{MIN_FRAGMENTS} to {MAX_FRAGMENTS}, the server's default: {DEFAULT_FRAGMENTS})",
+    )
+    submit.add_argument(
+        "--mix",
+        type=_mix,
+        metavar="A",
+        help="streaming: a fragment's weights become A x local + (1 - A) x global when its result arrives "
+        "(sets rounds.mix; 0 <= A < 1, the server's default: 0.5)",
     )
 
     jobs = command("jobs", "list your jobs, newest first", json_help="print the API's job objects as JSON")

@@ -91,6 +91,8 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
         encoding=arguments.encoding,
         block_size=arguments.encoding_block_size,
         overlap=arguments.overlap,
+        fragments=arguments.fragments,
+        mix=arguments.mix,
     )
     with _client(arguments, environ=environ, transport=transport) as client:
         try:
@@ -113,11 +115,14 @@ def read_spec(
     encoding: str | None = None,
     block_size: int | None = None,
     overlap: str | None = None,
+    fragments: int | None = None,
+    mix: float | None = None,
 ) -> tuple[bytes, str]:
     """The request body and content type of a spec file: TOML by its ``.toml`` suffix, else JSON (checked
-    here, so a syntax error names its line; ``--name``, ``--encoding``, ``--encoding-block-size`` and
-    ``--overlap`` are set in it: ``rounds.encoding``, ``rounds.encoding_block_size``, ``rounds.overlap``; the
-    server checks them)."""
+    here, so a syntax error names its line; ``--name``, ``--encoding``, ``--encoding-block-size``,
+    ``--overlap``, ``--fragments`` and ``--mix`` are set in it: ``rounds.encoding``,
+    ``rounds.encoding_block_size``, ``rounds.overlap``, ``rounds.fragments``, ``rounds.mix``; the server checks
+    them, fragments and mix being streaming's alone)."""
     try:
         raw = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
     except OSError as error:
@@ -134,6 +139,11 @@ def read_spec(
                 '--overlap sets a JSON spec\'s rounds; in a TOML spec write overlap = "eager" under '
                 "[scheduler.job.rounds]"
             )
+        if fragments is not None or mix is not None:
+            raise UsageError(
+                "--fragments and --mix set a JSON spec's rounds; in a TOML spec write fragments = N and "
+                'mix = A (with overlap = "streaming") under [scheduler.job.rounds]'
+            )
         return raw, "application/toml"
     try:
         spec = json.loads(raw)
@@ -145,19 +155,22 @@ def read_spec(
         )
     if name is not None:
         spec["name"] = name
-    if encoding is not None or block_size is not None or overlap is not None:
+    rounds_options = {
+        "encoding": encoding,
+        "encoding_block_size": block_size,
+        "overlap": overlap,
+        "fragments": fragments,
+        "mix": mix,
+    }
+    if any(value is not None for value in rounds_options.values()):
         rounds = spec.setdefault("rounds", {})
         if not isinstance(rounds, dict):
             raise RefusedError(
-                f"{file}: rounds must be a JSON object for --encoding, --encoding-block-size or --overlap",
+                f"{file}: rounds must be a JSON object for --encoding, --encoding-block-size, --overlap, "
+                "--fragments or --mix",
                 status=0,
             )
-        if encoding is not None:
-            rounds["encoding"] = encoding
-        if block_size is not None:
-            rounds["encoding_block_size"] = block_size
-        if overlap is not None:
-            rounds["overlap"] = overlap
+        rounds.update({key: value for key, value in rounds_options.items() if value is not None})
     return json.dumps(spec).encode(), "application/json"
 
 

@@ -15,6 +15,7 @@ from django import forms
 from apps.jobs import services as job_services
 from apps.jobs import spec as job_spec
 from apps.jobs.exceptions import SpecError
+from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
 
 #: A tiny GPT-2 trained from scratch on bytes (bench/cluster.py's TINY_GPT2): trains on a CPU.
 TINY_GPT2 = {
@@ -48,6 +49,8 @@ FIELD_OF_PATH = {
     "rounds.encoding": "encoding",
     "rounds.encoding_block_size": "encoding_block_size",
     "rounds.overlap": "overlap",
+    "rounds.fragments": "fragments",
+    "rounds.mix": "mix",
     "batch_size": "batch_size",
     "num_trainers": "num_trainers",
     "evaluation": "holdout",
@@ -163,10 +166,29 @@ class DiLoCoJobForm(_SpecForm):
         choices=[
             ("none", "none (wait for each round's result)"),
             ("eager", "eager (train on while the round's result travels)"),
+            ("streaming", "streaming (sync one fragment of the model a round, training on)"),
         ],
         initial="none",
         help_text="eager: each trainer sends its update and starts the next round at once from a proxy of "
-        "the global weights, merging the real result when it arrives; streaming is not available yet",
+        "the global weights, merging the real result when it arrives; streaming: each round syncs one of "
+        "the model's fragments in turn while the trainers train on, mixing its result in when it arrives",
+    )
+    # Empty by default, and sent only when filled: the server's defaults apply, and a value given with another
+    # overlap than streaming is refused next to its field rather than dropped unseen.
+    fragments = _number(
+        "Fragments",
+        None,
+        f"streaming only: fragments of the model, each synced every this many rounds "
+        f"({MIN_FRAGMENTS}–{MAX_FRAGMENTS}; empty: {DEFAULT_FRAGMENTS})",
+        integer=True,
+        required=False,
+    )
+    mix = _number(
+        "Mix",
+        None,
+        "streaming only: a fragment's weights become mix × local + (1 − mix) × global when its result "
+        f"arrives (0 ≤ mix < 1; empty: {job_spec.DEFAULT_STREAMING_MIX})",
+        required=False,
     )
     inner_learning_rate = _number("Inner learning rate", 3e-3, "AdamW on the trainers")
     outer_learning_rate = _number("Outer learning rate", 0.7, "Nesterov on the parameter server")
@@ -209,6 +231,8 @@ class DiLoCoJobForm(_SpecForm):
                 "encoding",
                 "encoding_block_size",
                 "overlap",
+                "fragments",
+                "mix",
                 "inner_learning_rate",
                 "outer_learning_rate",
                 "outer_momentum",
@@ -274,8 +298,9 @@ class DiLoCoJobForm(_SpecForm):
             "trainer": _role(data, "trainer"),
             "parameter_server": _role(data, "ps"),
         }
-        if data.get("encoding_block_size") is not None:
-            spec["rounds"]["encoding_block_size"] = data["encoding_block_size"]
+        for key in ("encoding_block_size", "fragments", "mix"):
+            if data.get(key) is not None:
+                spec["rounds"][key] = data[key]
         if data.get("holdout"):
             spec["evaluation"] = {"holdout": data["holdout"], "batch_size": data["eval_batch_size"]}
         return spec

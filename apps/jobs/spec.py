@@ -38,6 +38,7 @@ from hypha_tensors.formats import (
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
 )
+from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
 
 MAX_TRAINERS = 256
 #: Rounds between two full-weight uploads of the checkpoint copy (``rounds.checkpoint_every``).
@@ -107,15 +108,21 @@ MODEL_TYPE_REFUSED = {
 
 #: How a trainer overlaps a round's communication with computation (``rounds.overlap``): ``none`` waits for
 #: each round's result; ``eager`` sends round r's update and trains round r + 1 at once from a proxy of the
-#: global weights, merging round r's result when it arrives (docs/training.md, "Overlap: eager updates").
+#: global weights, merging round r's result when it arrives (docs/training.md, "Overlap: eager updates");
+#: ``streaming`` syncs one of ``rounds.fragments`` fragments of the model a round and trains on while it
+#: travels, mixing the result in when it arrives (docs/training.md, "Overlap: streaming").
 OVERLAP_NONE = "none"
 OVERLAP_EAGER = "eager"
-OVERLAPS = (OVERLAP_NONE, OVERLAP_EAGER)
+OVERLAP_STREAMING = "streaming"
+OVERLAPS = (OVERLAP_NONE, OVERLAP_EAGER, OVERLAP_STREAMING)
+#: The modes whose trainers train the next round while a round's update is out (the control plane counts
+#: those steps ahead, apps.jobs.training.status).
+OVERLAPS_TRAINING_AHEAD = (OVERLAP_EAGER, OVERLAP_STREAMING)
 #: Modes a user may know from the literature that are not built yet, and why they are refused.
-OVERLAP_NOT_AVAILABLE = {
-    "streaming": "'streaming' (Streaming DiLoCo: synchronising fragments of the model in turn) is not "
-    "available yet; use 'eager' or 'none'.",
-}
+OVERLAP_NOT_AVAILABLE: dict[str, str] = {}
+#: Streaming's mixing factor α by default: a fragment's weights become α·local + (1 − α)·global when its
+#: round's result arrives (the Streaming DiLoCo paper's best value).
+DEFAULT_STREAMING_MIX = 0.5
 
 #: The schedule types of the spec → the ``scheduler`` variant tag of the train job JSON.
 SCHEDULE_TAGS = {"cosine": "cosine-with-warmup", "linear": "linear-with-warmup", "wsd": "wsd"}
@@ -304,8 +311,24 @@ class RoundsSpec(_Spec):
     overlap: Literal[OVERLAPS] = Field(  # type: ignore[valid-type]
         default=OVERLAP_NONE,
         description="How trainers overlap a round's communication with computation: none (wait for each "
-        "round's result) or eager (send round r's update and train round r + 1 at once from a proxy of the "
-        "global weights; docs/training.md, Overlap: eager updates). streaming is not available yet.",
+        "round's result), eager (send round r's update and train round r + 1 at once from a proxy of the "
+        "global weights; docs/training.md, Overlap: eager updates) or streaming (each round syncs one of "
+        "`fragments` fragments of the model, in turn, while the trainers train on; docs/training.md, "
+        "Overlap: streaming).",
+    )
+    fragments: Integer | None = Field(
+        default=None,
+        ge=MIN_FRAGMENTS,
+        le=MAX_FRAGMENTS,
+        description=f"streaming only: fragments of the model (default {DEFAULT_FRAGMENTS}); round r syncs "
+        "fragment (r − 1) mod fragments, so each tensor is synced every `fragments` rounds.",
+    )
+    mix: Float | None = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description=f"streaming only: when a fragment's result arrives its weights become mix × local + "
+        f"(1 − mix) × global (default {DEFAULT_STREAMING_MIX}; 0 replaces them with the global ones).",
     )
     checkpoint_every: Integer = Field(
         default=DEFAULT_CHECKPOINT_EVERY,
@@ -338,6 +361,31 @@ class RoundsSpec(_Spec):
                 {"encoding": encoding},
             )
         return value
+
+    @field_validator("fragments", "mix")
+    @classmethod
+    def _streaming_options(cls, value: Any, info: ValidationInfo) -> Any:
+        # A field validator (``overlap`` is declared before them), so that the error is at the option's own
+        # field — next to it in the dashboard, under its key in a TOML — and both are reported.
+        overlap = info.data.get("overlap")
+        if value is not None and overlap is not None and overlap != OVERLAP_STREAMING:
+            raise PydanticCustomError(
+                "streaming_only",
+                "{name} is an option of overlap = 'streaming' (this job's is {overlap}).",
+                {"name": info.field_name, "overlap": overlap},
+            )
+        return value
+
+    @property
+    def fragment_count(self) -> int:
+        """F of a streaming job (its ``fragments`` or the default); 1 otherwise."""
+        if self.overlap != OVERLAP_STREAMING:
+            return 1
+        return self.fragments if self.fragments is not None else DEFAULT_FRAGMENTS
+
+    @property
+    def streaming_mix(self) -> float:
+        return self.mix if self.mix is not None else DEFAULT_STREAMING_MIX
 
     @field_validator("overlap", mode="before")
     @classmethod
@@ -611,6 +659,14 @@ def _overlap_json(spec: DiLoCoSpec) -> dict[str, Any]:
     parameter server's step needs; nothing for ``none``, so that a default job's JSON stays exactly Hypha's."""
     if spec.rounds.overlap == OVERLAP_NONE:
         return {}
+    if spec.rounds.overlap == OVERLAP_STREAMING:
+        return {
+            "overlap": {
+                "mode": OVERLAP_STREAMING,
+                "fragments": spec.rounds.fragment_count,
+                "mix": spec.rounds.streaming_mix,
+            }
+        }
     return {
         "overlap": {
             "mode": spec.rounds.overlap,
@@ -660,6 +716,12 @@ def to_aggregate_job_json(
             "round_timeout": spec.rounds.round_timeout,
             "weighted": spec.rounds.weighted,
             **spec.rounds.encoding_json(),
+            # Ours, for streaming jobs only: round r steps fragment (r − 1) mod fragments alone.
+            **(
+                {"overlap": OVERLAP_STREAMING, "fragments": spec.rounds.fragment_count}
+                if spec.rounds.overlap == OVERLAP_STREAMING
+                else {}
+            ),
             # Ours (only when not the parameter server's default, so that a default job's JSON stays Hypha's).
             **(
                 {"checkpoint_every": spec.rounds.checkpoint_every}

@@ -40,7 +40,9 @@ PARAMETER_SERVER_COPIES = 4
 RESIDUAL_COPIES = 1
 #: An eager trainer (``rounds.overlap = "eager"``) adds two: the last result it merged and the proxy weights it
 #: trains from while its update is out (``worker_daemon/executors/overlap.py``; the weights at the round's
-#: start are counted already).
+#: start are counted already). A streaming trainer (``rounds.overlap = "streaming"``) adds none: the global
+#: weights it mixes a fragment's result into are the weights at the round's start, counted already, and what it
+#: sends and receives is one fragment, a 1/fragments share of a copy.
 EAGER_COPIES = 2
 #: Above this many layers the count is extrapolated from models of one and two layers, which a config of a
 #: million layers would otherwise take minutes to build even on the meta device.

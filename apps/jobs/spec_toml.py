@@ -165,8 +165,11 @@ class _TomlTranslation:
                 "encoding_block_size",
                 # Ours: the parameter server uploads its full weights every this many rounds.
                 "checkpoint_every",
-                # Ours: how trainers overlap a round's communication with computation (none, eager).
+                # Ours: how trainers overlap a round's communication with computation (none, eager,
+                # streaming), and streaming's fragments of the model and mixing factor.
                 "overlap",
+                "fragments",
+                "mix",
             ):
                 # One spelling for a key without "_" (``weighted``): two equal ones read as a duplicate.
                 spellings = tuple(dict.fromkeys((key, key.replace("_", "-"))))

@@ -231,16 +231,79 @@ def test_submit_with_eager_overlap_sets_it_in_the_json_specs_rounds(api, hypha, 
     }
 
 
-def test_an_overlap_flag_with_a_toml_spec_or_a_mode_not_built_is_a_usage_error(api, hypha, tmp_path, capsys):
+def test_an_overlap_flag_with_a_toml_spec_or_an_unknown_mode_is_a_usage_error(api, hypha, tmp_path, capsys):
     spec = tmp_path / "job.toml"
     spec.write_text("[scheduler.job]\nnum_trainers = 2\n")
 
     assert hypha("submit", str(spec), "--overlap", "eager") == ExitCode.USAGE
     assert 'write overlap = "eager" under [scheduler.job.rounds]' in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        hypha("submit", str(tmp_path / "job.json"), "--overlap", "streaming")
+        hypha("submit", str(tmp_path / "job.json"), "--overlap", "lazy")
     assert exit_.value.code == ExitCode.USAGE
-    assert "invalid choice: 'streaming'" in capsys.readouterr().err
+    assert "invalid choice: 'lazy'" in capsys.readouterr().err
+    assert api.requests == []
+
+
+def test_submit_with_streaming_overlap_sets_its_fragments_and_mix_in_the_json_specs_rounds(
+    api, hypha, tmp_path
+):
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"rounds": {"update_rounds": 3}, "num_trainers": 2}))
+    api.routes[("POST", "/api/jobs/diloco/")] = json_response(201, job("pending"))
+
+    assert hypha("submit", str(spec), "--overlap", "streaming", "--fragments", "8", "--mix", "0.25") == (
+        ExitCode.OK
+    )
+    assert hypha("submit", str(spec), "--overlap", "streaming") == ExitCode.OK
+
+    with_options, with_defaults = api.requests
+    assert json.loads(with_options.content) == {
+        "rounds": {"update_rounds": 3, "overlap": "streaming", "fragments": 8, "mix": 0.25},
+        "num_trainers": 2,
+    }
+    assert json.loads(with_defaults.content) == {
+        "rounds": {"update_rounds": 3, "overlap": "streaming"},
+        "num_trainers": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--fragments", "1"), "argument --fragments: must be from 2 to 64: '1'"),
+        (("--fragments", "65"), "argument --fragments: must be from 2 to 64: '65'"),
+        (("--fragments", "four"), "argument --fragments: not a whole number: 'four'"),
+        (("--mix", "1"), "argument --mix: must be at least 0 and less than 1: '1'"),
+        (("--mix", "-0.1"), "argument --mix: must be at least 0 and less than 1: '-0.1'"),
+        (("--mix", "nan"), "argument --mix: must be at least 0 and less than 1: 'nan'"),
+        (("--mix", "half"), "argument --mix: not a number: 'half'"),
+    ],
+)
+def test_fragments_or_a_mix_out_of_range_is_a_usage_error(api, hypha, tmp_path, capsys, flags, message):
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"rounds": {"overlap": "streaming"}}))
+
+    with pytest.raises(SystemExit) as exit_:
+        hypha("submit", str(spec), *flags)
+
+    assert exit_.value.code == ExitCode.USAGE
+    assert message in capsys.readouterr().err
+    assert api.requests == []
+
+
+def test_fragments_or_mix_with_a_toml_spec_is_a_usage_error_that_says_where_they_go(
+    api, hypha, tmp_path, capsys
+):
+    spec = tmp_path / "job.toml"
+    spec.write_text("[scheduler.job]\nnum_trainers = 2\n")
+
+    assert hypha("submit", str(spec), "--fragments", "8") == ExitCode.USAGE
+    assert (
+        'in a TOML spec write fragments = N and mix = A (with overlap = "streaming") under '
+        "[scheduler.job.rounds]" in capsys.readouterr().err
+    )
+    assert hypha("submit", str(spec), "--mix", "0.5") == ExitCode.USAGE
+    assert "--fragments and --mix set a JSON spec's rounds" in capsys.readouterr().err
     assert api.requests == []
 
 
@@ -249,8 +312,9 @@ def test_an_option_of_rounds_needs_rounds_to_be_an_object(api, hypha, tmp_path, 
     spec.write_text(json.dumps({"rounds": [3]}))
 
     assert hypha("submit", str(spec), "--overlap", "none") == ExitCode.REFUSED
-    assert "rounds must be a JSON object for --encoding, --encoding-block-size or --overlap" in (
-        capsys.readouterr().err
+    assert (
+        "rounds must be a JSON object for --encoding, --encoding-block-size, --overlap, --fragments or --mix"
+        in capsys.readouterr().err
     )
     assert api.requests == []
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from apps.jobs import observers, sync
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
-from apps.jobs.spec import OVERLAP_EAGER
+from apps.jobs.spec import OVERLAPS_TRAINING_AHEAD
 from apps.jobs.training import transfers
 from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
 from apps.jobs.training.plans import Plan, plan
@@ -121,7 +121,7 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
         batch_size = body.get("batch_size")
         batch_size = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else 0
         batch_size = max(0, min(batch_size, 10**9))
-        if task.sync_state == Task.Sync.UPDATING and current.spec.rounds.overlap == OVERLAP_EAGER:
+        if task.sync_state == Task.Sync.UPDATING and current.spec.rounds.overlap in OVERLAPS_TRAINING_AHEAD:
             reply, ahead = _ahead_step(task, current, body, batch_size, now=now)
             return reply, {**changes, **ahead}
         if task.sync_state not in (Task.Sync.TRAINING, Task.Sync.SCHEDULED):
@@ -154,7 +154,7 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
                 samples,
                 interval,
                 clock,
-                eager=current.spec.rounds.overlap == OVERLAP_EAGER,
+                eager=current.spec.rounds.overlap in OVERLAPS_TRAINING_AHEAD,
             )
             if more is not None:
                 changes.update(sync_state=Task.Sync.SCHEDULED, update_due=steps + more)
@@ -192,7 +192,7 @@ def _trainer_status(task: Task, progress: dict | str) -> tuple[dict, dict[str, A
             ahead_samples=0,
             ahead_due=None,
         )
-        if not done and current.spec.rounds.overlap == OVERLAP_EAGER:
+        if not done and current.spec.rounds.overlap in OVERLAPS_TRAINING_AHEAD:
             del changes["continue_granted"]  # its daemon may hold a grant still: see _carried_over
             changes.update(_carried_over(task))
         reply = DONE if done else CONTINUE

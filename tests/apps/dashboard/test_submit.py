@@ -126,14 +126,96 @@ def test_the_form_takes_eager_overlap_and_the_job_page_shows_it(ada_browser, tin
     assert "&#x27;overlap&#x27;: &#x27;eager&#x27;" in ada_browser.get(f"/jobs/{job.pk}/").content.decode()
 
 
-def test_an_overlap_mode_that_is_not_built_is_refused_next_to_its_field(ada_browser, tiny_text):
-    response = ada_browser.post("/jobs/new/", default_fields(overlap="streaming"))
+def test_an_overlap_mode_that_is_not_offered_is_refused_next_to_its_field(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(overlap="lazy"))
 
     assert response.status_code == 400
-    # The select offers none and eager only: a posted "streaming" is not one of its choices.
     assert errors_next_to(response.content.decode(), "overlap") == [
-        "Select a valid choice. streaming is not one of the available choices."
+        "Select a valid choice. lazy is not one of the available choices."
     ]
+    assert Job.objects.count() == 0
+
+
+def test_the_form_takes_streaming_overlap_with_its_fragments_and_mix(ada_browser, tiny_text):
+    html = ada_browser.get("/jobs/new/").content.decode()
+    assert (
+        '<option value="streaming">streaming (sync one fragment of the model a round, training on)</option>'
+        in html
+    )
+    assert 'name="job-fragments"' in html and 'name="job-mix"' in html
+
+    response = ada_browser.post("/jobs/new/", default_fields(overlap="streaming", fragments="8", mix="0.25"))
+
+    job = Job.objects.get()
+    assert response.status_code == 302
+    rounds = job.spec["rounds"]
+    assert (rounds["overlap"], rounds["fragments"], rounds["mix"]) == ("streaming", 8, 0.25)
+
+
+def test_streaming_with_its_options_left_empty_gets_the_servers_defaults(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(overlap="streaming"))
+
+    job = Job.objects.get()
+    assert response.status_code == 302
+    spec = job_spec.parse_json(job.spec)
+    assert (spec.rounds.overlap, spec.rounds.fragment_count, spec.rounds.streaming_mix) == (
+        "streaming",
+        4,
+        0.5,
+    )
+
+
+def test_a_job_without_streaming_sends_no_fragments_or_mix(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(overlap="eager"))
+
+    assert response.status_code == 302
+    rounds = Job.objects.get().spec["rounds"]
+    assert (rounds["overlap"], rounds.get("fragments"), rounds.get("mix")) == ("eager", None, None)
+
+
+@pytest.mark.parametrize(
+    ("changes", "errors"),
+    [
+        (
+            {"overlap": "eager", "fragments": "8", "mix": "0.25"},
+            {
+                "fragments": [
+                    "fragments is an option of overlap = &#x27;streaming&#x27; (this job&#x27;s is eager)."
+                ],
+                "mix": ["mix is an option of overlap = &#x27;streaming&#x27; (this job&#x27;s is eager)."],
+            },
+        ),
+        (
+            {"overlap": "none", "mix": "0.25"},
+            {
+                "fragments": [],
+                "mix": ["mix is an option of overlap = &#x27;streaming&#x27; (this job&#x27;s is none)."],
+            },
+        ),
+        (
+            {"overlap": "streaming", "fragments": "1", "mix": "1"},
+            {
+                "fragments": ["Input should be greater than or equal to 2"],
+                "mix": ["Input should be less than 1"],
+            },
+        ),
+        (
+            {"overlap": "streaming", "fragments": "65", "mix": "-0.5"},
+            {
+                "fragments": ["Input should be less than or equal to 64"],
+                "mix": ["Input should be greater than or equal to 0"],
+            },
+        ),
+    ],
+)
+def test_streaming_options_out_of_range_or_without_streaming_are_refused_next_to_their_fields(
+    ada_browser, tiny_text, changes, errors
+):
+    response = ada_browser.post("/jobs/new/", default_fields(**changes))
+
+    assert response.status_code == 400
+    html = response.content.decode()
+    assert {field: errors_next_to(html, field) for field in errors} == errors
     assert Job.objects.count() == 0
 
 

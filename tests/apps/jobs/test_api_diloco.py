@@ -64,6 +64,8 @@ def test_a_json_spec_creates_a_job_with_its_requirements_and_spec(alice):
         "encoding": "float32",
         "encoding_block_size": None,
         "overlap": "none",
+        "fragments": None,
+        "mix": None,
         "checkpoint_every": 10,
     }
     assert job.spec["model"]["type"] == "causal-lm"

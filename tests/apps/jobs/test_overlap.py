@@ -1,6 +1,7 @@
-"""Overlap of communication with computation (``rounds.overlap``; docs/training.md, "Overlap: eager updates"):
-the spec through the REST API and the TOML, what the trainer's job JSON says, and the sync protocol with an
-eager trainer that trains the next round while its update is out (UPDATING)."""
+"""Overlap of communication with computation (``rounds.overlap``; docs/training.md, "Overlap: eager updates",
+"Overlap: streaming"): the spec through the REST API and the TOML, what the trainer's and the parameter server's
+job JSON say, and the sync protocol with an eager or streaming trainer that trains the next round while its
+update is out (UPDATING)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rest_framework.test import APIClient
 from apps.jobs import services as job_services
 from apps.jobs import training
 from apps.jobs.models import Job, Task
-from apps.jobs.spec import parse_json, parse_toml
+from apps.jobs.spec import OVERLAPS_TRAINING_AHEAD, parse_json, parse_toml
 from apps.jobs.spec_checks import size_problem
 from tests.apps.jobs.test_api_diloco import SPEC as API_SPEC
 from tests.apps.jobs.test_api_diloco import URL
@@ -45,6 +46,7 @@ def report(worker, task: Task, progress) -> tuple[dict, int]:
 
 
 def eager_spec(**rounds) -> dict:
+    """Two rounds of H = 3, eager unless ``rounds`` say another overlap."""
     spec = copy.deepcopy(SPEC)
     spec["rounds"] = {
         "update_rounds": 2,
@@ -102,30 +104,106 @@ def test_a_job_submitted_with_eager_overlap_keeps_it_in_its_spec(alice, data_nod
     assert Job.objects.get(pk=response.json()["id"]).spec["rounds"]["overlap"] == "eager"
 
 
+def api_spec(**rounds) -> dict:
+    """The API tests' spec on the registered dataset, with ``rounds`` set in its rounds."""
+    return {**API_SPEC, "dataset": {"name": "tiny-text"}, "rounds": {**API_SPEC["rounds"], **rounds}}
+
+
+@pytest.mark.django_db(transaction=True)  # the allocation is queued on commit
+@pytest.mark.parametrize(
+    ("rounds", "stored"),
+    [
+        ({"overlap": "streaming"}, {"overlap": "streaming", "fragments": None, "mix": None}),
+        (
+            {"overlap": "streaming", "fragments": 8, "mix": 0.25},
+            {"overlap": "streaming", "fragments": 8, "mix": 0.25},
+        ),
+        (
+            {"overlap": "streaming", "fragments": 2, "mix": 0},
+            {"overlap": "streaming", "fragments": 2, "mix": 0},
+        ),
+        ({"overlap": "streaming", "fragments": 64}, {"overlap": "streaming", "fragments": 64, "mix": None}),
+    ],
+)
+def test_a_job_submitted_with_streaming_overlap_keeps_it_and_its_options_in_its_spec(
+    alice, data_node, rounds, stored
+):
+    response = alice.client.post(URL, api_spec(**rounds), format="json")
+
+    assert response.status_code == 201, response.content
+    shown = response.json()["spec"]["rounds"]
+    assert {key: shown.get(key) for key in stored} == stored
+    kept = Job.objects.get(pk=response.json()["id"]).spec["rounds"]
+    assert {key: kept.get(key) for key in stored} == stored
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     ("overlap", "message"),
     [
-        (
-            "streaming",
-            "'streaming' (Streaming DiLoCo: synchronising fragments of the model in turn) is not available "
-            "yet; use 'eager' or 'none'.",
-        ),
-        ("lazy", "Input should be 'none' or 'eager'"),
-        (True, "Input should be 'none' or 'eager'"),
+        ("lazy", "Input should be 'none', 'eager' or 'streaming'"),
+        (True, "Input should be 'none', 'eager' or 'streaming'"),
     ],
 )
 def test_an_overlap_that_is_not_built_is_a_400_at_its_field(alice, data_node, overlap, message):
-    spec = {
-        **API_SPEC,
-        "dataset": {"name": "tiny-text"},
-        "rounds": {**API_SPEC["rounds"], "overlap": overlap},
-    }
-
-    response = alice.client.post(URL, spec, format="json")
+    response = alice.client.post(URL, api_spec(overlap=overlap), format="json")
 
     assert response.status_code == 400
     assert response.json() == {"rounds.overlap": [message]}
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("rounds", "errors"),
+    [
+        (
+            {"overlap": "streaming", "fragments": 1, "mix": 1},
+            {
+                "rounds.fragments": ["Input should be greater than or equal to 2"],
+                "rounds.mix": ["Input should be less than 1"],
+            },
+        ),
+        (
+            {"overlap": "streaming", "fragments": 65, "mix": -0.1},
+            {
+                "rounds.fragments": ["Input should be less than or equal to 64"],
+                "rounds.mix": ["Input should be greater than or equal to 0"],
+            },
+        ),
+        (
+            {"overlap": "streaming", "fragments": 2.5, "mix": "half"},
+            {
+                "rounds.fragments": ["Input should be a valid integer"],
+                "rounds.mix": ["Input should be a valid number"],
+            },
+        ),
+        (
+            {"overlap": "eager", "fragments": 8, "mix": 0.25},
+            {
+                "rounds.fragments": [
+                    "fragments is an option of overlap = 'streaming' (this job's is eager)."
+                ],
+                "rounds.mix": ["mix is an option of overlap = 'streaming' (this job's is eager)."],
+            },
+        ),
+        (
+            {"overlap": "none", "fragments": 4},
+            {"rounds.fragments": ["fragments is an option of overlap = 'streaming' (this job's is none)."]},
+        ),
+        (
+            {"mix": 0.5},  # no overlap: none
+            {"rounds.mix": ["mix is an option of overlap = 'streaming' (this job's is none)."]},
+        ),
+    ],
+)
+def test_streaming_options_out_of_range_or_without_streaming_are_a_400_at_their_fields(
+    alice, data_node, rounds, errors
+):
+    response = alice.client.post(URL, api_spec(**rounds), format="json")
+
+    assert response.status_code == 400
+    assert response.json() == errors
     assert Job.objects.count() == 0
 
 
@@ -134,13 +212,72 @@ def test_the_toml_takes_the_overlap_in_its_rounds_table():
 
     assert parse_toml(text).rounds.overlap == "eager"
     assert parse_toml(HYPHA_DEFAULT_TOML).rounds.overlap == "none"
-    assert errors_of(parse_toml, text.replace('"eager"', '"streaming"')) == [
+    assert errors_of(parse_toml, text.replace('"eager"', '"lazy"')) == [
         {
             "field": "scheduler.job.rounds.overlap",
-            "message": "'streaming' (Streaming DiLoCo: synchronising fragments of the model in turn) is not "
-            "available yet; use 'eager' or 'none'.",
+            "message": "Input should be 'none', 'eager' or 'streaming'",
         }
     ]
+
+
+def test_the_toml_takes_streaming_and_its_fragments_and_mix_in_its_rounds_table():
+    def rounds(lines: str) -> str:
+        return HYPHA_DEFAULT_TOML.replace("[scheduler.job.rounds]", f"[scheduler.job.rounds]\n{lines}")
+
+    defaults = parse_toml(rounds('overlap = "streaming"')).rounds
+    given = parse_toml(rounds('overlap = "streaming"\nfragments = 8\nmix = 0.25')).rounds
+
+    assert (defaults.overlap, defaults.fragments, defaults.mix) == ("streaming", None, None)
+    assert (defaults.fragment_count, defaults.streaming_mix) == (4, 0.5)
+    assert (given.overlap, given.fragments, given.mix, given.fragment_count, given.streaming_mix) == (
+        "streaming",
+        8,
+        0.25,
+        8,
+        0.25,
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "errors"),
+    [
+        (
+            'overlap = "streaming"\nfragments = 1\nmix = 1.0',
+            [
+                ("scheduler.job.rounds.fragments", "Input should be greater than or equal to 2"),
+                ("scheduler.job.rounds.mix", "Input should be less than 1"),
+            ],
+        ),
+        (
+            'overlap = "eager"\nfragments = 8\nmix = 0.25',
+            [
+                (
+                    "scheduler.job.rounds.fragments",
+                    "fragments is an option of overlap = 'streaming' (this job's is eager).",
+                ),
+                (
+                    "scheduler.job.rounds.mix",
+                    "mix is an option of overlap = 'streaming' (this job's is eager).",
+                ),
+            ],
+        ),
+        (
+            "fragments = 8",
+            [
+                (
+                    "scheduler.job.rounds.fragments",
+                    "fragments is an option of overlap = 'streaming' (this job's is none).",
+                )
+            ],
+        ),
+    ],
+)
+def test_the_tomls_streaming_options_are_checked_at_their_keys(lines, errors):
+    text = HYPHA_DEFAULT_TOML.replace("[scheduler.job.rounds]", f"[scheduler.job.rounds]\n{lines}")
+
+    found = errors_of(parse_toml, text)
+
+    assert [(error["field"], error["message"]) for error in found] == errors
 
 
 def test_a_json_spec_without_overlap_waits_for_each_round():
@@ -164,6 +301,50 @@ def test_an_eager_trainer_is_told_the_mode_and_the_outer_optimizer_and_the_serve
 
 
 @pytest.mark.django_db
+def test_a_streaming_trainer_is_told_the_fragments_and_mix_and_the_server_the_fragments(make_job, sent):
+    # when
+    streaming = make_job(eager_spec(overlap="streaming", fragments=8, mix=0.25))
+
+    # then
+    trainer, server = dispatches(sent)["trainer"], dispatches(sent)["parameter_server"]
+    assert trainer.spec["executor"]["config"]["overlap"] == {"mode": "streaming", "fragments": 8, "mix": 0.25}
+    assert server.spec["executor"]["config"]["rounds"] == {
+        "update_rounds": 2,
+        "round_timeout": 30.0,
+        "weighted": True,
+        "max_samples_per_update": 12,
+        "overlap": "streaming",
+        "fragments": 8,
+    }
+    assert streaming.spec["rounds"]["overlap"] == "streaming"
+
+
+@pytest.mark.django_db
+def test_a_streaming_job_without_its_options_sends_the_defaults(make_job, sent):
+    make_job(eager_spec(overlap="streaming"))
+
+    trainer, server = dispatches(sent)["trainer"], dispatches(sent)["parameter_server"]
+    assert trainer.spec["executor"]["config"]["overlap"] == {"mode": "streaming", "fragments": 4, "mix": 0.5}
+    assert server.spec["executor"]["config"]["rounds"]["fragments"] == 4
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("overlap", ["none", "eager"])
+def test_a_job_without_streaming_tells_the_server_nothing_of_fragments(make_job, sent, overlap):
+    make_job(eager_spec(overlap=overlap))
+
+    server = dispatches(sent)["parameter_server"]
+    assert server.spec["executor"]["config"]["rounds"] == {
+        "update_rounds": 2,
+        "round_timeout": 30.0,
+        "weighted": True,
+        "max_samples_per_update": 12,
+    }
+    assert "fragments" not in json.dumps(dispatches(sent)["trainer"].spec)
+    assert "mix" not in json.dumps(dispatches(sent)["trainer"].spec["executor"]["config"])
+
+
+@pytest.mark.django_db
 def test_a_job_without_overlap_tells_its_trainers_nothing_so_its_json_stays_hyphas(make_job, sent):
     make_job(eager_spec(overlap="none"))
 
@@ -174,11 +355,14 @@ def test_a_job_without_overlap_tells_its_trainers_nothing_so_its_json_stays_hyph
 
 
 @pytest.mark.django_db
-def test_steps_while_the_update_is_out_count_as_the_next_rounds_and_carry_over(make_job, online_rigs):
+@pytest.mark.parametrize("overlap", OVERLAPS_TRAINING_AHEAD)
+def test_steps_while_the_update_is_out_count_as_the_next_rounds_and_carry_over(
+    make_job, online_rigs, overlap
+):
     """H = 3. rig-a sends round 1's update and trains on: its steps count ahead, not in round 1 (whose samples
     bound its update), and become round 2's at its update-received — the merge coming between two steps of a
     run its daemon answers itself."""
-    job = make_job(eager_spec())
+    job = make_job(eager_spec(overlap=overlap))
     rig_a, _rig_b, rig_c = online_rigs
     task = task_of(job, rig_a)
     assert report(rig_a, task, STEP) == (CONTINUE, 1)
@@ -210,8 +394,11 @@ def test_steps_while_the_update_is_out_count_as_the_next_rounds_and_carry_over(m
 
 
 @pytest.mark.django_db
-def test_h_steps_ahead_stop_the_trainer_until_it_merged_then_its_update_is_due(make_job, online_rigs):
-    job = make_job(eager_spec())
+@pytest.mark.parametrize("overlap", OVERLAPS_TRAINING_AHEAD)
+def test_h_steps_ahead_stop_the_trainer_until_it_merged_then_its_update_is_due(
+    make_job, online_rigs, overlap
+):
+    job = make_job(eager_spec(overlap=overlap))
     rig_a = online_rigs[0]
     task = task_of(job, rig_a)
     report(rig_a, task, STEP)
@@ -235,12 +422,13 @@ def test_h_steps_ahead_stop_the_trainer_until_it_merged_then_its_update_is_due(m
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("overlap", OVERLAPS_TRAINING_AHEAD)
 def test_a_trainer_that_does_not_train_ahead_runs_an_eager_job_as_before_and_is_done_at_the_end(
-    make_job, online_rigs, clock
+    make_job, online_rigs, clock, overlap
 ):
     """Hypha's executor ignores the overlap key: it waits for each result. And past the last round's update
     an eager trainer has nothing to train: its first step ahead is told to stop, its merge is answered Done."""
-    job = make_job(eager_spec())
+    job = make_job(eager_spec(overlap=overlap))
     rig_a = online_rigs[0]
     task = task_of(job, rig_a)
     report(rig_a, task, STEP)
@@ -284,11 +472,14 @@ def test_a_trainer_of_a_job_without_overlap_may_not_report_steps_while_updating(
 
 
 @pytest.mark.django_db
-def test_with_a_sample_target_far_from_it_a_trainer_ahead_may_run_on_unasked(make_job, online_rigs, clock):
+@pytest.mark.parametrize("overlap", OVERLAPS_TRAINING_AHEAD)
+def test_with_a_sample_target_far_from_it_a_trainer_ahead_may_run_on_unasked(
+    make_job, online_rigs, clock, overlap
+):
     """Target 400 samples of batch 4. rig-a trains round 2 (20 samples in); rig-b, 1 s a step, has just sent
     round 1's update, 10 s after its last step: its first step ahead may be followed by two more unasked
     (MAX_CONTINUE_SECONDS), and the 10 s of sending do not count as a step time."""
-    job = make_job(eager_spec(inner_steps=None, avg_samples_between_updates=400))
+    job = make_job(eager_spec(inner_steps=None, avg_samples_between_updates=400, overlap=overlap))
     rig_a, rig_b, _rig_c = online_rigs
     fast, slow = task_of(job, rig_a), task_of(job, rig_b)
     Task.objects.filter(pk=fast.pk).update(
@@ -306,13 +497,14 @@ def test_with_a_sample_target_far_from_it_a_trainer_ahead_may_run_on_unasked(mak
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("overlap", OVERLAPS_TRAINING_AHEAD)
 def test_with_a_sample_target_the_samples_ahead_count_for_the_round_they_belong_to(
-    make_job, online_rigs, clock
+    make_job, online_rigs, clock, overlap
 ):
     """Target 40. rig-a trains round 2 (20 samples); rig-b, waiting for round 1's result, has 16 of round 2's
     samples ahead: rig-a's next step makes 40, so it stops; rig-b's next step ahead is past the target, so it
     stops too, and is SCHEDULED once it merged."""
-    job = make_job(eager_spec(inner_steps=None, avg_samples_between_updates=40))
+    job = make_job(eager_spec(inner_steps=None, avg_samples_between_updates=40, overlap=overlap))
     rig_a, rig_b, _rig_c = online_rigs
     fast, slow = task_of(job, rig_a), task_of(job, rig_b)
     Task.objects.filter(pk=fast.pk).update(
@@ -346,8 +538,9 @@ def test_with_a_sample_target_the_samples_ahead_count_for_the_round_they_belong_
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_step_ahead_through_the_gateway_shows_on_the_job(make_job, online_rigs, daemon_of):  # noqa: F811
-    job = await database_sync_to_async(make_job)(eager_spec())
+@pytest.mark.parametrize("overlap", OVERLAPS_TRAINING_AHEAD)
+async def test_a_step_ahead_through_the_gateway_shows_on_the_job(make_job, online_rigs, daemon_of, overlap):  # noqa: F811
+    job = await database_sync_to_async(make_job)(eager_spec(overlap=overlap))
     rig_a = online_rigs[0]
     task = await database_sync_to_async(task_of)(job, rig_a)
     daemon = await daemon_of(rig_a)
@@ -385,7 +578,10 @@ async def test_a_step_ahead_through_the_gateway_shows_on_the_job(make_job, onlin
 # --- what a trainer needs -------------------------------------------------------------------------------------
 
 
-def test_an_eager_trainer_needs_two_more_copies_of_the_model_and_the_parameter_server_none():
+@pytest.mark.parametrize(("overlap", "trainer_copies"), [("none", 5), ("eager", 7), ("streaming", 5)])
+def test_an_eager_trainer_needs_two_more_copies_of_the_model_a_streaming_one_and_the_parameter_server_none(
+    overlap, trainer_copies
+):
     config = {
         "model_type": "gpt2",
         "n_layer": 2,
@@ -403,10 +599,10 @@ def test_an_eager_trainer_needs_two_more_copies_of_the_model_and_the_parameter_s
         },
         trainer={"resources": {"memory": 0.001}},
         parameter_server={"resources": {"memory": 0.001}},
-        rounds={"update_rounds": 2, "inner_steps": 5, "overlap": "eager"},
+        rounds={"update_rounds": 2, "inner_steps": 5, "overlap": overlap},
     )
 
     problem = size_problem(parse_json(data), max_parameters=10**9)
 
-    assert "a trainer needs about" in problem and "(7 float32 copies of them) but trainer" in problem
+    assert f"({trainer_copies} float32 copies of them) but trainer" in problem
     assert "(4 float32 copies of them) but parameter_server" in problem
