@@ -1,9 +1,11 @@
 """Built-in executors started by the worker daemon.
 
-* ``training``         the DiLoCo trainer: ``accelerate launch -m worker_daemon.executors.training --socket …
-                       --work-dir … --job …`` (or ``python -m``); talks only to the job bridge.
+* ``training``         the DiLoCo trainer: ``python -m worker_daemon.executors.training --socket … --work-dir …``
+                       (the ``trainer`` runtime, forked warm; or under ``accelerate launch`` as a ``process``
+                       executor); talks only to the job bridge.
 * ``bridge_client``    a client of the job bridge's documented endpoints (HTTP over the Unix socket).
 * ``overlap``          eager updates: round r's communication overlapped with round r+1's steps.
+* ``streaming``        Streaming DiLoCo: one fragment of the model synced a round, mixed in when it arrives.
 * ``pseudo_gradient``  delta out, update in: tied-weight-aware, never corrupts the live model.
 * ``job``              the train job JSON, parsed and checked.
 * ``data``             endless samples from the data slices the bridge fetches.

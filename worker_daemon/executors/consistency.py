@@ -11,6 +11,9 @@ of θ_r); our bridge announces each result with its ``round`` and its own file. 
 * refuses to merge a file whose size is not the event's, whose round is not the event's, or that is not the
   next round (one was missed: pruned by the parameter server);
 * after merging, compares the digest of its global weights (in the published dtypes) with ``hypha.digest``;
+* in a streaming job (:mod:`~worker_daemon.executors.streaming`), refuses a result whose tensors are not
+  exactly the round's fragment's (it is some other round's); merges it into the full weights, the other
+  tensors as they were, and compares the digest of the full θ_r;
 * on any of these, fetches the full global weights (the job's model artifact, which also moves the bridge's
   rounds forward), checks their digest, and goes on from them — never on with weights it cannot vouch for.
 
@@ -25,7 +28,7 @@ so the merged weights are its θ_r bit for bit (docs/training.md, "Encodings").
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +40,7 @@ from hypha_tensors.encoding import decode
 from hypha_tensors.exceptions import TensorError
 from hypha_tensors.formats import Encoding, EncodingError
 from worker_daemon.executors.exceptions import UpdateError
-from worker_daemon.executors.pseudo_gradient import StateDict, merge, tied_groups
+from worker_daemon.executors.pseudo_gradient import StateDict, fragment_mismatch, merge, tied_groups
 
 if TYPE_CHECKING:
     from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
@@ -150,9 +153,12 @@ def receive_round(
     round_number: int,
     global_previous: StateDict,
     dtypes: Mapping[str, torch.dtype],
+    fragment: Collection[str] | None = None,
 ) -> Merged:
     """Read the result of round ``round_number`` from the stream (skipping announced results of earlier
-    rounds) and merge it; :class:`OutOfSync` when it cannot give θ_r, ``UpdateError`` for an unusable file."""
+    rounds) and merge it; :class:`OutOfSync` when it cannot give θ_r, ``UpdateError`` for an unusable file.
+    ``fragment``: the names of the round's fragment (a streaming job), the only tensors its result may and
+    must hold (else :class:`OutOfSync`); None: every tensor, as ever."""
     while True:
         received = results.next_file()
         path = work_dir / received.path
@@ -186,10 +192,17 @@ def receive_round(
         update = load_result(path)
     except (TensorError, EncodingError) as error:
         raise UpdateError(f"round {round_number}: the update {received.path} is unusable: {error}") from error
-    global_new = merge(global_previous, update)
+    if fragment is not None:
+        reason = fragment_mismatch(global_previous, set(update), fragment)
+        if reason is not None:
+            raise OutOfSync(f"the result {reason}")
+    global_new = merge(global_previous, update, fragment)
     if publication.digest is None:
         return Merged(global_new, round_number, None)
-    reference = dtypes or {name: tensor.dtype for name, tensor in update.items()}
+    # A fragment's result says the digest of the full θ_r: taken over every tensor.
+    reference = dtypes or {
+        name: tensor.dtype for name, tensor in (update if fragment is None else global_new).items()
+    }
     ours = _digest_or_reason(global_new, reference)
     if ours != publication.digest:
         raise OutOfSync(

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -28,6 +29,7 @@ from hypha_tensors.formats import (
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
 )
+from hypha_tensors.fragments import MAX_FRAGMENTS, MIN_FRAGMENTS
 from worker_daemon.executors.exceptions import JobConfigError
 
 # Rust's kebab-case ModelType → candidate transformers Auto classes, the first that exists wins. Hypha's Python
@@ -139,23 +141,37 @@ class ProgressSpec(_Shape):
 
 class OverlapSpec(_Shape):
     """Ours, not Hypha's: how a trainer overlaps a round's communication with the next round's steps
-    (docs/training.md, "Overlap: eager updates"). ``none`` (also: the key absent) waits for each round's
-    result; ``eager`` sends round r's update and trains on at once from a proxy of the parameter server's step,
-    which needs the job's outer optimizer: ``outer_learning_rate`` (> 0) and ``outer_momentum`` (0 ≤ μ < 1)."""
+    (docs/training.md, "Overlap: eager updates" and "Overlap: streaming"). ``none`` (also: the key absent) waits
+    for each round's result; ``eager`` sends round r's update and trains on at once from a proxy of the
+    parameter server's step, which needs the job's outer optimizer: ``outer_learning_rate`` (> 0) and
+    ``outer_momentum`` (0 ≤ μ < 1); ``streaming`` sends one of ``fragments`` (F, 2–64) fragments of the model
+    a round and trains on, mixing the fragment's global weights in with the weight ``mix`` (α, 0 ≤ α < 1) on
+    the local ones when they arrive."""
 
-    mode: Literal["none", "eager"]
+    mode: Literal["none", "eager", "streaming"]
     outer_learning_rate: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
+    # Strict: a JSON true or 2.5 is not a fragment count.
+    fragments: Annotated[StrictInt, Field(ge=MIN_FRAGMENTS, le=MAX_FRAGMENTS)] | None = None
+    mix: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
 
     @model_validator(mode="after")
-    def _eager_needs_the_outer_optimizer(self) -> OverlapSpec:
+    def _each_mode_has_its_settings(self) -> OverlapSpec:
         if self.mode == "eager" and (self.outer_learning_rate is None or self.outer_momentum is None):
             raise ValueError("eager overlap needs outer_learning_rate and outer_momentum")
+        if self.mode == "streaming" and (self.fragments is None or self.mix is None):
+            raise ValueError(
+                f"streaming overlap needs fragments ({MIN_FRAGMENTS} to {MAX_FRAGMENTS}) and mix (0 ≤ mix < 1)"
+            )
         return self
 
     @property
     def eager(self) -> bool:
         return self.mode == "eager"
+
+    @property
+    def streaming(self) -> bool:
+        return self.mode == "streaming"
 
 
 class TrainConfig(_Shape):
@@ -171,7 +187,7 @@ class TrainConfig(_Shape):
     #: Ours, not Hypha's: how the pseudo-gradients travel and the results come (docs/training.md, "Encodings").
     encoding: str = DEFAULT_ENCODING
     encoding_block_size: Annotated[int, Field(ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)] = DEFAULT_BLOCK_SIZE
-    #: Ours, not Hypha's: only eager jobs carry it (docs/training.md, "Overlap: eager updates").
+    #: Ours, not Hypha's: only eager and streaming jobs carry it (docs/training.md, "Overlap: …").
     overlap: OverlapSpec | None = None
 
     @field_validator("encoding")

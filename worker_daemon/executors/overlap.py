@@ -167,17 +167,18 @@ def float_buffers(model: torch.nn.Module) -> frozenset[str]:
 class PendingResult:
     """Round ``round_number``'s result read in a background thread by ``receive`` (which returns
     ``training.receive_result``'s pair); :meth:`done` says whether it has finished, :meth:`wait` returns the
-    pair or raises what ``receive`` raised (``UpdateError``, ``BridgeCallError``: the job cannot go on)."""
+    pair or raises what ``receive`` raised (``UpdateError``, ``BridgeCallError``: the job cannot go on).
+    A streaming trainer (:mod:`~worker_daemon.executors.streaming`) uses it too, without a proxy."""
 
     def __init__(
         self,
         *,
         round_number: int,
-        proxy: StateDict,
+        proxy: StateDict | None = None,
         receive: Callable[[], tuple[Merged, Published | None]],
     ) -> None:
         self.round_number = round_number
-        #: p_r, the weights the model was set to when round r+1 started.
+        #: p_r, the weights the model was set to when round r+1 started (None: the model was not changed).
         self.proxy = proxy
         self._receive = receive
         self._outcome: tuple[Merged, Published | None] | None = None
@@ -338,6 +339,7 @@ class EagerRounds:
         pending = self.pending
         assert pending is not None
         merged, publication = pending.wait()
+        assert pending.proxy is not None
         correct(self.model, pending.proxy, merged.weights)
         # p_r and u_{r−1} go before u_r is made: two model copies more than a trainer that waits, not three.
         self.pending = None

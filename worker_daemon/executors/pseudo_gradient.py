@@ -22,11 +22,16 @@ Contracts every function here keeps:
   executor's memory, for the whole run: across rounds it was left out of, and across a fetch of the full
   global weights (the residual is what this trainer's own updates have not delivered yet, not a property of
   the weights it holds). It is lost when the executor exits (a replacement starts from zero).
+* **Fragments** (Streaming DiLoCo, :mod:`~worker_daemon.executors.streaming`): a fragment is a set of names
+  holding every name of each of its tied groups (:func:`hypha_tensors.fragments.partition`). Given one,
+  :func:`compute_delta` computes the fragment's delta alone and :func:`merge` takes an update of exactly the
+  fragment's groups, the other tensors staying what they were (the very same objects: no copy). Without one
+  both are as strict as ever: every tensor, every time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -76,16 +81,54 @@ def _check_names(names: set[str], expected: set[str], what: str) -> None:
         raise UpdateError(f"{what}: tensor {unknown[0]!r} is unknown")
 
 
+def fragment_state(state: Mapping[str, torch.Tensor], fragment: Collection[str]) -> StateDict:
+    """The entries of ``state`` whose tied group has a name in ``fragment`` (whole groups; the tensors
+    themselves, not copies)."""
+    return {
+        name: state[name]
+        for group in tied_groups(state)
+        if any(name in fragment for name in group)
+        for name in group
+    }
+
+
+def fragment_mismatch(
+    global_previous: Mapping[str, torch.Tensor], names: Collection[str], fragment: Collection[str]
+) -> str | None:
+    """Why an update naming ``names`` is not one of exactly ``fragment``'s tied groups of
+    ``global_previous`` (any name of a group will do, as in :func:`merge`), or None when it is."""
+    unknown = sorted(set(names) - set(global_previous))
+    if unknown:
+        return f"names an unknown tensor {unknown[0]!r}"
+    groups = [
+        (group, any(name in fragment for name in group), any(name in names for name in group))
+        for group in tied_groups(global_previous)
+    ]
+    # A name of another fragment first: it says the file is some other round's.
+    for group, inside, given in groups:
+        if given and not inside:
+            return f"names {group[0]!r}, which is not in the round's fragment"
+    for group, inside, given in groups:
+        if inside and not given:
+            return f"has no tensor {group[0]!r} of the round's fragment"
+    return None
+
+
 def compute_delta(
-    local: Mapping[str, torch.Tensor], global_previous: Mapping[str, torch.Tensor]
+    local: Mapping[str, torch.Tensor],
+    global_previous: Mapping[str, torch.Tensor],
+    fragment: Collection[str] | None = None,
 ) -> StateDict:
-    """``delta = local − global_previous`` as new CPU tensors in the global weights' dtypes.
+    """``delta = local − global_previous`` as new CPU tensors in the global weights' dtypes; with
+    ``fragment``, of the fragment's tied groups only (every name of each).
 
     ``global_previous`` comes from :func:`snapshot` or :func:`merge` (tied names share one object); the
     result is tied the same way. ``local`` (typically :func:`float_state` of the live model, on any device)
     is only read. Names and shapes must match, else ``UpdateError``.
     """
     _check_names(set(local), set(global_previous), "the local weights")
+    if fragment is not None:
+        global_previous = fragment_state(global_previous, fragment)
     deltas: StateDict = {}
     for group in tied_groups(global_previous):
         previous = global_previous[group[0]]
@@ -115,7 +158,11 @@ def encode_update(
     return feedback.encode(delta), feedback.metadata()
 
 
-def merge(global_previous: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> StateDict:
+def merge(
+    global_previous: Mapping[str, torch.Tensor],
+    update: Mapping[str, torch.Tensor],
+    fragment: Collection[str] | None = None,
+) -> StateDict:
     """``θ_new = global_previous + update`` as new tensors, tied like ``global_previous``.
 
     ``update`` may name a tied group under all of its names (``weights.load`` of a file with aliases) or
@@ -123,11 +170,23 @@ def merge(global_previous: Mapping[str, torch.Tensor], update: Mapping[str, torc
     before anything is computed, when a group is missing, a name is unknown, a tensor is not a floating-point
     tensor of the right shape, contains NaN or Inf, or a group's names carry different values. A dtype other
     than the global weights' is converted. Inputs are never modified.
+
+    With ``fragment`` the update must name exactly the fragment's groups (:func:`fragment_mismatch`, else
+    ``UpdateError``); every other entry of the result is ``global_previous``'s own tensor.
     """
     groups = tied_groups(global_previous)
     unknown = sorted(set(update) - set(global_previous))
     if unknown:
         raise UpdateError(f"the update has an unknown tensor {unknown[0]!r}")
+    kept: StateDict = {}
+    if fragment is not None:
+        reason = fragment_mismatch(global_previous, set(update), fragment)
+        if reason is not None:
+            raise UpdateError(f"the update {reason}")
+        inside = [group for group in groups if any(name in fragment for name in group)]
+        outside = [group for group in groups if not any(name in fragment for name in group)]
+        kept = {name: global_previous[name] for group in outside for name in group}
+        groups = inside
     chosen: list[tuple[list[str], torch.Tensor]] = []
     for group in groups:
         present = [name for name in group if name in update]
@@ -149,7 +208,7 @@ def merge(global_previous: Mapping[str, torch.Tensor], update: Mapping[str, torc
             if update[name] is not first and not torch.equal(update[name], first):
                 raise UpdateError(f"the update's tied tensors {present[0]!r} and {name!r} differ")
         chosen.append((group, first))
-    merged: StateDict = {}
+    merged: StateDict = dict(kept)
     for group, value in chosen:
         previous = global_previous[group[0]]
         new = previous + value.to("cpu", previous.dtype)

@@ -23,7 +23,8 @@ variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``)::
 An eager job (``overlap.mode = "eager"`` in the job JSON) does not wait in step 3: it sends round r's update
 and trains round r+1 from a proxy of the parameter server's step at once, merging round r's result between
 two steps when it arrives (:mod:`~worker_daemon.executors.overlap`, docs/training.md, "Overlap: eager
-updates").
+updates"). A streaming job (``overlap.mode = "streaming"``) sends one fragment of the model a round and trains
+on, mixing the fragment's global weights in when they arrive (:mod:`~worker_daemon.executors.streaming`).
 
 Counter (exactly Hypha's): it is -1 at the start of each round; a ``ScheduleUpdate`` reply sets it to the
 reply's ``counter``, every other reply decrements it; the round's inner loop ends when it reaches 0. So
@@ -49,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -446,11 +447,13 @@ def send_update(
     round_number: int,
     stats: RoundStats,
     feedback: ErrorFeedback | None = None,
+    fragment: Collection[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The first half of the outer step: send ``"update"``, write the pseudo-gradient
     ``delta = θ_local − θ_global_prev`` (in the job's encoding, with error feedback) and hand it to the bridge,
     report the round's metrics. Returns ``delta`` itself (float32, tied like ``global_previous``, before any
-    encoding): an eager trainer's proxy is made of it. The model is only read."""
+    encoding): an eager trainer's proxy is made of it. The model is only read. ``fragment`` (a streaming
+    job): the delta of those tensors only (every name of each tied group in it)."""
     from hypha_tensors import weights
     from hypha_tensors.exceptions import TensorError
     from hypha_tensors.formats import EncodingError
@@ -458,7 +461,7 @@ def send_update(
     from worker_daemon.executors.pseudo_gradient import compute_delta, encode_update, float_state
 
     client.status("update")
-    delta = compute_delta(float_state(model), global_previous)
+    delta = compute_delta(float_state(model), global_previous, fragment)
     relative = f"{UPDATES_DIR}/{round_number}.safetensors"
     (work_dir / UPDATES_DIR).mkdir(exist_ok=True)
     try:
@@ -500,13 +503,15 @@ def receive_result(
     round_number: int,
     global_previous: dict[str, torch.Tensor],
     published_dtypes: dict[str, torch.dtype] | None = None,
+    fragment: Collection[str] | None = None,
 ) -> tuple[Merged, Published | None]:
     """The second half's reading: θ_r, the global weights after round ``round_number``, checked against the
     digest the parameter server published with its result (:mod:`~worker_daemon.executors.consistency`);
     when the result cannot give θ_r (a missed round, a file that is not the event's, a digest that differs),
     the full global weights fetched instead (their ``rounds_completed`` says which round they are) and, second,
     what their file says (its ``dtypes`` replace ``published_dtypes`` from then on; None when merged). Reads
-    the stream and, on a refetch, ``client``; touches neither the model nor ``published_dtypes``."""
+    the stream and, on a refetch, ``client``; touches neither the model nor ``published_dtypes``.
+    ``fragment`` (a streaming job): the round's fragment, the only tensors its result may hold."""
     from worker_daemon.executors import consistency
 
     try:
@@ -516,6 +521,7 @@ def receive_result(
             round_number=round_number,
             global_previous=global_previous,
             dtypes=published_dtypes or {},
+            fragment=fragment,
         )
     except consistency.OutOfSync as drift:
         logger.warning(
@@ -665,13 +671,14 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 round_number - 1,
                 start.digest,
             )
-        if config.overlap is not None and config.overlap.eager:
+        if config.overlap is not None and config.overlap.mode != "none":
             from worker_daemon.executors.overlap import EagerRounds, train_eagerly
+            from worker_daemon.executors.streaming import StreamingRounds, train_streaming
 
             # The result of a round is read (and, when it cannot be merged, the full weights fetched) while
             # the next round trains: a second bridge connection for that thread.
             with BridgeClient(arguments.socket) as side_client:
-                rounds = EagerRounds(
+                state: dict[str, Any] = dict(
                     client=client,
                     side_client=side_client,
                     results=results,
@@ -683,8 +690,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                     feedback=feedback,
                     round_number=round_number,
                 )
-                return train_eagerly(
-                    rounds=rounds,
+                loop: dict[str, Any] = dict(
                     accelerator=accelerator,
                     model=model,
                     optimizer=optimizer,
@@ -693,6 +699,13 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                     slowdown=slowdown,
                     job_id=job.job_id,
                 )
+                streaming = config.overlap.streaming
+                rounds = StreamingRounds(**state) if streaming else EagerRounds(**state)
+                # The rounds hold the global weights from here on: the starting ones must not outlive them.
+                del state, global_previous
+                if isinstance(rounds, StreamingRounds):
+                    return train_streaming(rounds=rounds, **loop)
+                return train_eagerly(rounds=rounds, **loop)
         while True:
             stats = run_round(
                 accelerator=accelerator,
