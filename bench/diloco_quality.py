@@ -72,7 +72,7 @@ SEQ_LEN = 128
 SAMPLES_PER_SLICE = 64
 EVAL_BATCH_SIZE = 32
 SEED = 0  # the spec's default model.seed
-OVERLAPS = ("none", "eager", "eager-local")
+OVERLAPS = ("none", "eager", "eager-local", "streaming")
 #: The daemons' environment for ``eager-local`` (worker_daemon/executors/overlap.py's experiment knob).
 LOCAL_PROXY_ENV = {"HYPHA_EAGER_PROXY": "local"}
 
@@ -106,7 +106,17 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--overlaps",
         default="none",
         help="overlap modes, comma-separated, one DiLoCo job each per outer setting and encoding: none, eager, "
-        "eager-local (a mode may repeat: a second job of it; default: none)",
+        "eager-local, streaming (a mode may repeat: a second job of it; default: none)",
+    )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=4,
+        help="streaming: fragments F; its job runs F × --rounds rounds of H / F steps (each fragment synced "
+        "every H steps, the same tokens as the others; default: 4)",
+    )
+    parser.add_argument(
+        "--mix", type=float, default=None, help="streaming: the mixing factor α (default: the spec's, 0.5)"
     )
     parser.add_argument(
         "--block-size", type=int, default=256, help="values per int8 scale (default: 256, the spec's default)"
@@ -159,6 +169,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     arguments.overlaps = [item.strip() for item in arguments.overlaps.split(",") if item.strip()]
     if not arguments.overlaps or any(item not in OVERLAPS for item in arguments.overlaps):
         parser.error(f"--overlaps takes {', '.join(OVERLAPS)}, not {arguments.overlaps!r}")
+    if "streaming" in arguments.overlaps and (
+        arguments.fragments < 2 or arguments.inner_steps % arguments.fragments
+    ):
+        parser.error(
+            "streaming needs --fragments ≥ 2 that divides --inner-steps (each round runs H / F steps)"
+        )
     return arguments
 
 
@@ -358,11 +374,13 @@ def run_diloco(
     label: str = "",
 ):
     lr, momentum = outer
+    # Streaming: F rounds of H / F steps per full sync, each syncing one fragment (equal tokens).
+    fragments = arguments.fragments if overlap == "streaming" else 1
     spec = diloco_spec(
         dataset="stdlib",
         trainers=arguments.trainers,
-        rounds=arguments.rounds,
-        inner_steps=arguments.inner_steps,
+        rounds=arguments.rounds * fragments,
+        inner_steps=arguments.inner_steps // fragments,
         batch_size=arguments.batch_size,
         learning_rate=arguments.lr,
         outer_learning_rate=lr,
@@ -372,7 +390,11 @@ def run_diloco(
     spec["rounds"]["encoding"] = encoding
     if encoding == "int8":
         spec["rounds"]["encoding_block_size"] = arguments.block_size
-    if overlap != "none":
+    if overlap == "streaming":
+        spec["rounds"].update({"overlap": "streaming", "fragments": fragments})
+        if arguments.mix is not None:
+            spec["rounds"]["mix"] = arguments.mix
+    elif overlap != "none":
         spec["rounds"]["overlap"] = "eager"  # eager-local: the same job on daemons with the knob set
     label = label or overlap
     started = time.monotonic()
@@ -380,7 +402,7 @@ def run_diloco(
 
     def show(round_: dict) -> None:
         print(
-            f"  DiLoCo {lr:g}:{momentum:g} {encoding} {label}: round {round_['number']}/{arguments.rounds}: "
+            f"  DiLoCo {lr:g}:{momentum:g} {encoding} {label}: round {round_['number']}/{arguments.rounds * fragments}: "
             f"{len(round_['participants'])} trainers, train loss {round_['mean_loss']}, "
             f"eval loss {round_['eval_loss']} ({time.monotonic() - started:.0f} s)",
             flush=True,
@@ -412,7 +434,8 @@ def run_diloco(
         name=f"(a) DiLoCo, outer {lr:g}:{momentum:g}"
         + ("" if arguments.encodings == ["float32"] else f", {encoding}")
         + ("" if arguments.overlaps == ["none"] else f", overlap {label}"),
-        eval_losses=[None, *[r["eval_loss"] for r in rounds]],
+        # Streaming: the eval after each full sync (every F-th round), to line up with the other modes.
+        eval_losses=[None, *[r["eval_loss"] for r in rounds[fragments - 1 :: fragments]]],
         tokens=samples * SEQ_LEN,
         wall_seconds=training_seconds,
         bytes_communicated=sum(r["bytes_in"] + r["bytes_out"] for r in rounds),

@@ -38,7 +38,8 @@ Ratios: relay ÷ direct mean round wall time (goal ≤ 1.15×), int8 ÷ float32 
 per round (``bytes_in``; goal int8 ≤ 0.27×) and wire bytes per round.
 
 **Overlap** (a config's third part, ``PATH-ENCODING-OVERLAP``: ``none``, the default, or ``eager``: the job's
-``rounds.overlap``, docs/training.md "Overlap: eager updates"). An eager trainer's round r ends when it has sent
+``rounds.overlap``, docs/training.md "Overlap: eager updates"; or ``streaming``, whose rounds of H steps each
+sync one of ``--fragments`` fragments of the model, its trainers logging their rounds as eager ones do). An eager trainer's round r ends when it has sent
 round r's update and starts round r + 1 from its proxy (its log line ``round r: … sent in S s; round r+1 starts
 from the proxy``); it merges round r's result later, between two steps (``round r merged after k steps of round
 r+1 (waited W s)``). Per round, **wall** is still start of round r → round r's result merged (for an eager
@@ -99,7 +100,9 @@ UTILISATION_GOAL = 0.95
 UTILISATION_GOAL_PARAMETERS = 25_000_000
 ENCODINGS = ("float32", "float16", "int8")
 PATHS = ("direct", "relay")
-OVERLAPS = ("none", "eager")
+OVERLAPS = ("none", "eager", "streaming")
+#: The modes that overlap (the utilisation goal is theirs).
+OVERLAPPING = ("eager", "streaming")
 #: Interleaved per encoding: the two sides of a relay ÷ direct ratio run one after the other.
 ALL_CONFIGS = tuple(f"{path}-{encoding}" for encoding in ENCODINGS for path in PATHS)
 
@@ -135,9 +138,15 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4, help="samples per step per trainer (default: 4)")
     parser.add_argument("--trainers", type=int, default=2, help="trainers per job (default: 2)")
     parser.add_argument(
+        "--fragments",
+        type=int,
+        default=4,
+        help="streaming jobs' fragments F: each round (of --steps steps) syncs 1/F of the model (default: 4)",
+    )
+    parser.add_argument(
         "--configs",
         default=",".join(ALL_CONFIGS),
-        help=f"PATH-ENCODING[-OVERLAP] jobs to run, in order; OVERLAP none (default) or eager "
+        help=f"PATH-ENCODING[-OVERLAP] jobs to run, in order; OVERLAP none (default), eager or streaming "
         f"(default: {','.join(ALL_CONFIGS)})",
     )
     parser.add_argument(
@@ -208,6 +217,8 @@ def job_spec(arguments: argparse.Namespace, path: str, encoding: str, overlap: s
     spec["rounds"]["encoding"] = encoding
     if overlap != "none":
         spec["rounds"]["overlap"] = overlap
+    if overlap == "streaming":
+        spec["rounds"]["fragments"] = arguments.fragments
     server = spec["parameter_server"]
     if path == "direct":
         server["reachable"] = "require"
@@ -591,7 +602,7 @@ def print_utilisation(outcomes: list[Outcome]) -> None:
             f"| {cells[3]} | {_s(outcome.mean('cycle', steady=True))} |"
         )
     for outcome in outcomes:
-        if outcome.overlap == "eager" and outcome.encoding == "int8" and outcome.utilisation:
+        if outcome.overlap in OVERLAPPING and outcome.encoding == "int8" and outcome.utilisation:
             values = [trainer["utilisation"] for trainer in outcome.utilisation if trainer["utilisation"]]
             lowest = min(values) if values else None
             verdict = "met" if lowest is not None and lowest >= UTILISATION_GOAL else "MISSED"
@@ -666,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in arguments.configs:
                 outcomes.append(run_config(cluster, sampler, arguments, name))
-                if outcomes[-1].overlap == "eager" and parameters < UTILISATION_GOAL_PARAMETERS:
+                if outcomes[-1].overlap in OVERLAPPING and parameters < UTILISATION_GOAL_PARAMETERS:
                     print(
                         f"  (the utilisation goal asks for ≥ {UTILISATION_GOAL_PARAMETERS:,} parameters; this "
                         f"model has {parameters:,})",
