@@ -9,7 +9,8 @@ Modules:
 * ``exceptions``   the package's errors, hierarchy in its docstring.
 * ``job``          the job JSON (``aggregate`` envelope + ``model``, ``rounds``, ``eval``) → ``JobConfig``.
 * ``model``        the initial model: built from a config or fetched (Hugging Face, URL); tied-weight names.
-* ``rounds``       ``RoundCoordinator``: who may send, when a round closes, the outer step (no HTTP).
+* ``rounds``       ``RoundCoordinator``: who may send, when a round closes, the outer step (no HTTP;
+                   a package: coordinator, step, records); streaming rounds sync one fragment each.
 * ``server``       the HTTP API trainers use (aiohttp), transfer-token checks.
 * ``evaluation``   eval slices and the eval loss after each round.
 * ``reporting``    the bridge client (``ready``/``round`` reports) and the final model's upload.

@@ -7,7 +7,11 @@ the first bad key (the process then exits with code 2). Unknown keys are ignored
 ``rounds.update_rounds`` 1, ``rounds.round_timeout`` 120 s, ``rounds.weighted`` true,
 ``rounds.max_samples_per_update`` absent (no cap), ``rounds.update_norm_ratio`` 10, ``rounds.encoding``
 ``float32`` (``rounds.encoding_block_size`` 256, for int8), ``rounds.checkpoint_every`` 10, ``model.seed`` 0,
-``model.input-names`` ``[]``, ``eval`` absent. Nothing here imports torch.
+``model.input-names`` ``[]``, ``eval`` absent, ``rounds.overlap`` absent (every round syncs every tensor).
+``rounds.overlap = "streaming"`` makes round r sync fragment ``(r − 1) mod rounds.fragments`` of the model
+alone (``hypha_tensors.fragments``; ``fragments`` an integer 2 to 64, default 4); another ``overlap`` string
+(``none``, ``eager``: how trainers overlap, nothing the parameter server does differently) is ignored, a value
+that is not a string is refused. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypha_tensors.formats import DEFAULT_BLOCK_SIZE, DEFAULT_ENCODING, Encoding, EncodingError
+from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
 from parameter_server.exceptions import JobConfigError
 
 SOURCE_TYPES = ("config", "huggingface", "uri")
@@ -98,6 +103,13 @@ class JobConfig:
     #: ``rounds.checkpoint_every``: the checkpoint copy on the control plane gets the full weights every this
     #: many rounds (a base); the rounds between send their momentum and result only.
     checkpoint_every: int = 10
+    #: ``rounds.fragments`` of a job with ``rounds.overlap = "streaming"``: round r syncs fragment
+    #: ``(r − 1) mod fragments`` of the model alone. 1: every round syncs every tensor.
+    fragments: int = 1
+
+
+#: The ``rounds.overlap`` whose rounds sync one fragment of the model each.
+OVERLAP_STREAMING = "streaming"
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -143,6 +155,26 @@ _CHECKPOINT_FILES = ("round.json", "weights.safetensors", "momentum.safetensors"
 _CHAIN_FILE = re.compile(r"result-\d{1,9}\.safetensors")
 #: The most rounds between two bases of the checkpoint copy (the manifest lists every round between).
 MAX_CHECKPOINT_EVERY = 1000
+
+
+def _fragments(rounds: dict[str, Any]) -> int:
+    """F of ``rounds`` (see the module docstring): 1 unless ``overlap`` is ``streaming``."""
+    overlap = rounds.get("overlap")
+    if overlap is not None and not isinstance(overlap, str):
+        raise JobConfigError(f"rounds.overlap must be a string, got {overlap!r}")
+    if overlap != OVERLAP_STREAMING:
+        return 1
+    fragments = rounds.get("fragments", DEFAULT_FRAGMENTS)
+    if (
+        isinstance(fragments, bool)
+        or not isinstance(fragments, int)
+        or not MIN_FRAGMENTS <= fragments <= MAX_FRAGMENTS
+    ):
+        raise JobConfigError(
+            f"rounds.fragments must be an integer from {MIN_FRAGMENTS} to {MAX_FRAGMENTS} "
+            f"(rounds.overlap is streaming), got {fragments!r}"
+        )
+    return fragments
 
 
 def _resume(value: Any) -> ResumeConfig | None:
@@ -315,4 +347,5 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
         update_norm_ratio=norm_ratio,
         encoding=encoding,
         checkpoint_every=checkpoint_every,
+        fragments=_fragments(rounds),
     )

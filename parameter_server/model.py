@@ -119,6 +119,20 @@ class InitialModel:
     aliases: dict[str, str] = field(default_factory=dict)
     buffers: frozenset[str] = frozenset()
 
+    def tied_groups(self) -> list[tuple[list[str], int]]:
+        """The model's floating-point tensors as :func:`hypha_tensors.fragments.partition` takes them: per
+        canonical name, (that name and every alias of it, the tensor's element count). Trainers group the
+        floating-point entries of their state dict by the tensor they denote (``float_state``,
+        ``tied_groups`` in worker_daemon/executors/pseudo_gradient.py), so both sides compute the same
+        fragments; integer tensors are never synced, and are in no fragment."""
+        names: dict[str, list[str]] = {
+            name: [name] for name, tensor in self.weights.items() if tensor.dtype.is_floating_point
+        }
+        for alias, canonical in self.aliases.items():
+            if canonical in names:
+                names[canonical].append(alias)
+        return [(names[name], self.weights[name].numel()) for name in names]
+
     def canonicalize(self, update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``update`` with the names of :attr:`weights`: a tied tensor sent under an alias is renamed to its
         canonical name; an alias sent *next to* its canonical name is dropped (the canonical copy wins).

@@ -309,11 +309,13 @@ class ParameterServerApp:
         self.coordinator.count_bytes_in(round_number, size)
         return path
 
-    def _parse_update(self, path: Path) -> DecodedView:
+    def _parse_update(self, path: Path, round_number: int | None = None) -> DecodedView:
         """The update in ``path``, checked against the global weights, as a view that decodes a tensor at
         every read (the round measures, then adds, one tensor at a time). ``_WrongEncoding`` when its
         metadata names another encoding than the job's; ``WeightsFileError``, ``TensorRefused`` (names,
-        shapes, wire dtypes, NaN/Inf) or ``EncodingError`` (int8 scales) when it is unusable."""
+        shapes, wire dtypes, NaN/Inf) or ``EncodingError`` (int8 scales) when it is unusable. With
+        ``round_number``, the names must be that round's (its fragment's, in a streaming job); without, the
+        whole model's."""
         try:
             encoding = Encoding.from_metadata(weights_io.read_metadata(path))
         except EncodingError as error:
@@ -326,10 +328,14 @@ class ParameterServerApp:
         for name in self.ignored_names & update.keys():
             del update[name]
         # load() refused NaN and Inf already; what is left to check is the names, shapes and dtypes (on the
-        # wire), then each int8 tensor's scales.
+        # wire), then each int8 tensor's scales. A streaming round takes its fragment's names only.
+        reference = self.wire_signature
+        if round_number is not None and self.coordinator.fragment_count > 1:
+            self.coordinator.check_names(round_number, update)
+            reference = {name: reference[name] for name in self.coordinator.round_names(round_number)}
         weights_io.validate(
             {name: entry.values for name, entry in update.items()},
-            reference=self.wire_signature,
+            reference=reference,
             check_finite=False,
         )
         for name in sorted(update):
@@ -383,7 +389,7 @@ class ParameterServerApp:
         path = await self._receive_body(request, peer, round_number)
         try:
             try:
-                update = await asyncio.to_thread(self._parse_update, path)
+                update = await asyncio.to_thread(self._parse_update, path, round_number)
             except WeightsFileError as error:
                 self.coordinator.record_refusal(peer, round_number, f"not safetensors: {error.reason}")
                 raise _HTTPFailure(

@@ -41,12 +41,14 @@ from typing import Any
 import aiohttp
 
 from hypha_tensors import weights as weights_io
+from hypha_tensors.fragments import FragmentError, largest_share, partition
 from parameter_server import checkpoints
 from parameter_server.evaluation import Evaluator
 from parameter_server.exceptions import (
     CheckpointError,
     EvalDataError,
     EvalNotFinite,
+    JobConfigError,
     ParameterServerError,
 )
 from parameter_server.job import JobConfig
@@ -177,6 +179,7 @@ class ParameterServer:
         access = ControlPlaneAccess(server_url=self.settings.server_url, token=self.settings.current_token())
         initial = await asyncio.to_thread(prepare_model, self.job, self.work_dir, control_plane=access)
         self.initial = initial
+        fragments = self._fragments(initial)
         state = await self._restore()
         last_result = None
         if state is None:
@@ -255,6 +258,7 @@ class ParameterServer:
             update_norm_ratio=self.job.update_norm_ratio,
             buffers=initial.buffers,
             encoding=self.job.encoding,
+            fragments=fragments,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -285,6 +289,25 @@ class ParameterServer:
             completed + 1,
             self.job.update_rounds,
         )
+
+    def _fragments(self, initial: InitialModel) -> list[frozenset[str]] | None:
+        """The names of each fragment of a streaming job (computed once, from the floating-point canonical
+        weights and their aliases, as trainers compute them from their state dict); None for any other job.
+        ``JobConfigError`` when the model cannot be split so (fewer blocks than fragments)."""
+        count = self.job.fragments
+        if count <= 1:
+            return None
+        try:
+            parts = partition(initial.tied_groups(), count)
+        except FragmentError as error:
+            raise JobConfigError(f"rounds.fragments: {error}") from None
+        elements = {name: size for names, size in initial.tied_groups() for name in names[:1]}
+        logger.info(
+            "streaming: %d fragments, one synced per round (the largest holds %.0f%% of the model)",
+            count,
+            100 * largest_share(parts, elements),
+        )
+        return parts
 
     async def _restore(self) -> checkpoints.RoundState | None:
         """The round to resume from: the work dir's last one, or the control plane's copy if that is newer

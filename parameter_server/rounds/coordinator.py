@@ -1,73 +1,22 @@
-"""The round logic of the parameter server: who may send, when a round closes, and the outer step.
-
-No HTTP here: :class:`RoundCoordinator` is driven by the server (``submit``, ``wait_result``) and by its own
-timer, and hands each closed round to a ``persist`` hook (checkpoint, model file) *before* publishing it, so
-a result trainers can see is always on disk. Published rounds are also put on :attr:`RoundCoordinator.published`
-for the service (eval loss, round report).
-
-Round rules (docs/training.md, step 7):
-
-* Rounds are numbered from 1; round ``rounds_completed + 1`` is open until ``update_rounds`` rounds are done
-  (or :meth:`RoundCoordinator.finish` is called, e.g. on the control plane's ``Done``).
-* Each expected peer (``updates.peers``, and any peer the control plane named since) may add one update per
-  round. A second one, one for a round that is not the open one, or one that arrives while the round is
-  closing raises ``RoundConflict`` (409) and changes nothing: an update is never counted twice.
-* The round closes when every peer it waits for sent, or ``round_timeout`` seconds after the *first accepted*
-  update. The first accepted update is announced to the ``on_first_update`` hook (the service asks the
-  control plane whom to wait for, and asks again while the round waits); :meth:`RoundCoordinator.expect`
-  then sets the peers the round waits for (a trainer that died is dropped, a replacement added; later rounds
-  start with the same) and may shorten its timeout to when they are projected to send. ``left_out`` names
-  the peers the round waited for when it opened, or was told of, that it closed without. A round nobody
-  sent to stays open indefinitely: trainers may need long for their inner steps.
-* ``g`` is the mean of the accepted updates, weighted by their ``X-Samples`` when ``weighted`` (a missing
-  count weighs 1; unweighted means every update weighs 1). Nesterov: ``(u, m) = nesterov_step(g, m)``,
-  ``θ_r = θ_{r-1} + u``. If no update with a positive weight was accepted, no step is taken: ``u = 0``, the
-  momentum is unchanged, and the result says ``stepped=False``.
-* Floating-point *buffers* (``buffers``: BatchNorm's running statistics, named by the model) are averaged,
-  not stepped: their ``u`` is ``g``, so ``θ_r`` holds the participants' (weighted) mean of their local
-  values, and the momentum has no entry for them. They count in an update's norm like the parameters: a
-  trainer cannot move them further than the bound lets it move anything.
-* Bounds on an update (refused with ``UpdateRefused``, 422 ``refused_update``, the round unchanged): its L2
-  norm (float64) must be finite and at most ``update_norm_ratio`` × the larger of the medians of the norms
-  of the round's accepted updates and of the last stepped round's (:func:`~parameter_server.math.norm_limit`;
-  the job's first update, or the first after a restart, is measured against the global weights' norm), and
-  its sample-weighted values must not overflow the round's sum. X-Samples is bounded by the server.
-* A step that is not finite (the mean, ``u``, the new weights or the momentum hold Inf or NaN: a float16
-  model past its range, an absurd learning rate) is *discarded*: ``u = 0``, the weights and the momentum stay
-  as they were, and the result says ``stepped=False`` and ``discarded=<reason>``. A round never ends the job.
-* Only floating-point tensors are averaged and stepped, and ``u`` holds only them: other tensors (integer
-  buffers such as step counters) keep their global value, and trainers neither send nor receive them.
-* **Encodings** (:mod:`hypha_tensors.encoding`; docs/training.md, "Encodings"): an update may come as a
-  :class:`~hypha_tensors.encoding.DecodedView` (decoded at every read): its norm and peaks are measured in one
-  pass and it is added in a second, so only one decoded tensor is in memory at a time. The result is sent in
-  the job's encoding too, with error feedback: the round sends ``Q(u + e)``, keeps
-  ``e' = u + e − deQ(Q(u + e))`` and applies what trainers decode, ``θ_r = θ_{r−1} + deQ(Q(u + e))``, so a
-  trainer that merges the result holds θ_r bit for bit. ``RoundResult.update`` is that applied (decoded)
-  update, ``RoundResult.encoded`` the tensors of the result file. The residual ``e`` lives in memory only: a
-  server resumed from a checkpoint starts again from ``e = 0`` (at most half a quantum per value is lost,
-  once: the error of one round without feedback).
-* The results of the last :data:`KEEP_RESULTS` rounds are kept (their records: the file, no tensors); an
-  older one raises ``RoundPruned`` (410).
-"""
+"""The round coordinator (:mod:`parameter_server.rounds`): who may send, when a round closes, and publishing
+its result; the step itself is :mod:`parameter_server.rounds.step`'s."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from hypha_tensors.encoding import DecodedView, EncodingError, encode, encode_with_feedback
+from hypha_tensors.encoding import DecodedView, EncodingError
 from hypha_tensors.formats import SCALE_SUFFIX, Encoding
+from hypha_tensors.fragments import fragment_of_round
 from parameter_server.buffers import BufferPool
 from parameter_server.exceptions import (
     RoundConflict,
@@ -79,14 +28,20 @@ from parameter_server.exceptions import (
 from parameter_server.math import (
     StateDict,
     StreamingMean,
-    check_finite,
-    largest_magnitude,
     measure,
-    nesterov_step_,
     norm_limit,
-    step_bounds,
     update_norm,
 )
+from parameter_server.rounds.records import (
+    FirstUpdateHook,
+    OpenRound,
+    PersistHook,
+    RoundResult,
+    aliases,
+    record,
+    relative,
+)
+from parameter_server.rounds.step import StepArithmetic
 from worker_daemon import telemetry
 
 logger = logging.getLogger("parameter_server")
@@ -95,113 +50,13 @@ KEEP_RESULTS = 2
 #: Free buffer sets kept after a round (parameter_server/buffers.py): the next round's accumulator, its new
 #: weights, and its new momentum when the momentum cannot be updated in place.
 SPARE_SETS = 3
-#: A step whose bounds (math.step_bounds) stay under this fraction of its dtype's largest value is finite
-#: without a check: a factor of 4 to spare beyond the rounding the bounds allow for.
-_HEADROOM = 0.25
 #: An update may be at most this many times the round's reference norm (docs/training.md). Trainers that ran
 #: 3x more inner steps than the others send updates a few times larger; 1e38 tensors are ~1e37x larger.
 DEFAULT_UPDATE_NORM_RATIO = 10.0
 
 
-@dataclass
-class RoundResult:
-    """A closed round. ``update`` is ``u_r`` (global names); ``path`` is the file serving it once persisted."""
-
-    round_number: int
-    update: StateDict
-    participants: tuple[str, ...]
-    left_out: tuple[str, ...]
-    refused: dict[str, str]
-    samples: int
-    duration: float
-    bytes_in: int
-    stepped: bool
-    #: Seconds after the round's first accepted update at which each participant's update was accepted.
-    arrivals: dict[str, float] = field(default_factory=dict)
-    path: Path | None = None
-    #: :func:`~hypha_tensors.weights.digest` of θ_r, published with the result (set by the persist hook).
-    digest: str | None = None
-    eval_loss: float | None = None
-    #: Why ``eval_loss`` is None although the job has eval data (not finite, data unavailable, …), or None.
-    eval_error: str | None = None
-    #: Why the round's step was thrown away (u = 0, weights and momentum kept), or None.
-    discarded: str | None = None
-    #: The result file's tensors in ``encoding`` (``update`` is what they decode to); None: ``update`` itself.
-    encoded: StateDict | None = None
-    encoding: Encoding = field(default_factory=Encoding)
-
-    def file_tensors(self) -> StateDict:
-        """The tensors of the file trainers fetch: :attr:`encoded`, or :attr:`update` when it is None."""
-        return self.update if self.encoded is None else self.encoded
-
-    def file_metadata(self) -> dict[str, str]:
-        """The header metadata that says the file's encoding (``hypha.encoding``, ``hypha.block_size``)."""
-        return self.encoding.metadata()
-
-
-@dataclass
-class _OpenRound:
-    number: int
-    opened_at: float
-    mean: StreamingMean = field(default_factory=StreamingMean)
-    participants: list[str] = field(default_factory=list)
-    accepted_at: dict[str, float] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
-    samples: int = 0
-    bytes_in: int = 0
-    closing: bool = False
-    timer: asyncio.TimerHandle | None = None
-    #: The peers this round waits for (the coordinator's ``expected`` until :meth:`RoundCoordinator.expect`).
-    expected: tuple[str, ...] = ()
-    #: Those it waited for when it opened: one that died meanwhile is reported as left out.
-    opened_expecting: tuple[str, ...] = ()
-    first_update_at: float | None = None
-    #: The L2 norms of the accepted updates, in arrival order.
-    norms: list[float] = field(default_factory=list)
-    #: Samples the control plane counted for each trainer in this round (its last ``Expect`` that said).
-    counted: dict[str, int] = field(default_factory=dict)
-
-
-class _Step(NamedTuple):
-    """A closed round's outer step: u, the new weights and momentum; ``stepped`` False with u = 0 and
-    everything kept when there was nothing to average or the step is ``discarded`` (why)."""
-
-    update: StateDict
-    weights: StateDict
-    momentum: StateDict | None
-    stepped: bool = False
-    discarded: str | None = None
-    #: ``update`` in the job's encoding (what the result file holds) and the new error-feedback residual.
-    encoded: StateDict | None = None
-    residual: StateDict | None = None
-    #: Upper bounds on max|θ| and max|m| after the step (None: unknown, measured when next needed).
-    bounds: tuple[float | None, float | None] = (None, None)
-
-
-PersistHook = Callable[[RoundResult, StateDict, StateDict | None], Awaitable[None]]
-"""Called with (result, new global weights, new momentum) before the result is published."""
-FirstUpdateHook = Callable[[int, str], None]
-"""Called with (round number, peer) when a round accepts its first update (must not block)."""
-
-
-def _aliases(tensors: StateDict | None) -> StateDict | None:
-    """New tensor objects on the same memory: each one held counts as a holder of that memory
-    (:meth:`BufferPool.held_elsewhere`), so what is handed out this way is never updated in place."""
-    return None if tensors is None else {name: tensor.detach() for name, tensor in tensors.items()}
-
-
-def _record(result: RoundResult) -> RoundResult:
-    """What the coordinator keeps of a published round: everything but its tensors."""
-    return dataclasses.replace(result, update={}, encoded=None)
-
-
-def _relative(times: Mapping[str, float]) -> dict[str, float]:
-    first = min(times.values(), default=0.0)
-    return {peer: round(at - first, 3) for peer, at in times.items()}
-
-
-class RoundCoordinator:
-    """Collects the open round's updates and takes the outer step; see the module docstring for the rules.
+class RoundCoordinator(StepArithmetic):
+    """Collects the open round's updates and takes the outer step; see the package docstring for the rules.
 
     ``weights`` are the global weights after ``rounds_completed`` rounds and ``momentum`` the outer momentum
     (None before the first step). ``last_result`` (a server resumed from a checkpoint) is served as round
@@ -218,6 +73,12 @@ class RoundCoordinator:
     then no result is read to check it either, else each is checked and a bad step discarded as before.
     :meth:`result` and :meth:`wait_result` give a round's record without its tensors (its file serves
     ``u``); the full result goes to :attr:`published` only.
+
+    ``fragments`` (a streaming job): the names of each fragment of the model, as
+    :func:`hypha_tensors.fragments.partition` gives them (canonical names; others, such as aliases, are left
+    out); every floating-point tensor must be in exactly one, and each must hold one (``ValueError``).
+    Round r then takes the updates of fragment ``(r − 1) mod F``'s tensors only (:meth:`round_names`) and
+    steps them alone. None: one fragment, every floating-point tensor each round.
     """
 
     def __init__(
@@ -239,6 +100,7 @@ class RoundCoordinator:
         update_norm_ratio: float = DEFAULT_UPDATE_NORM_RATIO,
         buffers: Collection[str] = (),
         encoding: Encoding | None = None,
+        fragments: Sequence[Iterable[str]] | None = None,
     ) -> None:
         self.expected = tuple(expected)
         self._told: tuple[str, ...] = ()
@@ -263,6 +125,8 @@ class RoundCoordinator:
         self._floating = sorted(
             name for name, tensor in self.weights.items() if tensor.dtype.is_floating_point
         )
+        #: The floating-point names of each fragment (one fragment, every such name, without fragments).
+        self._fragments = _fragment_names(self._floating, fragments)
         self.update_norm_ratio = update_norm_ratio
         #: Floating-point buffers (BatchNorm's running statistics): averaged, never stepped (θ ← the mean).
         self.buffers = frozenset(buffers)
@@ -270,11 +134,12 @@ class RoundCoordinator:
         self.encoding = encoding or Encoding()
         #: The results' error-feedback residual e (empty: zero; always empty for float32). Memory only.
         self._residual: StateDict = {}
-        #: The accepted norms of the last round that took a step (the next round's reference, with its own).
-        self._previous_norms: list[float] = []
-        #: The global weights' norm: the reference of an update when no round gives one (None: not measured
-        #: since the weights changed; it is needed only then).
-        self._weights_norm: float | None = None
+        #: Per fragment, the accepted norms of the last round of it that took a step (the reference of its
+        #: next round, with that round's own): the fragments of a model differ in size.
+        self._previous_norms: dict[int, list[float]] = {}
+        #: Per fragment, the global weights' norm over its tensors: the reference of an update when no round
+        #: gives one (absent: not measured since they changed; it is needed only then).
+        self._weights_norms: dict[int, float] = {}
         #: Upper bounds on max|θ| and max|m| (None: measure them when a step needs them).
         self._weights_bound: float | None = None
         self._momentum_bound: float | None = None
@@ -290,13 +155,13 @@ class RoundCoordinator:
         self._fetched: dict[int, set[str]] = {}
         if last_result is not None and last_result.round_number == rounds_completed:
             # Resumed from a checkpoint: round ``rounds_completed``'s result is served again.
-            self._results[rounds_completed] = _record(last_result)
+            self._results[rounds_completed] = record(last_result)
             self._fetched[rounds_completed] = set()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._finished = rounds_completed >= update_rounds
-        self._round: _OpenRound | None = None if self._finished else self._new_round(rounds_completed + 1)
+        self._round: OpenRound | None = None if self._finished else self._new_round(rounds_completed + 1)
         self.published: asyncio.Queue[RoundResult] = asyncio.Queue()
         """Every published round, in order, for the service's eval and report."""
         self.failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -309,7 +174,7 @@ class RoundCoordinator:
         """The outer momentum after the last round (None before the first step): aliases of the coordinator's
         tensors. While anyone holds them, the next round writes its momentum elsewhere: they never change."""
         with self._momentum_lock:
-            return _aliases(self._momentum)
+            return aliases(self._momentum)
 
     @property
     def pool(self) -> BufferPool:
@@ -340,20 +205,61 @@ class RoundCoordinator:
             return None
         return self._round.counted.get(peer)
 
-    def _new_round(self, number: int) -> _OpenRound:
+    def _new_round(self, number: int) -> OpenRound:
         # The control plane's latest word on who trains, else everyone the job started with.
         expected = self._told or self.expected
-        return _OpenRound(
+        fragment = self.fragment_of(number)
+        return OpenRound(
             number,
             self._clock(),
             mean=StreamingMean(self._pool.take),
             expected=expected,
             opened_expecting=expected,
+            fragment=fragment,
+            names=self._fragments[fragment],
         )
 
     def _check_round(self, round_number: int) -> None:
         if round_number < 1 or round_number > self.update_rounds:
             raise UnknownRound(f"round {round_number} is not a round of this job (1..{self.update_rounds})")
+
+    # --- fragments -------------------------------------------------------------------------------------------
+
+    @property
+    def fragment_count(self) -> int:
+        """F: the fragments rounds take turns on (1 without fragments: every round syncs every tensor)."""
+        return len(self._fragments)
+
+    def fragment_of(self, round_number: int) -> int:
+        """The fragment round ``round_number`` (from 1) syncs: ``(round_number − 1) mod F``."""
+        return fragment_of_round(round_number, len(self._fragments))
+
+    def round_names(self, round_number: int) -> tuple[str, ...]:
+        """The floating-point (canonical) names an update for round ``round_number`` carries, sorted: its
+        fragment's (every floating-point name without fragments)."""
+        return self._fragments[self.fragment_of(round_number)]
+
+    def check_names(self, round_number: int, names: Iterable[str]) -> None:
+        """In a streaming job, ``TensorRefused`` unless the model's floating-point names among ``names``
+        (canonical) are exactly round ``round_number``'s fragment's, saying which fragment the round syncs:
+        an update of another fragment's tensors, or of the whole model, is refused. Names that are not the
+        model's, or not floating point, are left to the signature check. Nothing to check without fragments."""
+        if not self.streaming:
+            return
+        fragment = self.fragment_of(round_number)
+        expected = self._fragments[fragment]
+        given = set(names)
+        where = (
+            f"round {round_number} syncs fragment {fragment + 1} of {len(self._fragments)} "
+            f"({len(expected)} tensors)"
+        )
+        missing = sorted(set(expected) - given)
+        if missing:
+            raise TensorRefused(missing[0], f"missing: {where}")
+        outside = sorted((given - set(expected)) & set(self._floating))
+        if outside:
+            what = f"{len(outside)} tensors outside it" if len(outside) > 1 else "a tensor outside it"
+            raise TensorRefused(outside[0], f"not in this round's fragment: {where}, the update has {what}")
 
     # --- updates ---------------------------------------------------------------------------------------------
 
@@ -388,19 +294,25 @@ class RoundCoordinator:
 
         Raises ``RoundConflict``/``UnknownRound`` like :meth:`check_can_submit` (also when the round closed
         while the update was being read); ``UpdateRefused`` (noted in the round's ``refused``, the round
-        unchanged) if its norm is out of bounds or its weighted values would overflow the round's sum (see the
-        module docstring). Closing the round, if this was the last expected update, runs in the background.
+        unchanged) if its names are not the round's fragment's (:meth:`check_names`), its norm is out of
+        bounds or its weighted values would overflow the round's sum (see the package docstring). Closing the round, if this was the last expected update, runs in the background.
         """
         async with self._lock:
             self.check_can_submit(peer, round_number)
             current = self._round
             assert current is not None
             weight = float(samples if samples is not None else 1) if self.weighted else 1.0
+            try:
+                self.check_names(round_number, update)
+            except TensorRefused as error:
+                current.refused[peer] = str(error)
+                logger.warning("round %d: update from %s refused: %s", round_number, peer, error)
+                raise UpdateRefused(str(error)) from None
             # A decoded view stays one: reading its tensors here would decode them all at once.
             floating: Mapping[str, torch.Tensor] = (
-                update.restrict(self._floating)
+                update.restrict(current.names)
                 if isinstance(update, DecodedView)
-                else {name: update[name] for name in self._floating}
+                else {name: update[name] for name in current.names}
             )
             try:
                 # A thread: measuring and adding a large model's tensors would stall every other request.
@@ -436,7 +348,7 @@ class RoundCoordinator:
                     self._on_first_update(current.number, peer)
 
     def _measure_and_add(
-        self, current: _OpenRound, update: Mapping[str, torch.Tensor], weight: float
+        self, current: OpenRound, update: Mapping[str, torch.Tensor], weight: float
     ) -> float:
         """Check ``update``'s norm against the round's bound and add it to the round's mean; its norm.
         ``UpdateRefused`` (nothing added) if it is out of bounds or cannot be decoded. Runs in a thread,
@@ -446,7 +358,10 @@ class RoundCoordinator:
         except EncodingError as error:
             raise UpdateRefused(str(error)) from None
         limit = norm_limit(
-            current.norms, self._previous_norms, fallback=self._reference_norm, ratio=self.update_norm_ratio
+            current.norms,
+            self._previous_norms.get(current.fragment, []),
+            fallback=functools.partial(self._reference_norm, current),
+            ratio=self.update_norm_ratio,
         )
         if not norm <= limit:  # also NaN
             raise UpdateRefused(
@@ -463,11 +378,14 @@ class RoundCoordinator:
             raise UpdateRefused(str(error)) from None
         return norm
 
-    def _reference_norm(self) -> float:
-        """The global weights' norm (measured once per weights, when an update has no other reference)."""
-        if self._weights_norm is None:
-            self._weights_norm = update_norm({name: self.weights[name] for name in self._floating})
-        return self._weights_norm
+    def _reference_norm(self, current: OpenRound) -> float:
+        """The global weights' norm over the round's tensors (measured once per weights, when an update has
+        no other reference)."""
+        norm = self._weights_norms.get(current.fragment)
+        if norm is None:
+            norm = update_norm({name: self.weights[name] for name in current.names})
+            self._weights_norms[current.fragment] = norm
+        return norm
 
     def expect(
         self,
@@ -509,11 +427,11 @@ class RoundCoordinator:
                 f"the expected trainers were due {timeout:.1f} s after the first update's report",
             )
 
-    def _on_timeout(self, current: _OpenRound, why: str) -> None:
+    def _on_timeout(self, current: OpenRound, why: str) -> None:
         if self._round is current and not current.closing:
             self._start_closing(current, why)
 
-    def _start_closing(self, current: _OpenRound, why: str) -> None:
+    def _start_closing(self, current: OpenRound, why: str) -> None:
         current.closing = True
         if current.timer is not None:
             current.timer.cancel()
@@ -522,131 +440,7 @@ class RoundCoordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _kept(self, discarded: str | None = None) -> _Step:
-        """No step: u = 0, the weights and the momentum kept (zeros encode exactly in every encoding; the
-        residual is kept for the next step)."""
-        zeros = {name: torch.zeros_like(self.weights[name]) for name in self._floating}
-        return _Step(
-            zeros,
-            self.weights,
-            self._momentum,
-            discarded=discarded,
-            encoded=encode(zeros, self.encoding),
-            bounds=(self._weights_bound, self._momentum_bound),
-        )
-
-    def _step(self, current: _OpenRound) -> _Step:
-        """The closed round's outer step (or none: u = 0, weights and momentum kept); runs in a thread.
-        With a lossy encoding the step applied is the decoded ``Q(u + e)`` (see the module docstring)."""
-        if current.mean.count == 0 or current.mean.total_weight == 0:
-            return self._kept()
-        bounds = self._bounds(current.mean.bound()) if not self.encoding.lossy else None
-        gradient = current.mean.take()  # the round is over: no copy, the accumulator becomes u
-        with self._momentum_lock:
-            update, momentum = nesterov_step_(
-                gradient=gradient,
-                momentum=self._momentum,
-                learning_rate=self.learning_rate,
-                momentum_factor=self.momentum_factor,
-                averaged=self.buffers,
-                momentum_out=self._momentum_target(gradient, in_place=bounds is not None),
-            )
-        if bounds is not None:  # finite for certain, and float32 sends u as it is
-            new_weights = self._add_to_weights(update)
-            return _Step(
-                update, new_weights, momentum, stepped=True, encoded=dict(update), residual={}, bounds=bounds
-            )
-        # Checked here rather than when saving: a step that is not finite is thrown away, the job goes on.
-        try:
-            check_finite(update)
-        except TensorRefused as error:
-            return self._kept(f"the outer step is not finite ({error.name!r} {error.reason})")
-        try:
-            sent = encode_with_feedback(update, self._residual, self.encoding, keep_decoded=True)
-        except EncodingError as error:  # past float16's range
-            return self._kept(f"the outer step cannot be sent as {self.encoding} ({error})")
-        assert sent.decoded is not None
-        update = sent.decoded  # what trainers decode, and so what is applied here
-        new_weights = self._add_to_weights(update)
-        for what, tensors in (
-            ("the new weights are", {name: new_weights[name] for name in self._floating}),
-            ("the new momentum is", momentum),
-        ):
-            try:
-                check_finite(tensors)
-            except TensorRefused as error:
-                return self._kept(f"{what} not finite ({error.name!r} {error.reason})")
-        # Bounds unknown (or too large to prove anything): measured again when the next step needs them.
-        return _Step(
-            update, new_weights, momentum, stepped=True, encoded=sent.encoded, residual=sent.residual
-        )
-
-    def _bounds(self, gradient_bound: float) -> tuple[float, float] | None:
-        """(bound on max|θ'|, bound on max|m'|) of a step whose mean is bounded by ``gradient_bound``, if they
-        prove every result of the step finite (see the class docstring); else None. Measures max|θ| and
-        max|m| (one ``aminmax`` pass) when no earlier step bounds them."""
-        if self._weights_bound is None:
-            self._weights_bound = max(
-                (largest_magnitude(self.weights[name]) for name in self._floating), default=0.0
-            )
-        if self._momentum_bound is None:
-            tensors = () if self._momentum is None else self._momentum.values()
-            self._momentum_bound = max((largest_magnitude(tensor) for tensor in tensors), default=0.0)
-        bounds = step_bounds(
-            gradient=gradient_bound,
-            momentum=None if self._momentum is None else self._momentum_bound,
-            weights=self._weights_bound,
-            learning_rate=self.learning_rate,
-            momentum_factor=self.momentum_factor,
-            averaged=bool(self.buffers),
-        )
-        if not max(bounds) <= _HEADROOM * self._finite_max or self._scale_names:  # also NaN
-            return None
-        return bounds.weights, bounds.momentum
-
-    def _momentum_target(self, gradient: StateDict, *, in_place: bool) -> StateDict | None:
-        """Where :func:`nesterov_step_` writes the new momentum: the momentum itself when ``in_place`` (the
-        step cannot be discarded) and nothing but this coordinator holds it, else a set from the pool."""
-        wanted = {
-            name: (tuple(tensor.shape), tensor.dtype)
-            for name, tensor in gradient.items()
-            if name not in self.buffers and tensor.dtype in (torch.float32, torch.float64)
-        }
-        if not wanted or any(tensor.device.type != "cpu" for tensor in gradient.values()):
-            return None
-        momentum = self._momentum
-        if (
-            in_place
-            and momentum is not None
-            and momentum.keys() == wanted.keys()
-            and self._pool.owns(momentum)
-            and not self._pool.held_elsewhere(momentum)
-        ):
-            return momentum
-        return self._pool.take(wanted)
-
-    def _add_to_weights(self, update: StateDict) -> StateDict:
-        """``θ + u`` as new weights (the same operation as ``tensor + u``, into a set from the pool); names
-        without an update keep their tensor."""
-        wanted = {
-            name: (tuple(self.weights[name].shape), self.weights[name].dtype)
-            for name in self._floating
-            if name in update
-            and update[name].dtype == self.weights[name].dtype
-            and self.weights[name].device.type == "cpu" == update[name].device.type
-        }
-        targets = self._pool.take(wanted) if wanted else {}
-        new_weights = {}
-        for name, tensor in self.weights.items():
-            if name not in update:
-                new_weights[name] = tensor
-            elif name in targets:
-                new_weights[name] = torch.add(tensor, update[name], out=targets[name])
-            else:
-                new_weights[name] = tensor + update[name]
-        return new_weights
-
-    async def _close(self, current: _OpenRound) -> None:
+    async def _close(self, current: OpenRound) -> None:
         # One span per round: its step and checkpoint, with what the round was (duration: open → close).
         with telemetry.span("round", **{"hypha.round": current.number}) as traced:
             closed = await self._close_round(current)
@@ -671,7 +465,7 @@ class RoundCoordinator:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _close_round(self, current: _OpenRound) -> RoundResult | None:
+    async def _close_round(self, current: OpenRound) -> RoundResult | None:
         """Step, persist and publish the round; its result, or None if that failed (:attr:`failure` set)."""
         try:
             async with self._lock:
@@ -690,25 +484,26 @@ class RoundCoordinator:
                     duration=round(self._clock() - current.opened_at, 3),
                     bytes_in=current.bytes_in,
                     stepped=step.stepped,
-                    arrivals=_relative(current.accepted_at),
+                    arrivals=relative(current.accepted_at),
                     discarded=step.discarded,
                     encoded=step.encoded,
                     encoding=self.encoding,
+                    fragment=current.fragment,
                 )
                 if step.discarded is not None:
                     logger.error("round %d: its step is discarded, u = 0: %s", current.number, step.discarded)
                 elif not step.stepped:
                     logger.warning("round %d closed without a usable update: u = 0", current.number)
                 if self._persist is not None:
-                    await self._persist(result, step.weights, _aliases(step.momentum))
+                    await self._persist(result, step.weights, aliases(step.momentum))
                 if step.weights is not self.weights:
-                    self._weights_norm = None
+                    self._weights_norms.pop(current.fragment, None)  # the other fragments' are unchanged
                 self.weights, self._momentum = step.weights, step.momentum
                 self._weights_bound, self._momentum_bound = step.bounds
-                if step.residual is not None:
-                    self._residual = step.residual
+                if step.residual is not None:  # the other fragments' residuals wait for their rounds
+                    self._residual = {**self._residual, **step.residual}
                 if step.stepped:
-                    self._previous_norms = list(current.norms)
+                    self._previous_norms[current.fragment] = list(current.norms)
                 del step
                 self._publish(result)
         except Exception as error:
@@ -721,7 +516,7 @@ class RoundCoordinator:
     def _publish(self, result: RoundResult) -> None:
         # A record without tensors: the file serves u, and u's memory goes back to the pool once the
         # published result is dropped by whoever reads it.
-        self._results[result.round_number] = _record(result)
+        self._results[result.round_number] = record(result)
         self._fetched.setdefault(result.round_number, set())
         for old in [number for number in self._results if number <= result.round_number - KEEP_RESULTS]:
             del self._results[old]
@@ -805,3 +600,27 @@ class RoundCoordinator:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+def _fragment_names(
+    floating: Sequence[str], fragments: Sequence[Iterable[str]] | None
+) -> tuple[tuple[str, ...], ...]:
+    """The floating-point names of each fragment, sorted (see :class:`RoundCoordinator`'s ``fragments``)."""
+    if fragments is None:
+        return (tuple(floating),)
+    known = set(floating)
+    names = [tuple(sorted(set(fragment) & known)) for fragment in fragments]
+    counted: dict[str, int] = {}
+    for fragment in names:
+        for name in fragment:
+            counted[name] = counted.get(name, 0) + 1
+    twice = sorted(name for name, count in counted.items() if count > 1)
+    if twice:
+        raise ValueError(f"tensor {twice[0]!r} is in two fragments")
+    absent = sorted(known - set(counted))
+    if absent:
+        raise ValueError(f"tensor {absent[0]!r} is in no fragment")
+    for index, fragment in enumerate(names):
+        if not fragment:
+            raise ValueError(f"fragment {index + 1} of {len(names)} holds no floating-point tensor")
+    return tuple(names)
