@@ -215,13 +215,15 @@ class JobFinished(Exception):  # noqa: N818 — a signal, not an error
         self.rounds = rounds
 
 
-# --- the eager loop ---------------------------------------------------------------------------------------------
+# --- the overlapped loop, shared by eager and streaming trainers ----------------------------------------------
 
 
-class EagerRounds:
-    """The outer steps of an eager trainer (the module docstring's a–d): :meth:`poll` between steps,
-    :meth:`finish_round` at the end of each round's steps. ``global_previous`` is θ of the last merged round;
-    ``round_number`` the round being trained (renumbered after a fetch of the full weights)."""
+class OverlappedRounds:
+    """What eager and streaming trainers share: the round in progress, the pending result read in the
+    background, :meth:`poll` between steps, the merge's bookkeeping and :meth:`train`'s loop. Subclasses say
+    how a round ends (:meth:`finish_round`) and how a merged result enters the live model (:meth:`apply`).
+    ``global_previous`` is θ of the last merged round; ``round_number`` the round being trained (renumbered
+    after a fetch of the full weights)."""
 
     def __init__(
         self,
@@ -237,8 +239,6 @@ class EagerRounds:
         feedback: ErrorFeedback | None,
         round_number: int,
     ) -> None:
-        assert config.overlap is not None and config.overlap.eager
-        assert config.overlap.outer_learning_rate is not None and config.overlap.outer_momentum is not None
         self.client = client
         #: Used only by the background thread (a refetch): the bridge client is not thread-safe.
         self.side_client = side_client
@@ -250,12 +250,6 @@ class EagerRounds:
         self.published_dtypes = published_dtypes
         self.feedback = feedback
         self.round_number = round_number
-        self.learning_rate = config.overlap.outer_learning_rate
-        self.momentum = config.overlap.outer_momentum
-        self.buffers = float_buffers(model)
-        self.proxy_rule = proxy_kind()
-        #: u_{r−1}: None in the first round and after a fetch of the full weights.
-        self.last_update: StateDict | None = None
         self.pending: PendingResult | None = None
         self._polls = 0
 
@@ -266,15 +260,146 @@ class EagerRounds:
             self.merge(steps=self._polls - 1, waited=0.0)
 
     def finish_round(self, stats: Any) -> None:
+        raise NotImplementedError
+
+    def announce(self) -> None:
+        """Log the job's overlap once, before its first step."""
+
+    def apply(self, pending: PendingResult, merged: Merged) -> str:
+        """Bring the merged result into the live model (before θ_r replaces ``global_previous``); returns how,
+        for the merge's log line ("" for nothing to add)."""
+        raise NotImplementedError
+
+    def _wait_for_previous(self, stats: Any) -> float:
+        """At a round's end: the previous round's result merged (waited for if need be); returns the
+        ``perf_counter`` of the round's end."""
+        ended = time.perf_counter()
+        if self.pending is not None:
+            self.pending.wait()
+            self.merge(steps=stats.steps, waited=time.perf_counter() - ended)
+        return ended
+
+    def _receiver(
+        self, round_number: int, fragment: frozenset[str] | None = None
+    ) -> Callable[[], tuple[Merged, Published | None]]:
+        from worker_daemon.executors.training import receive_result
+
+        global_previous, dtypes = self.global_previous, dict(self.published_dtypes)
+
+        def receive() -> tuple[Merged, Published | None]:
+            return receive_result(
+                client=self.side_client,
+                results=self.results,
+                config=self.config,
+                work_dir=self.work_dir,
+                round_number=round_number,
+                global_previous=global_previous,
+                published_dtypes=dtypes,
+                fragment=fragment,
+            )
+
+        return receive
+
+    def merge(self, *, steps: int, waited: float) -> None:
+        """Take the pending result into the live model (:meth:`apply`), keep θ_r, send ``"update-received"``."""
+        pending = self.pending
+        assert pending is not None
+        merged, publication = pending.wait()
+        self.pending = None
+        how = self.apply(pending, merged)
+        del pending
+        self.global_previous = merged.weights
+        if publication is not None:
+            self.published_dtypes.clear()
+            self.published_dtypes.update(publication.dtypes)
+        # After the full weights were fetched the round in progress is the one after theirs.
+        self.round_number = merged.rounds_completed + 1
+        reply = self.client.status("update-received")
+        logger.info(
+            "round %d merged after %d steps of round %d%s%s%s",
+            merged.rounds_completed,
+            steps,
+            self.round_number,
+            f" (waited {waited:.2f} s)" if waited > 0 else "",
+            f", {how}" if how else "",
+            "" if merged.digest is None else f", weights {merged.digest} (checked)",
+        )
+        if reply["type"] == "Done":
+            raise JobFinished(merged.rounds_completed)
+
+    def train(
+        self,
+        *,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_schedule: Any | None,
+        batches: Iterator[dict[str, torch.Tensor]],
+        slowdown: float,
+        job_id: str | None,
+    ) -> int:
+        """Run the job to its end: rounds of steps (merging the previous round's result between two of them),
+        each ended by :meth:`finish_round`; 0 when the scheduler said ``Done``."""
+        from worker_daemon.executors.training import EXIT_OK, run_round
+
+        self.announce()
+        try:
+            while True:
+                stats = run_round(
+                    accelerator=accelerator,
+                    client=self.client,
+                    model=model,
+                    optimizer=optimizer,
+                    lr_schedule=lr_schedule,
+                    batches=batches,
+                    input_names=self.config.model.input_names,
+                    round_number=lambda: self.round_number,
+                    slowdown=slowdown,
+                    between_steps=self.poll,
+                )
+                self.finish_round(stats)
+        except JobFinished as finished:
+            logger.info("job %s: done after %d rounds", job_id, finished.rounds)
+            return EXIT_OK
+
+
+# --- the eager loop ---------------------------------------------------------------------------------------------
+
+
+class EagerRounds(OverlappedRounds):
+    """The outer steps of an eager trainer (the module docstring's a–d): :meth:`poll` between steps,
+    :meth:`finish_round` at the end of each round's steps."""
+
+    def __init__(self, **state: Any) -> None:
+        super().__init__(**state)
+        overlap = self.config.overlap
+        assert overlap is not None and overlap.eager
+        assert overlap.outer_learning_rate is not None and overlap.outer_momentum is not None
+        self.learning_rate = overlap.outer_learning_rate
+        self.momentum = overlap.outer_momentum
+        self.buffers = float_buffers(self.model)
+        self.proxy_rule = proxy_kind()
+        #: u_{r−1}: None in the first round and after a fetch of the full weights.
+        self.last_update: StateDict | None = None
+
+    def announce(self) -> None:
+        if self.proxy_rule == "local":
+            logger.warning(
+                "eager updates with the local weights as the proxy (%s=local: an experiment)", PROXY_ENV
+            )
+        else:
+            logger.info(
+                "eager updates: outer lr %g, momentum %g (the proxy of each round's step)",
+                self.learning_rate,
+                self.momentum,
+            )
+
+    def finish_round(self, stats: Any) -> None:
         """After a round's steps: merge the previous round's result (waiting for it if need be), then send
         this round's update and start the next round from the proxy."""
         from worker_daemon.executors.training import send_update
 
-        ended = time.perf_counter()
-        if self.pending is not None:
-            self.pending.wait()
-            waited = time.perf_counter() - ended
-            self.merge(steps=stats.steps, waited=waited)
+        ended = self._wait_for_previous(stats)
         delta = send_update(
             client=self.client,
             model=self.model,
@@ -316,96 +441,13 @@ class EagerRounds:
             self.round_number,
         )
 
-    def _receiver(self, round_number: int) -> Callable[[], tuple[Merged, Published | None]]:
-        from worker_daemon.executors.training import receive_result
-
-        global_previous, dtypes = self.global_previous, dict(self.published_dtypes)
-
-        def receive() -> tuple[Merged, Published | None]:
-            return receive_result(
-                client=self.side_client,
-                results=self.results,
-                config=self.config,
-                work_dir=self.work_dir,
-                round_number=round_number,
-                global_previous=global_previous,
-                published_dtypes=dtypes,
-            )
-
-        return receive
-
-    def merge(self, *, steps: int, waited: float) -> None:
-        """(c): correct the live model by θ_r − p_r, keep θ_r and u_r, send ``"update-received"``."""
-        pending = self.pending
-        assert pending is not None
-        merged, publication = pending.wait()
+    def apply(self, pending: PendingResult, merged: Merged) -> str:
+        """(c): correct the live model by θ_r − p_r, keep u_r."""
         assert pending.proxy is not None
         correct(self.model, pending.proxy, merged.weights)
         # p_r and u_{r−1} go before u_r is made: two model copies more than a trainer that waits, not three.
-        self.pending = None
-        del pending
+        pending.proxy = None
         self.last_update = None
         if merged.refetched_because is None:
             self.last_update = applied_update(merged.weights, self.global_previous)
-        self.global_previous = merged.weights
-        if publication is not None:
-            self.published_dtypes.clear()
-            self.published_dtypes.update(publication.dtypes)
-        # After the full weights were fetched the round in progress is the one after theirs.
-        self.round_number = merged.rounds_completed + 1
-        reply = self.client.status("update-received")
-        logger.info(
-            "round %d merged after %d steps of round %d%s%s",
-            merged.rounds_completed,
-            steps,
-            self.round_number,
-            f" (waited {waited:.2f} s)" if waited > 0 else "",
-            "" if merged.digest is None else f", weights {merged.digest} (checked)",
-        )
-        if reply["type"] == "Done":
-            raise JobFinished(merged.rounds_completed)
-
-
-def train_eagerly(
-    *,
-    rounds: EagerRounds,
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_schedule: Any | None,
-    batches: Iterator[dict[str, torch.Tensor]],
-    slowdown: float,
-    job_id: str | None,
-) -> int:
-    """Run an eager job to its end: rounds of steps (merging the previous round's result between two of
-    them), each ended by :meth:`EagerRounds.finish_round`; 0 when the scheduler said ``Done``."""
-    from worker_daemon.executors.training import EXIT_OK, run_round
-
-    if rounds.proxy_rule == "local":
-        logger.warning(
-            "eager updates with the local weights as the proxy (%s=local: an experiment)", PROXY_ENV
-        )
-    else:
-        logger.info(
-            "eager updates: outer lr %g, momentum %g (the proxy of each round's step)",
-            rounds.learning_rate,
-            rounds.momentum,
-        )
-    try:
-        while True:
-            stats = run_round(
-                accelerator=accelerator,
-                client=rounds.client,
-                model=model,
-                optimizer=optimizer,
-                lr_schedule=lr_schedule,
-                batches=batches,
-                input_names=rounds.config.model.input_names,
-                round_number=lambda: rounds.round_number,
-                slowdown=slowdown,
-                between_steps=rounds.poll,
-            )
-            rounds.finish_round(stats)
-    except JobFinished as finished:
-        logger.info("job %s: done after %d rounds", job_id, finished.rounds)
-        return EXIT_OK
+        return ""

@@ -37,23 +37,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hypha_tensors.fragments import FragmentError, fragment_of_round, partition_state
-from worker_daemon.executors.overlap import JobFinished, PendingResult
-from worker_daemon.executors.pseudo_gradient import StateDict, float_state, load_into, tied_groups
+from worker_daemon.executors.overlap import OverlappedRounds, PendingResult
+from worker_daemon.executors.pseudo_gradient import float_state, load_into, tied_groups
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-
-    from hypha_tensors.encoding import ErrorFeedback
-    from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
-    from worker_daemon.executors.consistency import Merged, Published
-    from worker_daemon.executors.job import TrainConfig
+    from worker_daemon.executors.consistency import Merged
 
 logger = logging.getLogger("worker_daemon.executors.training")
 
@@ -107,63 +101,43 @@ def mix_into(
 # --- the streaming loop -------------------------------------------------------------------------------------------
 
 
-class StreamingRounds:
+class StreamingRounds(OverlappedRounds):
     """The outer steps of a streaming trainer (the module docstring's a–c): :meth:`poll` between steps,
-    :meth:`finish_round` at the end of each round's steps. ``global_previous`` is the full θ of the last
-    merged round; ``round_number`` the round being trained (renumbered after a fetch of the full weights);
-    ``fragments`` the names of each fragment, computed once here."""
+    :meth:`finish_round` at the end of each round's steps; ``fragments`` the names of each fragment, computed
+    once here from the global weights."""
 
-    def __init__(
-        self,
-        *,
-        client: BridgeClient,
-        side_client: BridgeClient,
-        results: ReceiveStream,
-        model: torch.nn.Module,
-        config: TrainConfig,
-        work_dir: Path,
-        global_previous: StateDict,
-        published_dtypes: dict[str, torch.dtype],
-        feedback: ErrorFeedback | None,
-        round_number: int,
-    ) -> None:
-        assert config.overlap is not None and config.overlap.streaming
-        assert config.overlap.fragments is not None and config.overlap.mix is not None
-        self.client = client
-        #: Used only by the background thread (a refetch): the bridge client is not thread-safe.
-        self.side_client = side_client
-        self.results = results
-        self.model = model
-        self.config = config
-        self.work_dir = work_dir
-        self.global_previous = global_previous
-        self.published_dtypes = published_dtypes
-        self.feedback = feedback
-        self.round_number = round_number
-        self.mix = config.overlap.mix
-        self.fragments = fragments_of(global_previous, config.overlap.fragments)
-        self.pending: PendingResult | None = None
-        self._polls = 0
+    def __init__(self, **state: Any) -> None:
+        super().__init__(**state)
+        overlap = self.config.overlap
+        assert overlap is not None and overlap.streaming
+        assert overlap.fragments is not None and overlap.mix is not None
+        self.mix = overlap.mix
+        self.fragments = fragments_of(self.global_previous, overlap.fragments)
 
     def fragment(self, round_number: int) -> frozenset[str]:
         """The names round ``round_number`` syncs."""
         return self.fragments[fragment_of_round(round_number, len(self.fragments))]
 
-    def poll(self) -> None:
-        """Between two steps: merge the pending result if it has come (raises :class:`JobFinished`)."""
-        self._polls += 1
-        if self.pending is not None and self.pending.done():
-            self.merge(steps=self._polls - 1, waited=0.0)
+    def announce(self) -> None:
+        groups = tied_groups(self.global_previous)
+        sizes = [
+            sum(self.global_previous[group[0]].numel() for group in groups if group[0] in fragment)
+            for fragment in self.fragments
+        ]
+        logger.info(
+            "streaming: %d fragments of %s elements, mix %g (round r syncs fragment (r − 1) mod %d)",
+            len(self.fragments),
+            "/".join(str(size) for size in sizes),
+            self.mix,
+            len(self.fragments),
+        )
 
     def finish_round(self, stats: Any) -> None:
         """After a round's steps: merge the previous round's result (waiting for it if need be), then send
         this round's fragment and go on training."""
         from worker_daemon.executors.training import send_update
 
-        ended = time.perf_counter()
-        if self.pending is not None:
-            self.pending.wait()
-            self.merge(steps=stats.steps, waited=time.perf_counter() - ended)
+        ended = self._wait_for_previous(stats)
         sent = self.round_number
         fragment = self.fragment(sent)
         delta = send_update(
@@ -197,104 +171,10 @@ class StreamingRounds:
             len(self.fragments),
         )
 
-    def _receiver(
-        self, round_number: int, fragment: frozenset[str]
-    ) -> Callable[[], tuple[Merged, Published | None]]:
-        from worker_daemon.executors.training import receive_result
-
-        global_previous, dtypes = self.global_previous, dict(self.published_dtypes)
-
-        def receive() -> tuple[Merged, Published | None]:
-            return receive_result(
-                client=self.side_client,
-                results=self.results,
-                config=self.config,
-                work_dir=self.work_dir,
-                round_number=round_number,
-                global_previous=global_previous,
-                published_dtypes=dtypes,
-                fragment=fragment,
-            )
-
-        return receive
-
-    def merge(self, *, steps: int, waited: float) -> None:
-        """(c): mix θ_r's fragment into the live model (or load the full weights fetched instead, whole),
-        keep θ_r, send ``"update-received"``."""
-        pending = self.pending
-        assert pending is not None
-        merged, publication = pending.wait()
-        self.pending = None
+    def apply(self, pending: PendingResult, merged: Merged) -> str:
+        """(c): mix θ_r's fragment into the live model (or load the full weights fetched instead, whole)."""
         if merged.refetched_because is None:
-            fragment = self.fragment(pending.round_number)
-            mix_into(self.model, merged.weights, fragment, self.mix)
-            how = f"fragment {fragment_of_round(pending.round_number, len(self.fragments))} mixed in"
-        else:
-            load_into(self.model, merged.weights)
-            how = "the full weights loaded whole"
-        del pending
-        self.global_previous = merged.weights
-        if publication is not None:
-            self.published_dtypes.clear()
-            self.published_dtypes.update(publication.dtypes)
-        # After the full weights were fetched the round in progress is the one after theirs.
-        self.round_number = merged.rounds_completed + 1
-        reply = self.client.status("update-received")
-        logger.info(
-            "round %d merged after %d steps of round %d%s, %s%s",
-            merged.rounds_completed,
-            steps,
-            self.round_number,
-            f" (waited {waited:.2f} s)" if waited > 0 else "",
-            how,
-            "" if merged.digest is None else f", weights {merged.digest} (checked)",
-        )
-        if reply["type"] == "Done":
-            raise JobFinished(merged.rounds_completed)
-
-
-def train_streaming(
-    *,
-    rounds: StreamingRounds,
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_schedule: Any | None,
-    batches: Iterator[dict[str, torch.Tensor]],
-    slowdown: float,
-    job_id: str | None,
-) -> int:
-    """Run a streaming job to its end: rounds of steps (merging the previous round's result between two of
-    them), each ended by :meth:`StreamingRounds.finish_round`; 0 when the scheduler said ``Done``."""
-    from worker_daemon.executors.training import EXIT_OK, run_round
-
-    sizes = [
-        sum(rounds.global_previous[group[0]].numel() for group in tied_groups(rounds.global_previous)
-            if group[0] in fragment)
-        for fragment in rounds.fragments
-    ]  # fmt: skip
-    logger.info(
-        "streaming: %d fragments of %s elements, mix %g (round r syncs fragment (r − 1) mod %d)",
-        len(rounds.fragments),
-        "/".join(str(size) for size in sizes),
-        rounds.mix,
-        len(rounds.fragments),
-    )
-    try:
-        while True:
-            stats = run_round(
-                accelerator=accelerator,
-                client=rounds.client,
-                model=model,
-                optimizer=optimizer,
-                lr_schedule=lr_schedule,
-                batches=batches,
-                input_names=rounds.config.model.input_names,
-                round_number=lambda: rounds.round_number,
-                slowdown=slowdown,
-                between_steps=rounds.poll,
-            )
-            rounds.finish_round(stats)
-    except JobFinished as finished:
-        logger.info("job %s: done after %d rounds", job_id, finished.rounds)
-        return EXIT_OK
+            mix_into(self.model, merged.weights, self.fragment(pending.round_number), self.mix)
+            return f"fragment {fragment_of_round(pending.round_number, len(self.fragments))} mixed in"
+        load_into(self.model, merged.weights)
+        return "the full weights loaded whole"

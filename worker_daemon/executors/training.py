@@ -672,8 +672,8 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 start.digest,
             )
         if config.overlap is not None and config.overlap.mode != "none":
-            from worker_daemon.executors.overlap import EagerRounds, train_eagerly
-            from worker_daemon.executors.streaming import StreamingRounds, train_streaming
+            from worker_daemon.executors.overlap import EagerRounds
+            from worker_daemon.executors.streaming import StreamingRounds
 
             # The result of a round is read (and, when it cannot be merged, the full weights fetched) while
             # the next round trains: a second bridge connection for that thread.
@@ -703,9 +703,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 rounds = StreamingRounds(**state) if streaming else EagerRounds(**state)
                 # The rounds hold the global weights from here on: the starting ones must not outlive them.
                 del state, global_previous
-                if isinstance(rounds, StreamingRounds):
-                    return train_streaming(rounds=rounds, **loop)
-                return train_eagerly(rounds=rounds, **loop)
+                return rounds.train(**loop)
         while True:
             stats = run_round(
                 accelerator=accelerator,
