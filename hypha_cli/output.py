@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -66,12 +66,53 @@ def live_training_loss(job: dict[str, Any]) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
+def round_losses(job: dict[str, Any]) -> list[float]:
+    """The closed rounds' mean training losses, in round order (rounds without one left out)."""
+    return [r["mean_loss"] for r in closed_rounds(job) if isinstance(r.get("mean_loss"), int | float)]
+
+
 def last_loss(job: dict[str, Any]) -> float | None:
-    """The latest closed round's mean training loss, else the trainers' live loss."""
-    rounds = closed_rounds(job)
-    if rounds and rounds[-1].get("mean_loss") is not None:
-        return rounds[-1]["mean_loss"]
-    return live_training_loss(job)
+    """The job's current training loss, the one number every view shows (``hypha jobs``, the ``watch`` bar
+    and its summary): the latest closed round's mean training loss, else (before any round has one) the
+    trainers' live loss."""
+    losses = round_losses(job)
+    return losses[-1] if losses else live_training_loss(job)
+
+
+def last_eval_loss(job: dict[str, Any]) -> float | None:
+    """The latest closed round's eval loss, if any round has one."""
+    evals = [r["eval_loss"] for r in closed_rounds(job) if isinstance(r.get("eval_loss"), int | float)]
+    return evals[-1] if evals else None
+
+
+def _timestamp(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def elapsed_seconds(job: dict[str, Any], *, now: datetime | None = None) -> float | None:
+    """The job's wall time: from its creation to its end (``ended_at``), or to ``now`` while it runs; None
+    without a creation time. Never negative (a client clock behind the server's)."""
+    started = _timestamp(job.get("created_at"))
+    if started is None:
+        return None
+    ended = _timestamp(job.get("ended_at"))
+    if ended is None:
+        ended = now or datetime.now(UTC)
+    return max((ended - started).total_seconds(), 0.0)
+
+
+def duration_text(seconds: float | None) -> str:
+    """``H:MM:SS`` (hours not capped at 24), ``-:--:--`` when unknown."""
+    if seconds is None:
+        return "-:--:--"
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 def rounds_text(job: dict[str, Any]) -> str:
@@ -180,30 +221,52 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
 
 
 def job_summary(job: dict[str, Any]) -> str:
-    """One line on how a job ended (or stands): status, rounds, first → last loss, eval loss, reason."""
-    rounds = closed_rounds(job)
+    """One line on how a job ended (or stands): status, rounds, first → last loss (the last one is
+    ``last_loss``, as on the watch bar), eval loss, elapsed (a job that ended), reason."""
     parts = [f"job {job.get('id')} {job.get('status')}", f"rounds {rounds_text(job)}"]
-    losses = [r["mean_loss"] for r in rounds if r.get("mean_loss") is not None]
-    if losses:
-        parts.append(
-            f"loss {losses[0]:.4f} → {losses[-1]:.4f}" if len(losses) > 1 else f"loss {losses[0]:.4f}"
-        )
-    evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
-    if evals:
-        parts.append(f"eval {evals[-1]:.4f}")
+    losses, current = round_losses(job), last_loss(job)
+    if len(losses) > 1:
+        parts.append(f"loss {losses[0]:.4f} → {current:.4f}")
+    elif current is not None:
+        parts.append(f"loss {current:.4f}")
+    evaluation = last_eval_loss(job)
+    if evaluation is not None:
+        parts.append(f"eval {evaluation:.4f}")
+    if job.get("ended_at") and elapsed_seconds(job) is not None:
+        parts.append(f"took {duration_text(elapsed_seconds(job))}")
     if job.get("status") != "completed" and job.get("status_reason"):
         parts.append(job["status_reason"])
     return " · ".join(parts)
 
 
+def _round_name(round_: dict[str, Any], total: int | None) -> str:
+    return f"round {round_.get('number')}/{total if total is not None else '?'}"
+
+
+def eval_pending(round_: dict[str, Any]) -> bool:
+    """A closed round whose eval has not arrived yet: neither an eval loss nor the reason it has none."""
+    return round_.get("eval_loss") is None and not round_.get("eval_error")
+
+
+def _eval_text(round_: dict[str, Any]) -> str | None:
+    if isinstance(round_.get("eval_loss"), int | float):
+        return f"eval {round_['eval_loss']:.4f}"
+    if round_.get("eval_error"):
+        return f"no eval loss: {str(round_['eval_error'])[:120]}"
+    return None
+
+
 def round_line(round_: dict[str, Any], total: int | None) -> str:
-    """One closed round: its number, losses, trainers and duration, and its encoding when it is lossy."""
+    """One closed round: its number, losses, trainers and duration, and its encoding when it is lossy. The
+    eval loss is left out while it has not arrived (``eval_line`` says it when it does); a round the
+    parameter server could not evaluate says why."""
     participants = round_.get("participants") or []
     left_out = round_.get("left_out") or []
+    evaluation = _eval_text(round_)
     line = (
-        f"round {round_.get('number')}/{total if total is not None else '?'}: "
-        f"loss {loss_text(round_.get('mean_loss'))} · eval {loss_text(round_.get('eval_loss'))} · "
-        f"{len(participants)} trainer{'s' if len(participants) != 1 else ''}"
+        f"{_round_name(round_, total)}: loss {loss_text(round_.get('mean_loss'))} · "
+        + (f"{evaluation} · " if evaluation and round_.get("eval_loss") is not None else "")
+        + f"{len(participants)} trainer{'s' if len(participants) != 1 else ''}"
     )
     if left_out:
         line += f" ({len(left_out)} left out)"
@@ -212,4 +275,11 @@ def round_line(round_: dict[str, Any], total: int | None) -> str:
     encoding = round_.get("encoding")
     if isinstance(encoding, str) and encoding not in ("", "float32"):
         line += f" · {encoding}"
+    if evaluation and round_.get("eval_loss") is None:
+        line += f" · {evaluation}"
     return line
+
+
+def eval_line(round_: dict[str, Any], total: int | None) -> str:
+    """A round's eval that arrived after its round line: ``round 2/6: eval 3.2000`` (or why there is none)."""
+    return f"{_round_name(round_, total)}: {_eval_text(round_) or 'eval -'}"

@@ -65,17 +65,21 @@ def follow(
 
 
 def _fingerprint(job: dict[str, Any]) -> tuple:
-    """What, when it changes, means the job is moving: status, reason, rounds, the trainers' steps."""
+    """What, when it changes, means the job is moving: status, reason, rounds, evals, the trainers' steps."""
     steps = tuple(task.get("steps_total") for task in job.get("tasks") or [])
-    return (job.get("status"), job.get("status_reason"), len(output.closed_rounds(job)), steps)
+    rounds = output.closed_rounds(job)
+    evaluated = sum(1 for round_ in rounds if not output.eval_pending(round_))
+    return (job.get("status"), job.get("status_reason"), len(rounds), evaluated, steps)
 
 
 class _Changes:
-    """Remembers what was already reported: the status line and the closed rounds."""
+    """Remembers what was already reported: the status line, the closed rounds, and the rounds whose eval
+    was still to come when they were reported (the parameter server may evaluate a round after closing it)."""
 
     def __init__(self) -> None:
         self.status: tuple[str | None, str | None] | None = None
         self.rounds: set[int] = set()
+        self.pending_evals: set[int] = set()
 
     def new_status(self, job: dict[str, Any]) -> str | None:
         current = (job.get("status"), job.get("status_reason"))
@@ -88,22 +92,40 @@ class _Changes:
     def new_rounds(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         fresh = [r for r in output.closed_rounds(job) if r.get("number") not in self.rounds]
         self.rounds.update(r.get("number") for r in fresh)
+        self.pending_evals.update(r.get("number") for r in fresh if output.eval_pending(r))
         return fresh
+
+    def new_evals(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        """Rounds reported without their eval whose eval (or the reason there is none) has arrived since."""
+        arrived = [
+            r
+            for r in output.closed_rounds(job)
+            if r.get("number") in self.pending_evals and not output.eval_pending(r)
+        ]
+        self.pending_evals.difference_update(r.get("number") for r in arrived)
+        return arrived
+
+    def lines(self, job: dict[str, Any]) -> list[str]:
+        """What to print for this answer: the status when it changed, each newly closed round, each eval
+        that arrived after its round was printed."""
+        total = output.rounds_total(job)
+        status = self.new_status(job)
+        late = [output.eval_line(round_, total) for round_ in self.new_evals(job)]  # older rounds first
+        return (
+            ([status] if status else []) + late + [output.round_line(r, total) for r in self.new_rounds(job)]
+        )
 
 
 class PlainReporter:
-    """Line by line, for logs and pipes: a line per status change and per closed round."""
+    """Line by line, for logs and pipes: a line per status change, per closed round and per late eval."""
 
     def __init__(self, stream=None) -> None:
         self.stream = stream or sys.stdout
         self.changes = _Changes()
 
     def update(self, job: dict[str, Any]) -> None:
-        status = self.changes.new_status(job)
-        if status:
-            self._print(status)
-        for round_ in self.changes.new_rounds(job):
-            self._print(output.round_line(round_, output.rounds_total(job)))
+        for line in self.changes.lines(job):
+            self._print(line)
 
     def retrying(self, error: Exception, delay: float) -> None:
         self._print(f"{error}; retrying in {delay:.1f}s")
@@ -130,55 +152,73 @@ class QuietReporter:
 
 
 class ProgressReporter:
-    """A rich progress bar over the job's rounds with the latest training and eval loss and the status
-    reason; status changes and closed rounds are printed above the bar."""
+    """A rich progress bar over the job's rounds: status, bar, ``round done/total``, the job's elapsed time
+    and its loss (``output.last_loss``, the summary's number) and eval loss, sized to fit the console's width
+    (80 columns included). Status changes (with their reason), closed rounds and late evals are printed above
+    the bar."""
+
+    #: Columns between the bar line's cells (rich's grid pads each cell by one).
+    GAPS = 6
+    #: The narrowest bar drawn; below it the line may wrap on a very narrow terminal.
+    MIN_BAR = 8
 
     def __init__(self, console) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn
+        from rich.text import Text
+
+        class JobElapsedColumn(ProgressColumn):
+            """The job's own elapsed time (created → ended, or → now while it runs), not the watch's."""
+
+            def render(self, task) -> Text:
+                job = task.fields.get("job") or {}
+                return Text(output.duration_text(output.elapsed_seconds(job)), style="progress.elapsed")
 
         self.changes = _Changes()
+        self.console = console
+        self.bar = BarColumn(bar_width=self.MIN_BAR)
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("rounds"),
-            TimeElapsedColumn(),
+            self.bar,
+            TextColumn("{task.fields[rounds]}"),
+            JobElapsedColumn(),
             TextColumn("{task.fields[info]}"),
             console=console,
             transient=False,
         )
-        self.task = self.progress.add_task("waiting", total=None, info="")
+        self.task = self.progress.add_task("waiting", total=None, rounds="", info="", job={})
         self.progress.start()
 
     def update(self, job: dict[str, Any]) -> None:
-        status = self.changes.new_status(job)
-        if status:
-            self.progress.console.print(status, markup=False, highlight=False)
+        for line in self.changes.lines(job):
+            self.progress.console.print(line, markup=False, highlight=False)
         total = output.rounds_total(job)
-        for round_ in self.changes.new_rounds(job):
-            self.progress.console.print(output.round_line(round_, total), markup=False, highlight=False)
         rounds = output.closed_rounds(job)
-        evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
-        info = [f"loss {output.loss_text(output.live_training_loss(job) or output.last_loss(job))}"]
-        if evals:
-            info.append(f"eval {evals[-1]:.4f}")
-        if job.get("status_reason"):
-            info.append(str(job["status_reason"])[:80])
+        info = f"loss {output.loss_text(output.last_loss(job))}"
+        evaluation = output.last_eval_loss(job)
+        description = str(job.get("status"))
+        rounds_done = f"round {len(rounds)}/{total if total is not None else '?'}"
+        # spinner (1), the texts, the elapsed time (H:MM:SS, wider after 9 hours) and the gaps between cells
+        elapsed = len(output.duration_text(output.elapsed_seconds(job)))
+        fixed = 1 + len(description) + len(rounds_done) + max(elapsed, 8) + len(info) + self.GAPS
+        if (
+            evaluation is not None
+            and fixed + len(f" · eval {evaluation:.4f}") + self.MIN_BAR <= self.console.width
+        ):
+            # the eval loss only where it fits (it is on the round lines above the bar too)
+            info += f" · eval {evaluation:.4f}"
+            fixed += len(f" · eval {evaluation:.4f}")
+        self.bar.bar_width = max(self.MIN_BAR, min(40, self.console.width - fixed))
         self.progress.update(
             self.task,
-            description=str(job.get("status")),
+            description=description,
             total=total,
             completed=len(rounds),
-            info=" · ".join(info),
+            rounds=rounds_done,
+            info=info,
+            job=job,
         )
+        self.progress.refresh()  # drawn now, not at the next tick: each answer is seen, however fast they come
 
     def retrying(self, error: Exception, delay: float) -> None:
         self.progress.console.print(f"{error}; retrying in {delay:.1f}s", markup=False, highlight=False)

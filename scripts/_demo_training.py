@@ -2,7 +2,8 @@
 
 Prepares a byte-level dataset from the Python standard library's sources, starts the control plane (embedded:
 SQLite, no servers), one data node and ``trainers + 1`` worker daemons (the market picks the parameter server),
-submits the job, prints each round as it closes, downloads the final model and ends with one JSON line::
+submits the job, prints each round as it closes (its eval loss with it, or on a line of its own when the
+eval arrives later), downloads the final model and ends with one JSON line::
 
     {"job": ..., "status": "completed", "rounds": ..., "first_round_loss": ..., "final_loss": ...,
      "eval_loss": ..., "model": "<path>"}
@@ -16,6 +17,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +28,69 @@ from bench.cluster import diloco_spec, dump, prepare_stdlib_text, summary, train
 
 def log(text: str) -> None:
     print(f"==> {text}", flush=True)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+class RoundLines:
+    """The demo's round lines from the job as ``GET /api/jobs/<id>/`` sends it, polled: a line for each round
+    when it closes, with its eval loss when that came with it; an eval that comes later (or the reason there is
+    none) gets a line of its own when it arrives, so that no line says "eval loss None"."""
+
+    def __init__(self, rounds: int, *, elapsed: Callable[[], float]) -> None:
+        self.rounds = rounds
+        self.elapsed = elapsed
+        self.printed: set[int] = set()
+        self.eval_pending: set[int] = set()
+
+    @staticmethod
+    def _evaluation(round_: dict) -> str | None:
+        if round_.get("eval_loss") is not None:
+            return f"eval loss {_number(round_['eval_loss'])}"
+        if round_.get("eval_error"):
+            return f"no eval loss: {round_['eval_error']}"
+        return None
+
+    def lines(self, job: dict) -> list[str]:
+        """What to print for this answer (nothing when nothing changed)."""
+        lines = []
+        closed = sorted((r for r in job.get("rounds") or [] if r.get("closed")), key=lambda r: r["number"])
+        when = f"({self.elapsed():.0f} s)"
+        for round_ in closed:
+            number, evaluation = round_["number"], self._evaluation(round_)
+            name = f"round {number}/{self.rounds}"
+            if number not in self.printed:
+                self.printed.add(number)
+                parts = [
+                    f"{len(round_.get('participants') or [])} trainers",
+                    f"training loss {_number(round_.get('mean_loss'))}",
+                ]
+                if evaluation is None:
+                    self.eval_pending.add(number)
+                else:
+                    parts.append(evaluation)
+                lines.append(f"{name}: {', '.join(parts)} {when}")
+            elif number in self.eval_pending and evaluation is not None:
+                self.eval_pending.discard(number)
+                lines.append(f"{name}: {evaluation} {when}")
+        return lines
+
+
+def follow(fetch: Callable[[], dict], printer: RoundLines, *, timeout: float, interval: float = 0.5) -> dict:
+    """Poll the job (``fetch``) until it ends, logging ``printer``'s lines; the final job. Raises
+    TimeoutError when it has not ended within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = fetch()
+        for line in printer.lines(job):
+            log(line)
+        if job["status"] in ("completed", "failed", "cancelled"):
+            return job
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"job {job['id']} did not end within {timeout:g}s")
+        time.sleep(interval)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,18 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.rounds} rounds of {args.inner_steps} steps"
             )
 
-            def show(round_: dict) -> None:
-                loss = round_["mean_loss"]
-                evaluation = round_["eval_loss"]
-                log(
-                    f"round {round_['number']}/{args.rounds}: {len(round_['participants'])} trainers, "
-                    f"training loss {loss if loss is None else f'{loss:.3f}'}, "
-                    f"eval loss {evaluation if evaluation is None else f'{evaluation:.3f}'} "
-                    f"({time.monotonic() - started:.0f} s)"
-                )
-
+            printer = RoundLines(args.rounds, elapsed=lambda: time.monotonic() - started)
             try:
-                job = cluster.follow(job_id, timeout=args.timeout, on_round=show)
+                job = follow(lambda: cluster.job(job_id), printer, timeout=args.timeout)
             except (TimeoutError, RuntimeError) as error:
                 print(f"demo: FAILED: {error}\n{cluster.logs()}", file=sys.stderr)
                 return 1

@@ -587,6 +587,7 @@ def test_downloading_a_missing_jobs_model_exits_4(api, hypha, tmp_path):
 
 WORKER = {
     "id": "5e0c7c51-8d8e-4a77-9f2b-2bb9d3b1c0aa",
+    "view": "full",
     "name": "bobs-gpu",
     "owner": "bob",
     "resources": {"cpu": 8.0, "memory": 32.0, "storage": 100.0, "gpu": 24.0},
@@ -711,10 +712,10 @@ def test_a_rounds_line_names_a_lossy_encoding_only():
 
     plain = closed_round(2, loss=4.5, eval_loss=None)
     assert round_line({**plain, "encoding": "int8"}, 3) == (
-        "round 2/3: loss 4.5000 · eval - · 2 trainers · 3.5s · int8"
+        "round 2/3: loss 4.5000 · 2 trainers · 3.5s · int8"
     )
     assert (
         round_line({**plain, "encoding": "float32"}, 3)
         == round_line(plain, 3)
-        == ("round 2/3: loss 4.5000 · eval - · 2 trainers · 3.5s")
+        == ("round 2/3: loss 4.5000 · 2 trainers · 3.5s")
     )
