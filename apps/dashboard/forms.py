@@ -9,6 +9,7 @@ is put next to the field it is about (:data:`FIELD_OF_PATH` maps the spec's dott
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 
 from django import forms
 
@@ -99,19 +100,23 @@ class _SpecForm(forms.Form):
 
     def clean(self):
         cleaned = super().clean()
-        if self.errors:
-            return cleaned
+        # Every mistake at once, as the API reports them: the spec is checked without the fields whose value
+        # could not be read (not JSON, not a number), and what it then says about those fields is left out —
+        # each already shows its own error.
+        unreadable = set(self.errors)
         try:
             parsed = self.parse()
         except SpecError as error:
             for item in error.errors:
-                self._spec_error(item["field"], item["message"])
+                if field_for(item["field"], self.fields) not in unreadable:
+                    self._spec_error(item["field"], item["message"])
             return cleaned
         problems = job_services.training_problems(parsed, self.owner)
         for path, messages in problems.items():
             for message in messages:
-                self._spec_error(path, message)
-        if not problems:
+                if field_for(path, self.fields) not in unreadable:
+                    self._spec_error(path, message)
+        if not problems and not unreadable:
             self.parsed = parsed
         return cleaned
 
@@ -271,8 +276,9 @@ class DiLoCoJobForm(_SpecForm):
         return [name.strip() for name in self.cleaned_data["input_names"].split(",") if name.strip()]
 
     def specification(self) -> dict:
-        """The JSON specification the fields describe (``POST /api/jobs/diloco/``'s body, without the name)."""
-        data = self.cleaned_data
+        """The JSON specification the fields describe (``POST /api/jobs/diloco/``'s body, without the name);
+        a field whose value could not be read is left out (the spec then reports it missing)."""
+        data = defaultdict(lambda: _UNREAD, self.cleaned_data)
         spec = {
             "model": {
                 "source": {"type": "config", "config": data["model_config"]},
@@ -303,10 +309,20 @@ class DiLoCoJobForm(_SpecForm):
                 spec["rounds"][key] = data[key]
         if data.get("holdout"):
             spec["evaluation"] = {"holdout": data["holdout"], "batch_size": data["eval_batch_size"]}
-        return spec
+        return _without_unread(spec)
 
     def parse(self) -> job_spec.DiLoCoSpec:
         return job_spec.parse_json(self.specification())
+
+
+#: The value of a field that could not be read, in :meth:`DiLoCoJobForm.specification` until it is left out.
+_UNREAD = object()
+
+
+def _without_unread(value):
+    if isinstance(value, dict):
+        return {key: _without_unread(item) for key, item in value.items() if item is not _UNREAD}
+    return value
 
 
 def _role(data: dict, prefix: str) -> dict:
@@ -342,6 +358,8 @@ class TomlJobForm(_SpecForm):
                 return self.cleaned_data
         if not (self.cleaned_data.get("toml_text") or "").strip():
             self.add_error("toml_file", "Choose a TOML file or paste one.")
+            return self.cleaned_data
+        if self.errors:
             return self.cleaned_data
         return super().clean()
 

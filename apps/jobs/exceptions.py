@@ -4,6 +4,7 @@ JobError
 ├── JobTransitionRefused    the job's state machine does not allow this transition now
 ├── JobNotCancellable       the job has already ended
 ├── SpecError               the submitted specification is invalid (every mistake, by field path)
+│   └── SpecUnreadable      …because its document cannot be read at all (a TOML syntax error)
 └── TaskRefused             a daemon spoke about a task that is not its own, or not running
     └── TransferRefused     a transfer token or upload the control plane does not accept
 """
@@ -37,6 +38,15 @@ class SpecError(JobError, ValueError):
         self.errors = errors
         summary = "; ".join(f"{error['field'] or '(document)'}: {error['message']}" for error in errors)
         super().__init__(f"invalid DiLoCo specification: {summary}")
+
+
+class SpecUnreadable(SpecError):
+    """The specification's document cannot be read at all (a TOML syntax error, too large, nested too deep):
+    one mistake of the whole document, answered by the API as ``{"detail": ...}`` like malformed JSON."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([{"field": "", "message": message}])
+        self.message = message
 
 
 class TaskRefused(JobError):

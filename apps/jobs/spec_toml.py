@@ -1,18 +1,22 @@
 """Hypha's scheduler TOML (``[scheduler.job]``) translated into a :class:`~apps.jobs.spec.DiLoCoSpec`.
 
-Accepts the keys the original reads (reference §7.2) and the unambiguous spellings of its docs (§9 item 8);
-error paths name the TOML keys as the user wrote them.
+Accepts the keys the original reads (reference §7.2) and the unambiguous spellings of its docs (§9 item 8),
+and keys of ours marked so below (``model.config``: a model built from a transformers config, as the JSON spec's
+``config`` source); error paths name the TOML keys as the user wrote them. ``examples/`` has a TOML of each
+kind of job.
 """
 
 from __future__ import annotations
 
+import datetime
 import tomllib
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
 from pydantic import ValidationError
 
-from apps.jobs.exceptions import SpecError
+from apps.jobs.exceptions import SpecError, SpecUnreadable
 from apps.jobs.spec import (
     PARAMETER_SERVER_EXECUTOR,
     TRAINER_EXECUTOR,
@@ -63,20 +67,21 @@ def parse_toml(text: str) -> DiLoCoSpec:
 
 def _bounded_document(text: str) -> dict[str, Any]:
     """``tomllib.loads(text)`` within the size and nesting bounds (checked before: tomllib's cost grows with the
-    square of a dotted key's length, and it recurses per bracket), its strings storable; else SpecError."""
+    square of a dotted key's length, and it recurses per bracket), its strings storable; else SpecUnreadable (a
+    document that cannot be read) or SpecError (strings that cannot be stored, by key)."""
     limit, depth = settings.HYPHA_MAX_TOML_BYTES, settings.HYPHA_MAX_INPUT_DEPTH
     too_deep = f"TOML nested more than {depth} levels deep (tables, arrays and dotted keys)."
     if len(text.encode("utf-8", "surrogatepass")) > limit:
-        raise SpecError([{"field": "", "message": f"The TOML is larger than {limit} bytes."}])
+        raise SpecUnreadable(f"The TOML is larger than {limit} bytes.")
     if toml_nesting(text, limit=depth):
-        raise SpecError([{"field": "", "message": too_deep}])
+        raise SpecUnreadable(too_deep)
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise SpecError([{"field": "", "message": f"TOML syntax error: {error}"}]) from None
+        raise SpecUnreadable(f"TOML syntax error: {error}") from None
     # Dotted keys inside nested inline tables add up beyond what the scan of one key or one bracket sees.
     if document_depth(document) > depth:
-        raise SpecError([{"field": "", "message": too_deep}])
+        raise SpecUnreadable(too_deep)
     problems = [
         {"field": ".".join(escape_hostile(str(part)) for part in path), "message": message}
         for path, message in hostile_strings(document)
@@ -177,7 +182,7 @@ class _TomlTranslation:
                 if value is not None:
                     data["rounds"][key] = value
             self.unknown(rounds, ("rounds",))
-        for key in ("batch_size", "seed"):
+        for key in ("batch_size", "seed", "allocation_timeout"):
             if key in table:
                 data[key] = self.take(table, (), (key,), key)
         evaluation = self.subtable(table, "evaluation", ())
@@ -192,10 +197,13 @@ class _TomlTranslation:
         return data
 
     def artifact(self, table: dict, name: str) -> dict:
-        """A ``[model]``/``[preprocessor]`` table: ``repository``… or ``url``, plus ``type`` and input names."""
+        """A ``[model]``/``[preprocessor]`` table: ``repository``…, ``url`` or (ours) ``config``, plus ``type`` and
+        input names."""
         keys = (name,)
         result: dict[str, Any] = {}
-        if "url" in table and "repository" not in table:
+        if "config" in table:
+            result["source"] = self.config_source(table, name)
+        elif "url" in table and "repository" not in table:
             result["source"] = {"type": "url", "url": self.take(table, keys, ("url",), f"{name}.source.url")}
         else:
             source: dict[str, Any] = {"type": "huggingface"}
@@ -211,6 +219,27 @@ class _TomlTranslation:
                 result[key] = value
         self.unknown(table, keys)
         return result
+
+    def config_source(self, table: dict, name: str) -> dict:
+        """Ours: ``config``, a transformers ``config.json`` as a table (inline or ``[….model.config]``), for the
+        JSON spec's ``{"type": "config", "config": {...}}``: the model is built from it and trained from scratch.
+        """
+        where = self.path(name, "config")
+        others = [key for key in ("repository", "url") if key in table]
+        if others:
+            self.error(where, "Give one of repository, url and config.")
+            for key in others:
+                table.pop(key)
+        # Errors of the source (a wrong tag for a preprocessor) and of the config are reported at ``config``.
+        self.rename[f"{name}.source"] = where
+        config = self.take(table, (name,), ("config",), f"{name}.source.config")
+        if isinstance(config, dict):
+            for path in _dates_and_times(config):
+                self.error(
+                    ".".join([where, *path]),
+                    "A TOML date or time has no JSON equivalent; write it as a string.",
+                )
+        return {"type": "config", "config": config}
 
     def dataset(self, table: dict, data: dict) -> None:
         """``dataset.dataset`` (the original), ``dataset.name``, or the docs' ``dataset_name``."""
@@ -328,3 +357,15 @@ class _TomlTranslation:
             else:
                 self.error(where, "Expected {type = GPU|CPU|Memory|Storage, min = number} or {kind = ...}.")
         return resources
+
+
+def _dates_and_times(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The paths of TOML's dates and times in ``value`` (tables and arrays walked): JSON has no such values."""
+    if isinstance(value, datetime.date | datetime.time):
+        yield path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _dates_and_times(item, (*path, str(key)))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _dates_and_times(item, (*path, str(index)))

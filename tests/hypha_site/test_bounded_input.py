@@ -78,9 +78,7 @@ def test_a_dotted_key_bomb_within_the_size_limit_is_refused_before_tomllib_runs(
     # then
     assert response.status_code == 400
     assert response.json() == {
-        "non_field_errors": [
-            f"TOML nested more than {MAX_DEPTH} levels deep (tables, arrays and dotted keys)."
-        ]
+        "detail": f"TOML nested more than {MAX_DEPTH} levels deep (tables, arrays and dotted keys)."
     }
     assert peak < PEAK_BYTES
     assert Job.objects.count() == 0
@@ -101,9 +99,7 @@ def test_deep_toml_is_a_400(alice, document):
 
     assert response.status_code == 400
     assert response.json() == {
-        "non_field_errors": [
-            f"TOML nested more than {MAX_DEPTH} levels deep (tables, arrays and dotted keys)."
-        ]
+        "detail": f"TOML nested more than {MAX_DEPTH} levels deep (tables, arrays and dotted keys)."
     }
     assert Job.objects.count() == 0
 

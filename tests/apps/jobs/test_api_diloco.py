@@ -114,7 +114,7 @@ def test_broken_toml_is_a_400_naming_the_line(alice):
     response = alice.client.generic("POST", URL, b"[scheduler.job\n", content_type="application/toml")
 
     assert response.status_code == 400
-    assert response.json()["non_field_errors"][0].startswith("TOML syntax error")
+    assert response.json()["detail"].startswith("TOML syntax error")
     assert Job.objects.count() == 0
 
 
