@@ -258,11 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("--extract", action="store_true", help="also unpack the zip into DIR/model-<ID>/")
 
     workers = command(
-        "workers", "list the workers you can see", json_help="print the API's worker objects as JSON"
+        "workers",
+        "list the pool's workers: each one's public facts, yours in full",
+        json_help="print the API's worker objects as JSON",
     )
     workers.add_argument(
         "--limit", type=_count, default=100, metavar="N", help="show at most N (default: 100)"
     )
+    workers.add_argument("--mine", action="store_true", help="only the workers you own")
     return parser
 
 

@@ -78,9 +78,10 @@ class HyphaClient:
         """The newest ``limit`` jobs the token's user sees, as the API lists them."""
         return self._list("/api/jobs/", limit=limit)
 
-    def workers(self, *, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` workers the token's user sees, as the API lists them."""
-        return self._list("/api/workers/", limit=limit)
+    def workers(self, *, limit: int, mine: bool = False) -> list[dict[str, Any]]:
+        """Up to ``limit`` workers of the pool, as the API lists them: the public facts of each, in full those the
+        token's user owns (staff: every worker); with ``mine``, only the user's own."""
+        return self._list("/api/workers/", limit=limit, query={"mine": "true"} if mine else None)
 
     def job(self, job_id: str) -> dict[str, Any]:
         """A job with its rounds, tasks, data progress and model files."""
@@ -132,14 +133,11 @@ class HyphaClient:
 
     # --- plumbing -----------------------------------------------------------------------------------------
 
-    def _list(self, path: str, *, limit: int) -> list[dict[str, Any]]:
+    def _list(self, path: str, *, limit: int, query: dict[str, str] | None = None) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         while len(items) < limit:
-            page = self._json(
-                self._send(
-                    "GET", path, params={"limit": min(PAGE_SIZE, limit - len(items)), "offset": len(items)}
-                )
-            )
+            page_query = {"limit": min(PAGE_SIZE, limit - len(items)), "offset": len(items), **(query or {})}
+            page = self._json(self._send("GET", path, params=page_query))
             if not isinstance(page, dict) or not isinstance(page.get("results"), list):
                 raise WrongServerError(f"{self.server}{path} did not answer like a Hypha control plane")
             items.extend(page["results"])

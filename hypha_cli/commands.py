@@ -105,6 +105,9 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
         output.print_json(job)
     else:
         print(job["id"])
+        # On stderr: stdout stays the job id alone, for scripts (`JOB=$(hypha submit spec.json)`).
+        for warning in job.get("warnings") or []:
+            print(f"hypha: warning: {warning}", file=sys.stderr)
     return ExitCode.OK
 
 
@@ -298,11 +301,14 @@ def extract(archive: Path, destination: Path) -> Path:
 
 def workers(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
     with _client(arguments, environ=environ, transport=transport) as client:
-        listed = client.workers(limit=arguments.limit)
+        listed = client.workers(limit=arguments.limit, mine=arguments.mine)
     if arguments.json:
         output.print_json(listed)
     elif not listed:
-        print("No workers visible: register one with POST /api/workers/ and start `hypha-worker-daemon`")
+        print(
+            f"{'You own no workers' if arguments.mine else 'No workers in the pool yet'}: register one with "
+            "POST /api/workers/ and start `hypha-worker-daemon`"
+        )
     else:
         output.console().print(output.workers_table(listed))
     return ExitCode.OK

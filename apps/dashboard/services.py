@@ -17,6 +17,7 @@ def submit(*, owner, name: str, parsed: job_spec.DiLoCoSpec) -> Job:
         num_trainers=parsed.num_trainers,
         requirements=job_spec.to_requirements(parsed),
         spec=job_services.spec_for_storage(parsed, owner),
+        allocation_timeout=parsed.allocation_timeout,
     )
 
 

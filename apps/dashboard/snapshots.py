@@ -5,8 +5,9 @@ and the live events of :mod:`apps.dashboard.live` carry parts of it in the same 
 one data model. Rounds, tasks and leases use the REST serializers' shapes (``apps/jobs/api/serializers.py``), so
 what the page shows is what ``GET /api/jobs/<id>/`` says.
 
-Visibility is the REST API's: a user sees their own jobs and workers, and the market activity of their jobs
-(offers on them, and offers their workers made); staff see everything.
+Visibility is the REST API's: a user sees their own jobs, the market activity of their jobs (offers on them, and
+offers their workers made), and the pool: every worker's public facts, with the leases of their own jobs only.
+The workers a user owns they see in full (owner, token state, presence log, every lease); staff see everything.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job,
 from apps.leases.models import Lease
 from apps.market.models import Advertisement, Offer
 from apps.workers.models import Worker
+from apps.workers.services import manages
 
 #: How many rows of market activity and lease history the pages show.
 RECENT_ADVERTISEMENTS = 15
@@ -46,8 +48,8 @@ def visible_jobs(user) -> QuerySet[Job]:
 
 
 def visible_workers(user) -> QuerySet[Worker]:
-    workers = Worker.objects.select_related("owner")
-    return workers if user.is_staff else workers.filter(owner=user)
+    """The pool: every signed-in user sees every worker, in full only those they manage (``manages``)."""
+    return Worker.objects.select_related("owner")
 
 
 def can_see_job(user, job_id) -> bool:
@@ -79,7 +81,7 @@ def _update_rounds(job: Job) -> int | None:
 
 def job_leases(job: Job) -> list[dict]:
     leases = Lease.objects.filter(job=job).select_related("worker").order_by("role", "created_at")
-    return [{**JobLeaseSerializer(lease).data, "worker_id": str(lease.worker_id)} for lease in leases]
+    return [JobLeaseSerializer(lease).data for lease in leases]  # each with its worker_id, for the links
 
 
 def job_tasks(job: Job) -> list[dict]:
@@ -188,21 +190,31 @@ def overview(user) -> dict:
     """Workers with their current leases, jobs by status, and the market's recent activity, as ``user`` may
     see them."""
     live_leases = Lease.objects.filter(status__in=Lease.LIVE).select_related("job").order_by("created_at")
-    workers = visible_workers(user).prefetch_related(
-        Prefetch("leases", queryset=live_leases, to_attr="live_leases")
+    workers = list(
+        visible_workers(user).prefetch_related(
+            Prefetch("leases", queryset=live_leases, to_attr="live_leases")
+        )
     )
     jobs = visible_jobs(user)
     counts = dict(jobs.order_by().values_list("status").annotate(count=Count("pk")))
     visible_job_ids = set()
     if not user.is_staff:
         visible_job_ids = set(jobs.values_list("pk", flat=True))
+    for worker in workers:
+        # A worker of the pool shows the leases of the user's own jobs only: another user's job on it, even
+        # unnamed, would tell when and at what price that user trains.
+        worker.managed = manages(user, worker)
+        worker.mine = worker.owner_id is not None and worker.owner_id == user.pk
+        worker.shown_leases = [
+            lease for lease in worker.live_leases if worker.managed or lease.job_id in visible_job_ids
+        ]
     advertisements = Advertisement.objects.select_related("job").order_by("-created_at")
     offers = Offer.objects.select_related("advertisement__job", "worker").order_by("-created_at")
     if not user.is_staff:
         advertisements = advertisements.filter(job__owner=user)
         offers = offers.filter(Q(advertisement__job__owner=user) | Q(worker__owner=user))
     return {
-        "workers": list(workers),
+        "workers": workers,
         "online": sum(worker.status == Worker.Status.ONLINE for worker in workers),
         "job_counts": [
             {"status": status, "label": label, "count": counts.get(status, 0)}
@@ -221,24 +233,28 @@ def overview(user) -> dict:
 
 
 def worker_page(worker: Worker, user) -> dict:
-    """A worker's lease history, the jobs it served and its trainers' throughput."""
-    leases = list(
-        Lease.objects.filter(worker=worker).select_related("job").order_by("-created_at")[:LEASE_HISTORY]
-    )
+    """A worker's lease history, the jobs it served and its trainers' throughput.
+
+    Its owner and staff see all of it (other users' jobs unnamed); anyone else sees only what concerns their own
+    jobs, so that the page tells them nothing of another user's work (``managed`` is False then, and the
+    template leaves out the private facts: owner, presence log, token state, the benchmark's details)."""
+    managed = manages(user, worker)
     visible = set(visible_jobs(user).filter(leases__worker=worker).values_list("pk", flat=True).distinct())
+    history = Lease.objects.filter(worker=worker)
+    task_history = Task.objects.filter(lease__worker=worker)
+    if not managed:
+        history = history.filter(job_id__in=visible)
+        task_history = task_history.filter(job_id__in=visible)
+    leases = list(history.select_related("job").order_by("-created_at")[:LEASE_HISTORY])
     served: dict = {}
-    for lease in Lease.objects.filter(worker=worker, activated_at__isnull=False).select_related("job"):
+    for lease in history.filter(activated_at__isnull=False).select_related("job"):
         entry = served.setdefault(
             lease.job_id,
             {"job": lease.job, "roles": set(), "visible": lease.job_id in visible, "price": lease.price},
         )
         entry["roles"].add(ROLE_LABELS.get(lease.role, (lease.role,))[0])
     now = timezone.now()
-    tasks = list(
-        Task.objects.filter(lease__worker=worker)
-        .select_related("job")
-        .order_by("-dispatched_at")[:LEASE_HISTORY]
-    )
+    tasks = list(task_history.select_related("job").order_by("-dispatched_at")[:LEASE_HISTORY])
     throughput = []
     for task in tasks:
         measured = samples_per_second(task, now=now) if task.role == TRAINER else None
@@ -256,6 +272,7 @@ def worker_page(worker: Worker, user) -> dict:
         )
     trained = [task for task in tasks if task.role == TRAINER]
     return {
+        "managed": managed,
         "leases": [{"lease": lease, "visible": lease.job_id in visible} for lease in leases],
         "served": sorted(served.values(), key=lambda entry: entry["job"].created_at, reverse=True),
         "throughput": throughput,

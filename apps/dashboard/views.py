@@ -1,5 +1,6 @@
 """The dashboard's pages: overview, submit a job, a job, a worker. Login required; users see their own jobs and
-workers, staff see everything; another user's job or worker is a 404, as an unknown one is."""
+the pool (every worker's public facts; in full the workers they own), staff see everything; another user's job
+is a 404, as an unknown one is."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from apps.jobs.models import Job
 LOGIN_URL = reverse_lazy("dashboard:login")
 
 dashboard_login_required = login_required(login_url=LOGIN_URL)
+
+#: The id in the worker-page URL that the job page's script replaces with a worker's (dashboard.js).
+WORKER_URL_PLACEHOLDER = "00000000-0000-0000-0000-000000000000"
 
 
 class LoginView(auth_views.LoginView):
@@ -66,6 +70,8 @@ def submit_job(request: HttpRequest) -> HttpResponse:
         messages.success(
             request, f"Job {job.name or job.pk} submitted: it is being advertised to the market."
         )
+        for warning in job.submission_warnings:  # the connected fleet cannot serve it now
+            messages.warning(request, f"Warning: {warning}.")
         return redirect("dashboard:job", job_id=job.pk)
     status = 400 if request.method == "POST" else 200
     return render(
@@ -91,6 +97,8 @@ def job_detail(request: HttpRequest, job_id) -> HttpResponse:
         "snapshot": snapshots.job_snapshot(job),
         "websocket_path": f"/ws/dashboard/jobs/{job.pk}/",
         "model_url": reverse("job-model", kwargs={"pk": job.pk}),
+        # The page's script links each worker to its page: this URL with the worker's id for the zero UUID.
+        "worker_url_template": reverse("dashboard:worker", kwargs={"worker_id": WORKER_URL_PLACEHOLDER}),
         **snapshots.job_page(job),
     }
     return render(request, "dashboard/job.html", context)

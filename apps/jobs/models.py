@@ -7,6 +7,8 @@ State machine (every transition records a :class:`JobEvent`; ``status_reason`` a
        └────────────┴──────────────┴─────────────┴──▶ CANCELLED | FAILED
 
 ALLOCATED → ALLOCATING happens when a lease is lost (expired or released) and the role is re-advertised.
+PENDING | ALLOCATING → FAILED when the job was never fully allocated within ``allocation_timeout`` seconds of
+its submission (``apps.jobs.allocation``).
 RUNNING is entered when training is dispatched (the parameter server first, then the trainers, see
 ``apps.jobs.training``); COMPLETED when the last round is applied and the final model stored.
 """
@@ -98,6 +100,13 @@ class Job(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
     allocated_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    allocation_timeout = models.FloatField(
+        default=600.0,
+        help_text="Seconds after submission by which the job must have been fully allocated once, or it fails "
+        "and gives back its leases (apps.jobs.allocation).",
+    )
+    #: ``created_at + allocation_timeout``; None for jobs submitted before the deadline existed (never due).
+    allocation_deadline = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

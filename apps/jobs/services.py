@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from apps.datasets import services as dataset_services
-from apps.jobs import spec_checks, tasks, training
+from apps.jobs import allocation, spec_checks, tasks, training
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
-from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, JobEvent, Task
+from apps.jobs.spec import DEFAULT_ALLOCATION_TIMEOUT
 from apps.jobs.training import problems as transfer_problems
 from apps.leases import services as lease_services
 from apps.leases.exceptions import LeaseTransitionRefused
@@ -46,9 +48,24 @@ def spec_for_storage(parsed, owner) -> dict:
     return stored
 
 
-def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec: dict | None = None) -> Job:
-    """Create a job (PENDING) and queue its allocation. ``requirements`` must already be validated."""
+def create_job(
+    *,
+    owner,
+    name: str,
+    num_trainers: int,
+    requirements: dict,
+    spec: dict | None = None,
+    allocation_timeout: float = DEFAULT_ALLOCATION_TIMEOUT,
+) -> Job:
+    """Create a job (PENDING) and queue its allocation. ``requirements`` must already be validated.
+
+    The job must be fully allocated within ``allocation_timeout`` seconds or it fails (:func:`tick_market`).
+    When the connected fleet cannot serve it now (:func:`apps.jobs.allocation.submission_warnings`) it is
+    still created, with the warnings as its status reason and event; the returned job carries them as
+    ``submission_warnings`` (not stored: the fleet changes).
+    """
     with transaction.atomic():
+        now = timezone.now()
         job = Job.objects.create(
             owner=owner,
             name=name,
@@ -57,7 +74,15 @@ def create_job(*, owner, name: str, num_trainers: int, requirements: dict, spec:
             spec=spec or {},
             status=Job.Status.PENDING,
             status_reason="PENDING: waiting to be advertised",
+            allocation_timeout=allocation_timeout,
+            allocation_deadline=now + timedelta(seconds=allocation_timeout),
         )
+        job.submission_warnings = allocation.submission_warnings(job)
+        if job.submission_warnings:
+            reason = f"PENDING: warning: {'; '.join(job.submission_warnings)}"[:500]
+            Job.objects.filter(pk=job.pk).update(status_reason=reason)
+            job.status_reason = reason
+            JobEvent.objects.create(job=job, from_status=job.status, to_status=job.status, reason=reason)
         enqueue_on_commit(tasks.allocate_job, str(job.pk))
     return job
 
@@ -502,7 +527,8 @@ def tick_training() -> None:
 
 
 def tick_market() -> None:
-    """Settle adverts whose window closed, and re-advertise those whose backoff passed."""
+    """Settle adverts whose window closed, re-advertise those whose backoff passed, and fail the jobs that
+    were not fully allocated by their deadline (:mod:`apps.jobs.allocation`)."""
     for advertisement_id in market.due_windows():
         settle_advertisement(advertisement_id, closing=True)
     for advertisement_id in market.due_readvertisements():
@@ -511,6 +537,14 @@ def tick_market() -> None:
             ad = market.readvertise(advertisement_id)
             if ad is not None:
                 refresh_status(Job.objects.get(pk=ad.job_id))
+    for job_id in allocation.due_for_timeout():
+        with transaction.atomic():
+            _lock_job(job_id)
+            job = Job.objects.get(pk=job_id)
+            # Re-checked under the lock: a settlement may have allocated it since the batch was read.
+            if allocation.is_due(job):
+                # As a cancel does: adverts closed, every lease released and its daemon told.
+                _end_job(job, Job.Status.FAILED, reason=allocation.timeout_reason(job))
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -45,6 +45,11 @@ MAX_TRAINERS = 256
 DEFAULT_CHECKPOINT_EVERY = 10
 DEFAULT_BID = 100.0
 DEFAULT_MAX_PRICE = 100.0
+#: Seconds a job may wait for its first full allocation before it fails and gives back its leases
+#: (``allocation_timeout``; apps.jobs.allocation), and the bounds of the value.
+DEFAULT_ALLOCATION_TIMEOUT = 600.0
+MIN_ALLOCATION_TIMEOUT = 10
+MAX_ALLOCATION_TIMEOUT = 86_400
 #: The largest value of the executor's i32 schedule fields.
 MAX_STEPS = 2**31 - 1
 
@@ -482,6 +487,13 @@ class DiLoCoSpec(_Spec):
     parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
     evaluation: EvaluationSpec | None = None
     seed: Integer = Field(default=0, ge=0, le=2**31 - 1, description="Seeds a model built from a config.")
+    allocation_timeout: Float = Field(
+        default=DEFAULT_ALLOCATION_TIMEOUT,
+        ge=MIN_ALLOCATION_TIMEOUT,
+        le=MAX_ALLOCATION_TIMEOUT,
+        description="Seconds after submission by which every role must have been leased once; a job not fully "
+        "allocated by then gives back the leases it holds and fails (docs/architecture.md, Job lifecycle).",
+    )
 
 
 # --- parsing ----------------------------------------------------------------------------------------------

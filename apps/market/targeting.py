@@ -165,13 +165,27 @@ def could_offer(
 ) -> bool:
     """Whether the worker's daemon would offer on the advert, and the market would take the offer (under the
     advert's reachability policy ``reachable``)."""
+    if not could_serve(candidate, resources=resources, executors=executors, bid=bid, reachable=reachable):
+        return False
+    return offered_resources(candidate, resources=resources).fits_within(candidate.free)
+
+
+def could_serve(
+    candidate: Candidate,
+    *,
+    resources: Resources,
+    executors: Iterable[tuple[str, str]],
+    bid: float,
+    reachable: str = ANY,
+) -> bool:
+    """Whether the worker fits the role at all — :func:`could_offer` once its leases end: the executors, the
+    reachability policy, ``bid`` at least its floor and ``resources`` within its capacity (what it holds now
+    does not count). The submission's fleet check (``apps.jobs.allocation``) counts these workers."""
     if not set(executors) <= candidate.executors:
         return False
     if reachable == REQUIRE and not is_reachable(candidate.reachable):
         return False
-    if bid < candidate.price_floor or not resources.fits_within(candidate.capacity):
-        return False
-    return offered_resources(candidate, resources=resources).fits_within(candidate.free)
+    return bid >= candidate.price_floor and resources.fits_within(candidate.capacity)
 
 
 def best_score(

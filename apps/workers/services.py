@@ -32,6 +32,12 @@ def worker_group(worker_id) -> str:
     return f"worker.{worker_id}"
 
 
+def manages(user, worker: Worker) -> bool:
+    """Whether ``user`` may see everything of ``worker`` (its owner, its token's state, every lease on it) and
+    act on it: its owner and staff. Every other signed-in user sees only its public facts (the pool)."""
+    return bool(user.is_staff or (worker.owner_id is not None and worker.owner_id == user.pk))
+
+
 def create_worker(*, name: str, owner=None) -> tuple[Worker, str]:
     """Create a worker and its token (returned once, stored hashed)."""
     return Worker.create_with_token(name=name, owner=owner)

@@ -112,6 +112,14 @@
 
     function workerName(id) { return (state.workers && state.workers[id]) || String(id).slice(0, 8); }
 
+    // A worker's name as a link to its page (the page gives the URL with a placeholder id: #job-head).
+    function workerLink(name, id) {
+      if (!id || !head.dataset.workerUrl) { return name; }
+      var link = element("a", name);
+      link.href = head.dataset.workerUrl.replace("00000000-0000-0000-0000-000000000000", encodeURIComponent(id));
+      return link;
+    }
+
     function renderHead() {
       var job = state.job;
       var status = document.getElementById("job-status");
@@ -126,7 +134,7 @@
       var rows = (state.trainers || []).map(function (trainer) {
         return row([
           // An eager trainer's steps of its next round while its update is out: "updating · 12 ahead".
-          trainer.worker, trainer.status,
+          workerLink(trainer.worker, trainer.worker_id), trainer.status,
           trainer.sync_state + (trainer.ahead_steps ? " · " + trainer.ahead_steps + " ahead" : ""),
           num(trainer.round), num(trainer.steps_in_round),
           num(trainer.steps_total), num(trainer.samples_total), fixed(trainer.last_loss, 4),
@@ -156,8 +164,8 @@
       document.querySelectorAll("#leases .role").forEach(function (roleBox) {
         var rows = (state.leases || []).filter(function (lease) { return lease.role === roleBox.dataset.role; })
           .map(function (lease) {
-            return row([lease.worker, badge(lease.status, "lease"), num(lease.price), num(lease.renewals),
-              lease.expires_at]);
+            return row([workerLink(lease.worker, lease.worker_id), badge(lease.status, "lease"), num(lease.price),
+              num(lease.renewals), lease.expires_at]);
           });
         replaceRows(roleBox.querySelector("tbody"), rows, "None yet.", 5);
       });

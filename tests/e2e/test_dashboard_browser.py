@@ -140,6 +140,11 @@ def _drive(page, cluster) -> None:
     assert page.evaluate("window.hyphaChart.data.datasets[0].data.length") > before
     expect(page.locator("#rounds tr[data-round='1']")).to_be_visible()
     expect(page.locator("#trainers tr")).to_have_count(2)
+    # The workers serving the job link to their pages, also in the rows the script re-drew from live events.
+    expect(page.locator("#trainers tr td:first-child a[href^='/workers/']")).to_have_count(2)
+    linked = "[...document.querySelectorAll('#leases tbody tr:not(.empty) td:first-child')]"
+    assert page.evaluate(f"{linked}.length") >= 3
+    assert page.evaluate(f"{linked}.every((cell) => cell.querySelector(\"a[href^='/workers/']\"))")
     # The parameter server's report closes the round: the table says so and the eval line gets its point.
     expect(page.locator("#rounds tr[data-round='1'] td").nth(1)).to_have_text("yes", timeout=60_000)
     assert page.evaluate("window.hyphaChart.data.datasets[1].data[0]") is not None

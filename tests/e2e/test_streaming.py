@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import overlap_logs
 from tests.e2e.conftest import only_in_mode, services_mode, small_training_job
 
 pytestmark = [
@@ -30,12 +31,7 @@ pytestmark = [
 FRAGMENTS = 2
 ROUNDS = 2 * FRAGMENTS
 TRAINERS = 2
-TASK = re.compile(r"\[task ([0-9a-f]{8})\] ")
-MERGED = re.compile(
-    r"round (\d+) merged after (\d+) steps of round (\d+).*, weights (sha256:[0-9a-f]+) \(checked\)"
-)
 SENT = re.compile(r"round (\d+): \d+ steps, .*; round (\d+) starts")
-PUBLISHED = re.compile(r"round (\d+): the global weights' digest is (sha256:[0-9a-f]+)")
 
 
 def fragment_bytes() -> list[int]:
@@ -99,23 +95,13 @@ def test_a_streaming_job_syncs_one_fragment_a_round_and_every_trainer_holds_the_
 
         # the parameter server's digest of θ_r, and each trainer's merges: every round, each checked
         server = next(task for task in job["tasks"] if task["role"] == "parameter_server")
-        published: dict[int, str] = {}
-        merges: dict[str, list[tuple[int, str]]] = {str(task["id"])[:8]: [] for task in trainers}
-        order: dict[str, list[tuple[str, int]]] = {task: [] for task in merges}
-        for line in logs.splitlines():
-            owner = TASK.search(line)
-            if owner is None:
-                continue
-            if owner[1] == str(server["id"])[:8] and (found := PUBLISHED.search(line)):
-                published[int(found[1])] = found[2]
-            elif owner[1] in merges and (found := MERGED.search(line)):
-                merges[owner[1]].append((int(found[1]), found[4]))
-                order[owner[1]].append(("merged", int(found[1])))
-            elif owner[1] in merges and (found := SENT.search(line)):
-                order[owner[1]].append(("sent", int(found[1])))
+        events = overlap_logs.read(
+            logs, server=str(server["id"]), trainers=[str(task["id"]) for task in trainers], sent=SENT
+        )
+        published, merges, order = events.published, events.merges, events.order
         assert sorted(published) == list(range(1, ROUNDS + 1)), published
         for task, merged in merges.items():
-            assert [number for number, _ in merged] == list(range(1, ROUNDS + 1)), (task, merged)
-            assert all(digest == published[number] for number, digest in merged), (task, merged)
+            assert [number for number, *_ in merged] == list(range(1, ROUNDS + 1)), (task, merged)
+            assert all(digest == published[number] for number, _, _, digest in merged), (task, merged)
             expected = [(event, number) for number in range(1, ROUNDS + 1) for event in ("sent", "merged")]
             assert order[task] == expected, (task, order[task])

@@ -139,6 +139,24 @@ def test_submit_json_sends_the_spec_with_the_name_and_prints_the_job_id(api, hyp
     assert json.loads(request.content) == {"name": "tiny", "num_trainers": 2}
 
 
+def test_submit_prints_the_fleet_warnings_on_stderr_and_only_the_job_id_on_stdout(
+    api, hypha, tmp_path, capsys
+):
+    # given: the server accepted the job but says the connected workers cannot serve it now
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"num_trainers": 6}))
+    warning = "2 of the 6 trainers cannot be served now: 4 connected workers fit the trainer role"
+    api.routes[("POST", "/api/jobs/diloco/")] = json_response(201, job("allocating", warnings=[warning]))
+
+    # when
+    assert hypha("submit", str(spec)) == ExitCode.OK
+
+    # then
+    captured = capsys.readouterr()
+    assert captured.out == f"{JOB_ID}\n"
+    assert captured.err == f"hypha: warning: {warning}\n"
+
+
 def test_submit_toml_sends_toml_with_the_name_as_a_query_parameter(api, hypha, tmp_path):
     spec = tmp_path / "job.toml"
     spec.write_text("[scheduler.job]\nnum_trainers = 2\n")

@@ -18,6 +18,7 @@ from apps.jobs.models import (
     Task,
     Upload,
 )
+from apps.jobs.spec import DEFAULT_ALLOCATION_TIMEOUT, MAX_ALLOCATION_TIMEOUT, MIN_ALLOCATION_TIMEOUT
 from apps.jobs.training import problems as transfer_problems
 from apps.leases.models import Lease
 from hypha_site.api import (
@@ -29,6 +30,10 @@ from hypha_site.api import (
 )
 
 DEFAULT_RESOURCES = {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0}
+ALLOCATION_TIMEOUT_HELP = (
+    "seconds after submission by which every role must have been leased once; a job not fully allocated by "
+    "then gives back the leases it holds and fails (default 600)"
+)
 DEFAULT_BID = 100.0
 DEFAULT_MAX_PRICE = 100.0
 MAX_TRAINERS = 256
@@ -138,6 +143,12 @@ class JobCreateSerializer(StrictSerializer):
         default=dict,
         help_text="The rest of the DiLoCo specification (model, data, optimizers, rounds); default {}.",
     )
+    allocation_timeout = NumberField(
+        min_value=MIN_ALLOCATION_TIMEOUT,
+        max_value=MAX_ALLOCATION_TIMEOUT,
+        default=DEFAULT_ALLOCATION_TIMEOUT,
+        help_text=ALLOCATION_TIMEOUT_HELP,
+    )
 
     def service_arguments(self) -> dict:
         """Keyword arguments of :func:`apps.jobs.services.create_job` (besides ``owner``)."""
@@ -147,6 +158,7 @@ class JobCreateSerializer(StrictSerializer):
             "num_trainers": data["num_trainers"],
             "requirements": {role: _stored_requirement(data[role]) for role in ROLES},
             "spec": data["spec"],
+            "allocation_timeout": data["allocation_timeout"],
         }
 
 
@@ -212,11 +224,14 @@ class JobLeaseSerializer(serializers.ModelSerializer):
     """A lease the job holds (or held) on a worker."""
 
     worker = serializers.CharField(source="worker.name", read_only=True, help_text="the worker's name")
+    worker_id = serializers.UUIDField(
+        read_only=True, help_text="the worker's id: its entry is GET /api/workers/{worker_id}/"
+    )
     status = EnumField(Lease.Status, read_only=True)
 
     class Meta:
         model = Lease
-        fields = ["id", "role", "worker", "status", "expires_at", "renewals", "price"]
+        fields = ["id", "role", "worker", "worker_id", "status", "expires_at", "renewals", "price"]
         read_only_fields = fields
 
 
@@ -257,8 +272,10 @@ class JobSerializer(serializers.ModelSerializer):
             "created_at",
             "allocated_at",
             "ended_at",
+            "allocation_timeout",
         ]
         read_only_fields = fields
+        extra_kwargs = {"allocation_timeout": {"help_text": ALLOCATION_TIMEOUT_HELP}}
 
     @extend_schema_field(RoleRequirementSerializer)
     def get_trainer(self, job: Job) -> dict:
@@ -405,6 +422,23 @@ class JobDetailSerializer(JobSerializer):
     @extend_schema_field(DataProgressSerializer)
     def get_data(self, job: Job) -> dict:
         return dataset_services.progress(job)
+
+
+class JobSubmittedSerializer(JobDetailSerializer):
+    """The job just submitted, and why the connected fleet cannot serve it now (it is accepted all the same:
+    workers may connect; a job not fully allocated within its `allocation_timeout` fails)."""
+
+    warnings = serializers.SerializerMethodField(
+        help_text="e.g. '2 of the 6 trainers cannot be served now: 4 connected workers fit the trainer role'; "
+        "empty when the connected workers can serve every role"
+    )
+
+    class Meta(JobDetailSerializer.Meta):
+        fields = [*JobDetailSerializer.Meta.fields, "warnings"]
+        read_only_fields = fields
+
+    def get_warnings(self, job: Job) -> list[str]:
+        return list(self.context.get("warnings", []))
 
 
 class UploadSerializer(serializers.ModelSerializer):

@@ -27,9 +27,10 @@ from apps.jobs.api.serializers import (
     JobCreateSerializer,
     JobDetailSerializer,
     JobSerializer,
+    JobSubmittedSerializer,
     UploadSerializer,
 )
-from apps.jobs.exceptions import JobNotCancellable, SpecError, TransferRefused
+from apps.jobs.exceptions import JobNotCancellable, SpecError, SpecUnreadable, TransferRefused
 from apps.jobs.models import Job, Task, Upload
 from apps.jobs.training.uploads import delete_upload
 from apps.leases.models import Lease
@@ -101,10 +102,12 @@ DILOCO_EXAMPLE = {
         description=(
             "Creates the job (PENDING) and queues its allocation: each role is advertised to the market. "
             "Every role block and every field in it is optional and has a default; unknown fields are refused, "
-            "so a misspelt field cannot silently fall back to its default."
+            "so a misspelt field cannot silently fall back to its default. The 201's `warnings` say when the "
+            "connected workers cannot serve a role now (the job is accepted all the same: workers may connect); "
+            "a job not fully allocated within `allocation_timeout` seconds gives back its leases and fails."
         ),
         request=JobCreateSerializer,
-        responses={201: JobDetailSerializer, **error_responses(400, 401, examples=[INVALID_JOB_EXAMPLE])},
+        responses={201: JobSubmittedSerializer, **error_responses(400, 401, examples=[INVALID_JOB_EXAMPLE])},
     ),
 )
 class JobViewSet(
@@ -140,9 +143,7 @@ class JobViewSet(
         submission = JobCreateSerializer(data=request.data)
         submission.is_valid(raise_exception=True)
         job = services.create_job(owner=request.user, **submission.service_arguments())
-        # Re-read: outside a server the allocation ran right after the commit and changed the job.
-        job = self.get_queryset().get(pk=job.pk)
-        return Response(JobDetailSerializer(job).data, status=status.HTTP_201_CREATED)
+        return _submitted(self.get_queryset(), job)
 
     @extend_schema(
         summary="Submit a DiLoCo training job from its full specification",
@@ -157,7 +158,7 @@ class JobViewSet(
         ),
         parameters=[OpenApiParameter("name", OpenApiTypes.STR, description="job name, for a TOML body")],
         request={"application/json": OpenApiTypes.OBJECT, "application/toml": OpenApiTypes.STR},
-        responses={201: JobDetailSerializer, **error_responses(400, 401, 413, 415)},
+        responses={201: JobSubmittedSerializer, **error_responses(400, 401, 413, 415)},
         examples=[OpenApiExample("a small causal LM", value=DILOCO_EXAMPLE, request_only=True)],
     )
     @action(detail=False, methods=["post"], url_path="diloco", parser_classes=[BoundedJSONParser, TomlParser])
@@ -173,6 +174,9 @@ class JobViewSet(
                 body = dict(body) if isinstance(body, dict) else body
                 name = body.pop("name", "") if isinstance(body, dict) else ""
                 parsed = spec.parse_json(body)
+        except SpecUnreadable as error:
+            # A document that cannot be read at all is answered as malformed JSON is: ``{"detail": ...}``.
+            raise ParseError(error.message) from None
         except SpecError as error:
             return Response(spec_error_body(error), status=status.HTTP_400_BAD_REQUEST)
         problems = services.training_problems(parsed, request.user)
@@ -188,10 +192,9 @@ class JobViewSet(
             num_trainers=parsed.num_trainers,
             requirements=spec.to_requirements(parsed),
             spec=services.spec_for_storage(parsed, request.user),
+            allocation_timeout=parsed.allocation_timeout,
         )
-        return Response(
-            JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_201_CREATED
-        )
+        return _submitted(self.get_queryset(), job)
 
     @extend_schema(
         summary="Cancel a job",
@@ -210,6 +213,15 @@ class JobViewSet(
         except JobNotCancellable as error:
             return Response({"detail": str(error)}, status=status.HTTP_409_CONFLICT)
         return Response(JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+
+def _submitted(jobs: QuerySet[Job], job: Job) -> Response:
+    """The 201 of a submission: the job, re-read (outside a server the allocation ran right after the commit
+    and changed it), with the warnings of the fleet check made when it was created."""
+    context = {"warnings": job.submission_warnings}
+    return Response(
+        JobSubmittedSerializer(jobs.get(pk=job.pk), context=context).data, status=status.HTTP_201_CREATED
+    )
 
 
 class JobModelView(APIView):

@@ -1,11 +1,18 @@
-"""Serializers of the workers API. The token is shown once, when it is issued; its hash never leaves the server."""
+"""Serializers of the workers API. The token is shown once, when it is issued; its hash never leaves the server.
+
+A worker has two views: the full one (:class:`WorkerSerializer`) for its owner and staff, and the public one
+(:class:`PublicWorkerSerializer`) for every other signed-in user, who sees the pool but not who runs it.
+"""
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiSerializerExtension
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
 from apps.leases.models import Lease
+from apps.workers import services
 from apps.workers.models import Reachable, Worker
 from hypha_site.api import EnumField, ExecutorSerializer, ResourcesSerializer, StrictSerializer
 
@@ -34,24 +41,22 @@ class WorkerLeaseSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class WorkerSerializer(serializers.ModelSerializer):
-    """A worker: what its daemon last reported, its presence, and its live leases."""
+class PublicWorkerSerializer(serializers.ModelSerializer):
+    """A worker of the pool as any signed-in user sees it: what it offers, and nothing of who runs it.
 
-    owner = serializers.CharField(
-        source="owner.username",
-        read_only=True,
-        allow_null=True,
-        help_text="the owner's username (null for a worker created without one)",
-    )
+    Its public facts are its name, presence, capacity, executors, price floor and benchmark score, and the live
+    leases of *your own* jobs on it. Never its owner, its token or the token's state, its presence log, its
+    benchmark's details (device names, library versions, error text) or another user's leases: a user must not
+    learn who runs a worker, nor another user's jobs through it. (A reputation joins these when there is one.)
+    """
+
     status = EnumField(Worker.Status, read_only=True, help_text="online while its daemon is connected")
     resources = ResourcesSerializer(source="*", read_only=True, help_text="capacity its daemon last reported")
     executors = ExecutorSerializer(many=True, read_only=True)
-    revoked = serializers.BooleanField(
-        source="is_revoked",
+    price_floor = serializers.FloatField(
         read_only=True,
-        help_text="true once its token is revoked: its daemon cannot connect",
+        help_text="the lowest price it offers at, as its daemon declares (in the unit of the jobs' bids)",
     )
-    leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
     reachable = EnumField(
         Reachable,
         read_only=True,
@@ -64,6 +69,59 @@ class WorkerSerializer(serializers.ModelSerializer):
         help_text="training samples per second on the standard benchmark workload (higher is faster); "
         "null until its daemon reports one",
     )
+    view = serializers.SerializerMethodField(
+        help_text='which view of the worker this is: "full" for its owner and staff, "public" for everyone else'
+    )
+    leases = serializers.SerializerMethodField(
+        help_text="the live (temporary or active) leases of your own jobs on it; another user's never show"
+    )
+
+    class Meta:
+        model = Worker
+        fields = [
+            "id",
+            "view",
+            "name",
+            "status",
+            "resources",
+            "executors",
+            "price_floor",
+            "reachable",
+            "benchmark_score",
+            "leases",
+        ]
+        read_only_fields = fields
+
+    #: The value of ``view``: which of the two views an entry of the list is.
+    VIEW = "public"
+
+    @extend_schema_field({"type": "string", "enum": ["full", "public"]})
+    def get_view(self, worker: Worker) -> str:
+        return self.VIEW
+
+    @extend_schema_field(WorkerLeaseSerializer(many=True))
+    def get_leases(self, worker: Worker) -> list[dict]:
+        user = self.context["request"].user
+        yours = [lease for lease in worker.live_leases if lease.job.owner_id == user.pk]
+        return WorkerLeaseSerializer(yours, many=True).data
+
+
+class WorkerSerializer(PublicWorkerSerializer):
+    """A worker as its owner and staff see it: what its daemon last reported, its presence, its token's state,
+    and every live lease on it."""
+
+    owner = serializers.CharField(
+        source="owner.username",
+        read_only=True,
+        allow_null=True,
+        help_text="the owner's username (null for a worker created without one)",
+    )
+    revoked = serializers.BooleanField(
+        source="is_revoked",
+        read_only=True,
+        help_text="true once its token is revoked: its daemon cannot connect",
+    )
+    leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
     benchmark = serializers.JSONField(
         read_only=True,
         help_text="the last benchmark's details: device, device_name, model, parameters, batch_size, "
@@ -75,6 +133,7 @@ class WorkerSerializer(serializers.ModelSerializer):
         model = Worker
         fields = [
             "id",
+            "view",
             "name",
             "owner",
             "resources",
@@ -94,6 +153,29 @@ class WorkerSerializer(serializers.ModelSerializer):
             "leases",
         ]
         read_only_fields = fields
+
+    VIEW = "full"
+
+
+class WorkerEntrySerializer(serializers.BaseSerializer):
+    """A worker as the caller may see it: :class:`WorkerSerializer` for the workers they own (staff: every
+    worker), :class:`PublicWorkerSerializer` for the rest of the pool. Needs the request in its context."""
+
+    def to_representation(self, worker: Worker) -> dict:
+        user = self.context["request"].user
+        serializer = WorkerSerializer if services.manages(user, worker) else PublicWorkerSerializer
+        return serializer(worker, context=self.context).data
+
+
+class WorkerEntrySchema(OpenApiSerializerExtension):
+    """The schema of :class:`WorkerEntrySerializer`: ``anyOf`` the two views, not ``oneOf``, because a full entry
+    has every key of the public one and so matches both; ``view`` tells them apart."""
+
+    target_class = WorkerEntrySerializer
+
+    def map_serializer(self, auto_schema, direction) -> dict:
+        views = (WorkerSerializer, PublicWorkerSerializer)
+        return {"anyOf": [auto_schema.resolve_serializer(view, direction).ref for view in views]}
 
 
 class WorkerWithTokenSerializer(WorkerSerializer):

@@ -1,5 +1,5 @@
-"""The dashboard's pages and who may see them: login required; own jobs and workers; staff see all; another
-user's job or worker is a 404, like an unknown one; cancel is a POST with CSRF."""
+"""The dashboard's pages and who may see them: login required; own jobs, and the pool's workers; staff see all;
+another user's job is a 404, like an unknown one; cancel is a POST with CSRF."""
 
 from __future__ import annotations
 
@@ -73,19 +73,22 @@ def test_logging_out_is_a_post_and_ends_the_session(ada_browser):
 # --- the overview -----------------------------------------------------------------------------------------
 
 
-def test_the_overview_shows_a_user_their_jobs_and_workers_only(training_job, ada_browser, eve_browser, eve):
+def test_the_overview_shows_a_user_their_jobs_only_and_the_pool(
+    training_job, online_rigs, ada_browser, eve_browser, eve
+):
     # when
     ada_page = ada_browser.get("/").content.decode()
     eve_page = eve_browser.get("/").content.decode()
 
-    # then: Ada sees her running job and the offers on it; the rigs are nobody's, so only staff see them listed
+    # then: Ada sees her running job and the offers on it; both see the pool (test_pool.py has the details)
+    rig_a = online_rigs[0]
     assert f'data-job="{training_job.pk}"' in ada_page
     assert "RUNNING: parameter server listening at http://10.0.0.3:7070; 2 trainers told" in ada_page
-    assert "data-worker=" not in ada_page
-    assert "<td>rig-a</td>" in ada_page  # its offer on her job
+    assert f'<td><a href="/workers/{rig_a.pk}/">rig-a</a></td>' in ada_page  # its offer on her job
     assert f'data-job="{training_job.pk}"' not in eve_page
     assert "No jobs yet." in eve_page
-    assert "rig-a" not in eve_page
+    assert f'data-worker="{rig_a.pk}"' in ada_page and f'data-worker="{rig_a.pk}"' in eve_page
+    assert "tiny-gpt" not in eve_page
 
 
 def test_the_overview_shows_staff_every_worker_its_lease_and_the_market(
@@ -269,10 +272,10 @@ def test_the_worker_page_shows_resources_leases_jobs_served_and_throughput(
     assert '<span class="badge lease-active">active</span>' in html
 
 
-def test_another_users_worker_is_a_404(online_rigs, eve_browser, bobs_worker):
-    # rigs belong to nobody (staff only); bob's worker is bob's
-    assert eve_browser.get(f"/workers/{online_rigs[0].pk}/").status_code == 404
-    assert eve_browser.get(f"/workers/{bobs_worker.pk}/").status_code == 404
+def test_another_users_worker_is_a_page_of_the_pool(online_rigs, eve_browser, bobs_worker):
+    # rigs belong to nobody, bob's worker is bob's: Eve sees their public pages (test_pool.py)
+    assert eve_browser.get(f"/workers/{online_rigs[0].pk}/").status_code == 200
+    assert eve_browser.get(f"/workers/{bobs_worker.pk}/").status_code == 200
 
 
 def test_a_worker_owner_sees_their_worker(bob, bobs_worker):

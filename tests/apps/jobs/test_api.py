@@ -43,6 +43,7 @@ def job_body(job: Job, *, trainer: dict, parameter_server: dict, leases: list, e
         "created_at": iso(job.created_at),
         "allocated_at": iso(job.allocated_at),
         "ended_at": iso(job.ended_at),
+        "allocation_timeout": job.allocation_timeout,
         # A job without a DiLoCo spec is never dispatched: no tasks, rounds, slices or model.
         "transfer_problems": [],
         "tasks": [],
@@ -93,7 +94,13 @@ def test_submitting_a_job_creates_it_and_advertises_every_role(alice):
             "reachable": "prefer",
         },
     }
-    assert response.json() == job_body(
+    # no worker is connected: the job is accepted with a warning (tests/apps/jobs/test_allocation.py)
+    warnings = [
+        "2 of the 2 trainers cannot be served now: no connected worker fits the trainer role",
+        "the parameter server cannot be served now: no connected worker fits the parameter server role",
+    ]
+    warned, advertised = job.events.all()
+    assert response.json() == {"warnings": warnings} | job_body(
         job,
         trainer={
             "resources": {"cpu": 2.0, "memory": 8.0, "storage": 10.0, "gpu": 16.0},
@@ -110,10 +117,16 @@ def test_submitting_a_job_creates_it_and_advertises_every_role(alice):
         events=[
             {
                 "from_status": "pending",
+                "to_status": "pending",
+                "reason": f"PENDING: warning: {'; '.join(warnings)}",
+                "at": iso(warned.at),
+            },
+            {
+                "from_status": "pending",
                 "to_status": "allocating",
                 "reason": job.status_reason,
-                "at": iso(job.events.get().at),
-            }
+                "at": iso(advertised.at),
+            },
         ],
     )
     assert response.json()["spec"] == {"model": "gpt2-tiny", "rounds": 3}
@@ -398,6 +411,7 @@ def test_the_detail_shows_leases_and_events(alice, leased_job):
             "id": str(lease.pk),
             "role": "trainer",
             "worker": "bobs-gpu",
+            "worker_id": str(lease.worker_id),
             "status": "active",
             "expires_at": iso(lease.expires_at),
             "renewals": 0,
@@ -406,6 +420,7 @@ def test_the_detail_shows_leases_and_events(alice, leased_job):
     ]
     assert body["events"] == event_bodies(leased_job)
     assert [(e["from_status"], e["to_status"]) for e in body["events"]] == [
+        ("pending", "pending"),  # submitted while no worker was connected: a warning
         ("pending", "allocating"),
         ("allocating", "allocating"),
     ]

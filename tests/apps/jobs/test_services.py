@@ -76,8 +76,12 @@ def test_create_job_advertises_both_roles_after_commit(
             owner=job_owner, name="tiny-gpt", num_trainers=3, requirements=REQUIREMENTS
         )
 
-    # then: nothing is advertised before the commit
-    assert (job.status, job.status_reason) == (Job.Status.PENDING, "PENDING: waiting to be advertised")
+    # then: nothing is advertised before the commit; no worker is connected, which the reason says
+    assert (job.status, job.status_reason) == (
+        Job.Status.PENDING,
+        "PENDING: warning: 3 of the 3 trainers cannot be served now: no connected worker fits the trainer "
+        "role; the parameter server cannot be served now: no connected worker fits the parameter server role",
+    )
     assert Advertisement.objects.count() == 0
 
     # when: the transaction commits

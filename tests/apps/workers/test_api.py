@@ -15,6 +15,7 @@ from worker_daemon.protocol import CloseCode
 def worker_body(worker: Worker, *, leases: list) -> dict:
     return {
         "id": str(worker.pk),
+        "view": "full",
         "name": worker.name,
         "owner": worker.owner.username if worker.owner else None,
         "resources": {
@@ -116,7 +117,9 @@ def test_anonymous_callers_cannot_register_or_list_workers(anonymous):
 # --- visibility -----------------------------------------------------------------------------------------
 
 
-def test_users_see_their_own_workers_and_staff_see_every_worker(alice, bob, operator, bobs_worker):
+def test_users_see_the_pool_in_full_for_their_own_workers_and_staff_for_every_worker(
+    alice, bob, operator, bobs_worker
+):
     # given
     alices_worker, _ = services.create_worker(name="alices-box", owner=alice.user)
     ownerless, _ = services.create_worker(name="lab-box")
@@ -126,10 +129,13 @@ def test_users_see_their_own_workers_and_staff_see_every_worker(alice, bob, oper
     bobs = bob.client.get("/api/workers/").json()
     operators = operator.client.get("/api/workers/").json()
 
-    # then
-    assert [w["name"] for w in alices["results"]] == ["alices-box"]
-    assert [w["name"] for w in bobs["results"]] == ["bobs-gpu"]
-    assert [w["name"] for w in operators["results"]] == ["alices-box", "bobs-gpu", "lab-box"]
+    # then: everyone lists the pool; the owner's view (with "owner") only of what one manages
+    def seen(listed: dict) -> list[tuple[str, bool]]:
+        return [(w["name"], "owner" in w) for w in listed["results"]]
+
+    assert seen(alices) == [("alices-box", True), ("bobs-gpu", False), ("lab-box", False)]
+    assert seen(bobs) == [("alices-box", False), ("bobs-gpu", True), ("lab-box", False)]
+    assert seen(operators) == [("alices-box", True), ("bobs-gpu", True), ("lab-box", True)]
     assert operators["results"][2]["owner"] is None
 
 
@@ -166,7 +172,9 @@ def test_a_worker_shows_what_its_daemon_reported_and_its_live_leases(bob, leased
     ]
 
 
-def test_another_users_worker_is_not_found_and_cannot_be_revoked_or_rotated(alice, bobs_worker):
+def test_another_users_worker_shows_only_its_public_facts_and_cannot_be_revoked_or_rotated(
+    alice, bobs_worker
+):
     # given
     before = Worker.objects.values("token_hash", "token_hint", "token_revoked_at").get(pk=bobs_worker.pk)
 
@@ -175,8 +183,9 @@ def test_another_users_worker_is_not_found_and_cannot_be_revoked_or_rotated(alic
     revoked = alice.client.post(f"/api/workers/{bobs_worker.pk}/revoke/")
     rotated = alice.client.post(f"/api/workers/{bobs_worker.pk}/rotate-token/")
 
-    # then
-    assert (shown.status_code, revoked.status_code, rotated.status_code) == (404, 404, 404)
+    # then (tests/apps/workers/test_pool.py has the public view in detail)
+    assert (shown.status_code, revoked.status_code, rotated.status_code) == (200, 404, 404)
+    assert "owner" not in shown.json() and "token_hint" not in shown.json()
     assert (
         Worker.objects.values("token_hash", "token_hint", "token_revoked_at").get(pk=bobs_worker.pk) == before
     )

@@ -1,0 +1,148 @@
+"""Whether a job can be allocated at all: the fleet check at submission and the allocation deadline.
+
+A job asking for more workers than the fleet has was accepted, held the leases it could get and re-advertised
+the rest for ever, keeping those workers from every other job. Two rules stop that:
+
+* **At submission** (:func:`submission_warnings`) each role is compared with the connected workers that fit
+  it (:func:`apps.market.targeting.could_serve`: its executor, its reachability policy, a price floor at most
+  its bid, its resources within the worker's capacity — whether the worker is busy now does not count, it
+  may be free soon). Fewer than the role needs, or fewer than the roles need together (a worker offering its
+  whole capacity holds one lease at a time), is a warning: the job is still accepted, since workers may
+  connect, but its submission says so (the 201 body's ``warnings``, a status event, ``hypha submit``).
+* **The deadline** (:func:`due_for_timeout`): a job that has never been fully allocated
+  ``allocation_timeout`` seconds after its submission (spec, default 600) gives back every lease it holds
+  and fails with what it had (``apps.jobs.services.tick_market``). Once it was fully allocated the deadline
+  no longer applies: a lease lost later is replaced as before (docs/architecture.md, "Job lifecycle").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from django.utils import timezone
+
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, RoleRequirement
+from apps.leases.models import Lease
+from apps.market import services as market
+from apps.market import targeting
+
+#: States a job waits for its first full allocation in (``allocated_at`` is still empty).
+WAITING_STATES = (Job.Status.PENDING, Job.Status.ALLOCATING)
+
+
+def fleet_warnings(
+    requirements: Sequence[RoleRequirement], candidates: Sequence[targeting.Candidate]
+) -> list[str]:
+    """Why the connected workers ``candidates`` cannot serve the roles ``requirements`` now (empty: they can).
+
+    Pure: one warning per role that fewer workers fit than it needs; else, when the roles together need more
+    leases than the workers can hold at once, one for the job.
+    """
+    warnings = []
+    fitting: dict[str, set] = {}
+    for requirement in requirements:
+        fitting[requirement.role] = {
+            candidate.worker_id
+            for candidate in candidates
+            if targeting.could_serve(
+                candidate,
+                resources=requirement.resources,
+                executors={requirement.executor.key()},
+                bid=requirement.bid,
+                reachable=requirement.reachable,
+            )
+        }
+        fit = len(fitting[requirement.role])
+        if fit < requirement.count:
+            warnings.append(_role_warning(requirement, fit))
+    if warnings:
+        return warnings
+    needed = sum(requirement.count for requirement in requirements)
+    # A worker offering its whole capacity holds one lease; a flexible one at most one lease of each role it
+    # fits (an upper bound: its capacity may not hold them all at once, so no false warning comes of it).
+    holdable = sum(
+        1 if candidate.strategy == "whole" else roles
+        for candidate in candidates
+        if (roles := sum(candidate.worker_id in workers for workers in fitting.values()))
+    )
+    if holdable < needed:
+        warnings.append(
+            f"the job needs {needed} workers at once ({_roles_phrase(requirements)}) and the connected "
+            f"workers that fit its roles can hold {holdable} of its leases (a worker offering its whole "
+            "capacity holds one)"
+        )
+    return warnings
+
+
+def submission_warnings(job: Job) -> list[str]:
+    """:func:`fleet_warnings` for ``job`` and the workers connected now (two queries)."""
+    return fleet_warnings([job.requirement(role) for role in ROLES], market.connected_candidates())
+
+
+def due_for_timeout(*, limit: int = 100) -> list:
+    """Ids of jobs past their allocation deadline that were never fully allocated (a bounded batch)."""
+    return list(
+        Job.objects.filter(
+            status__in=WAITING_STATES,
+            allocated_at__isnull=True,
+            allocation_deadline__lte=timezone.now(),
+        )
+        .order_by("allocation_deadline")
+        .values_list("pk", flat=True)[:limit]
+    )
+
+
+def is_due(job: Job) -> bool:
+    """Whether the (re-read, locked) ``job`` is still past its deadline without a full allocation."""
+    return (
+        job.status in WAITING_STATES
+        and job.allocated_at is None
+        and job.allocation_deadline is not None
+        and job.allocation_deadline <= timezone.now()
+    )
+
+
+def timeout_reason(job: Job) -> str:
+    """The FAILED reason of a job that missed its deadline: what it held, and why the fleet falls short now."""
+    have = {
+        role: job.leases.filter(role=role, status=Lease.Status.ACTIVE).count()
+        for role in (TRAINER, PARAMETER_SERVER)
+    }
+    trainers = f"{have[TRAINER]} of {job.num_trainers} {ROLE_LABELS[TRAINER][job.num_trainers != 1]}"
+    held = (
+        f"{trainers} and the parameter server leased"
+        if have[PARAMETER_SERVER]
+        else f"{trainers} leased, the parameter server not"
+    )
+    reason = f"FAILED: not fully allocated within {job.allocation_timeout:g} s: {held}"
+    warnings = submission_warnings(job)
+    if warnings:
+        reason += f" ({'; '.join(warnings)})"
+    return reason
+
+
+def _role_warning(requirement: RoleRequirement, fit: int) -> str:
+    singular, plural = ROLE_LABELS.get(requirement.role, (requirement.role, requirement.role))
+    short = (
+        f"the {singular} cannot"
+        if requirement.count == 1
+        else f"{requirement.count - fit} of the {requirement.count} {plural} cannot"
+    )
+    workers = (
+        "no connected worker fits"
+        if fit == 0
+        else f"{fit} connected worker{'s' if fit != 1 else ''} fit{'s' if fit == 1 else ''}"
+    )
+    return f"{short} be served now: {workers} the {singular} role"
+
+
+def _roles_phrase(requirements: Sequence[RoleRequirement]) -> str:
+    parts = []
+    for requirement in requirements:
+        singular, plural = ROLE_LABELS.get(requirement.role, (requirement.role, requirement.role))
+        parts.append(
+            f"the {singular}"
+            if requirement.count == 1 and requirement.role == PARAMETER_SERVER
+            else f"{requirement.count} {plural if requirement.count != 1 else singular}"
+        )
+    return " and ".join(parts)
