@@ -34,7 +34,10 @@ def task_of(job: Job, worker) -> Task:
 
 
 @pytest.fixture
-def training_job(job_owner, online_rigs, tiny_text, django_capture_on_commit_callbacks) -> Job:
+def training_job(job_owner, online_rigs, tiny_text, django_capture_on_commit_callbacks, settings) -> Job:
+    # Enough offers settle an advert at once; a long window only keeps a slow machine from closing it between
+    # the advert and the offers (the default 1 s window closed first on a busy machine).
+    settings.HYPHA_OFFER_WINDOW = 60.0
     job = create_running_job(SPEC, job_owner, online_rigs, django_capture_on_commit_callbacks)
     rig_c = online_rigs[2]
     with django_capture_on_commit_callbacks(execute=True):

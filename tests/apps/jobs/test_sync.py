@@ -187,7 +187,8 @@ def clock(monkeypatch) -> Clock:
 
 
 @pytest.fixture
-def adaptive_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks):
+def adaptive_job(job_owner, online_rigs, data_node, sent, django_capture_on_commit_callbacks, settings):
+    settings.HYPHA_OFFER_WINDOW = 60.0  # the offers settle the adverts; a busy machine must not close it
     spec = copy.deepcopy(SPEC)
     spec["rounds"] = {"update_rounds": 2, "avg_samples_between_updates": 40, "round_timeout": 30.0}
     return create_running_job(spec, job_owner, online_rigs, django_capture_on_commit_callbacks)
@@ -327,7 +328,9 @@ def test_with_fixed_h_every_step_but_the_last_is_answered_by_the_daemon(
     data_node,
     sent,
     django_capture_on_commit_callbacks,
+    settings,
 ):
+    settings.HYPHA_OFFER_WINDOW = 60.0  # the offers settle the adverts; a busy machine must not close it
     spec = copy.deepcopy(SPEC)
     spec["rounds"] = {"update_rounds": 2, "inner_steps": 10, "round_timeout": 30.0}
     job = create_running_job(spec, job_owner, online_rigs, django_capture_on_commit_callbacks)
