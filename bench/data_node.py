@@ -31,18 +31,16 @@ length (and a batch's frame lines). The patterns:
 
 * ``4 × http.client``: ``--clients`` processes (default 4), one ``GET`` at a time each: an older bridge, or a
   downloader that fetches one slice after another.
-* ``4 trainers, prefetch P (N places)`` (``--prefetch``, default 2 — the bridge's own default,
-  ``worker_daemon.bridge.remote.slices.DEFAULT_PREFETCH`` — and 8): what ``--clients`` trainers' bridges send
-  when the data node is what they wait for, by the bridge's own rule (``prefetch_places`` and ``top_up``
-  of that module, imported here): a bridge with prefetch ``P`` keeps ``N = P + 1`` places for slices
-  ≤ 1 MiB (``N = P`` above) and tops up once one is left, claiming ``K = N - 1`` slices and fetching them in
-  one request (a batch ``POST``; a ``GET`` each when ``K`` is 1 or the slices are over 1 MiB). With the
-  default, prefetch 2, that is a batch of two every second hand-out for 100 KiB slices, one batch in flight
-  per trainer while it waits for data (the slice left is in the cache already); for 4 MiB slices (measured
-  at the default only) a ``GET`` after every hand-out, two in flight per trainer. A trainer is as many
-  client processes as it has requests in flight, each on its own connection (its bridge is asynchronous;
-  one process interleaving two blocking connections cost nginx 20 %). nginx has no batches (a bridge falls
-  back to ``GET`` there): it gets the same connections, one slice per request.
+* ``4 trainers, prefetch P`` (``--prefetch``, default 2, 3 and 9), slices under 1 MiB only: what
+  ``--clients`` trainers' bridges send when the data node is what they wait for. A bridge keeps ``P`` slices
+  prefetched and tops up once one is left, claiming ``K = P - 1`` slices and fetching them in one request (a
+  ``GET`` when ``K`` is 1, else a batch ``POST``). With the bridge's default, prefetch 2, that is a ``GET``
+  after every hand-out, and two in flight per trainer while it waits for data; with more places, one batch
+  of ``P - 1`` in flight (the slice left is in the cache already). A trainer is as many client processes as
+  it has requests in flight, each on its own connection (its bridge is asynchronous; one process
+  interleaving two blocking connections cost nginx 20 %).
+  nginx has no batches (a bridge falls back to ``GET`` there): it gets the same connections, one slice per
+  request.
 
 Throughput is Σ over clients of slices (or bytes) ÷ the client's own elapsed time; the tables show the median
 round, the per-round spread, and CPU time as % of one core — the server's (all its processes, from ``/proc``)
@@ -102,8 +100,6 @@ from bench.nginx_slices import NGINX_INSTALL_HELP, find_nginx, nginx_config, ngi
 from data_node import tokens  # noqa: E402
 from data_node.slices import sha256_of, slice_file_name  # noqa: E402
 from tests.e2e.isolation import free_port, stop_with_parent  # noqa: E402
-from worker_daemon.bridge.remote.batched import BATCH_SLICE_LIMIT  # noqa: E402
-from worker_daemon.bridge.remote.slices import DEFAULT_PREFETCH, prefetch_places, top_up  # noqa: E402
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -169,13 +165,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefetch",
         nargs="+",
         type=int,
-        default=[DEFAULT_PREFETCH, 8],
+        default=[2, 3, 9],
         metavar="P",
-        help=(
-            f"trainers' prefetch settings to measure (RemoteBackend(prefetch=P); slices ≤ 1 MiB get P + 1 "
-            f"places, as in the bridge; slices over 1 MiB are measured at the default only) (default: "
-            f"{DEFAULT_PREFETCH}, the bridge's, and 8)"
-        ),
+        help="trainers' prefetch depths to measure, slices under 1 MiB (default: 2, the bridge's, 3 and 9)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per server (default: 3)")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of one run (default: 5)")
@@ -487,20 +479,15 @@ class Pattern:
     batch: int
 
 
-def trainer_pattern(clients: int, prefetch: int, slice_size: int) -> Pattern:
-    """What ``clients`` bridges with ``RemoteBackend(prefetch=prefetch)`` send for slices of ``slice_size``
-    bytes while they wait for the data node (module docstring), by the bridge's own rule: its places for such
-    slices (``prefetch_places``), topped up once one is left (``top_up``); small slices so claimed together
-    are one batch request, other slices each their own request (every place's download in flight)."""
-    places = prefetch_places(prefetch, slice_size)
-    claimed = top_up(places, 1)
-    batched = claimed > 1 and slice_size <= BATCH_SLICE_LIMIT
+def trainer_pattern(clients: int, prefetch: int) -> Pattern:
+    """What ``clients`` bridges with ``prefetch`` places send while they wait for the data node (module
+    docstring): top-ups of P - 1 slices once one is left; single slices are each their own request."""
+    batch = max(1, prefetch - 1)
     return Pattern(
-        label=f"{clients} trainers, prefetch {prefetch}"
-        + (f" ({places} places)" if places != prefetch else ""),
+        label=f"{clients} trainers, prefetch {prefetch}",
         clients=clients,
-        connections=1 if batched else places,
-        batch=claimed if batched else 1,
+        connections=prefetch if batch == 1 else 1,
+        batch=batch,
     )
 
 
@@ -751,12 +738,10 @@ def print_table(rows: list[Row]) -> dict[tuple[str, str, str], float]:
 
 
 def patterns(arguments: argparse.Namespace, dataset: Dataset) -> list[Pattern]:
-    """The client patterns for ``dataset``: one ``GET`` at a time, then the trainers' (every ``--prefetch``
-    for small slices; for large ones the bridge's default only, if asked for)."""
+    """The client patterns for ``dataset``: one ``GET`` at a time, then (small slices) the trainers'."""
     made = [Pattern(f"{arguments.clients} × http.client", clients=arguments.clients, connections=1, batch=1)]
-    small = dataset.slice_size <= INLINE_LIMIT
-    depths = [depth for depth in arguments.prefetch if small or depth == DEFAULT_PREFETCH]
-    made += [trainer_pattern(arguments.clients, depth, dataset.slice_size) for depth in depths]
+    if dataset.slice_size <= INLINE_LIMIT:
+        made += [trainer_pattern(arguments.clients, depth) for depth in arguments.prefetch]
     return made
 
 
@@ -821,8 +806,7 @@ def benchmark(arguments: argparse.Namespace, root: Path, nginx_binary: str, wrk_
     )
     ratios = print_table(rows)
     print()
-    # The goal's pattern: the trainers at the bridge's default prefetch, with small slices.
-    goal_client = trainer_pattern(arguments.clients, DEFAULT_PREFETCH, 1).label
+    goal_client = trainer_pattern(arguments.clients, 2).label
     for (size, client, server), ratio in ratios.items():
         verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
         goal = " — the goal's pattern" if client == goal_client and server == "data node" else ""

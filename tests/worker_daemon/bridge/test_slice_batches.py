@@ -1,8 +1,7 @@
 """The bridge's prefetch in batches, against a real data node (``data_node.server`` on a loopback port, real
 slice tokens) and an in-process control plane (the ``answerer`` fixture): small slices claimed together come
-in one ``POST``; once a dataset's slices are known to be small the prefetch keeps one place more, so that its
-top-ups are batches of two (large slices: one ``GET`` per top-up, as many places as asked); nodes without
-batches, the control plane's relay URLs and failed batches fall back to one ``GET`` per slice."""
+in one ``POST``; nodes without batches, the control plane's relay URLs and failed batches fall back to one
+``GET`` per slice."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from data_node.slices import scan
 from worker_daemon import protocol
 from worker_daemon.bridge.references import SchedulerReference
 from worker_daemon.bridge.remote import PREFETCH_DIR, RemoteBackend
-from worker_daemon.bridge.remote.batched import BATCH_SLICE_LIMIT, BatchTarget, batch_target
+from worker_daemon.bridge.remote.batched import BatchTarget, batch_target
 
 TASK = uuid.UUID(int=7)
 JOB = "0f5b1f0e-2f7c-4a43-9b8e-3a1c2d4e5f61"
@@ -35,22 +34,14 @@ def data(index: int) -> bytes:
     return f"slice {index} ".encode() * (index + 3)
 
 
-def large(index: int) -> bytes:
-    """A slice just over the small-slice bound (1 MiB): streamed by the node, never batched."""
-    return bytes([index]) * (BATCH_SLICE_LIMIT + 1 + index)
-
-
 class Node:
-    """A real data node serving slices 0..COUNT-1 of "stdlib" (``content`` of each index), recording each
-    request's method and path, and how many slices each answer held."""
+    """A real data node serving slices 0..COUNT-1 of "stdlib", recording each request's method and path."""
 
-    def __init__(self, directory: Path, *, batches: bool = True, content=data) -> None:
+    def __init__(self, directory: Path, *, batches: bool = True) -> None:
         directory.mkdir()
         for index in range(COUNT):
-            (directory / f"{index:05d}.safetensors").write_bytes(content(index))
+            (directory / f"{index:05d}.safetensors").write_bytes(data(index))
         self.requests: list[tuple[str, str]] = []
-        #: Per request in order: its method and how many slices the answer held (a batch's ``X-Slice-Count``).
-        self.answered: list[tuple[str, int]] = []
         self.app = build_app(ServedDataset(name="stdlib", slices=scan(directory)), download_key=KEY)
         if not batches:  # a node from before batches: its slices by GET only
             self.app = web.Application()
@@ -60,9 +51,7 @@ class Node:
         @web.middleware
         async def record(request: web.Request, handler):
             self.requests.append((request.method, request.path))
-            response = await handler(request)
-            self.answered.append((request.method, int(response.headers.get("X-Slice-Count", 1))))
-            return response
+            return await handler(request)
 
         self.app.middlewares.append(record)
         self.server = TestServer(self.app)
@@ -82,15 +71,15 @@ class Node:
         return [int(path.rsplit("/", 1)[1]) for method, path in self.requests if method == "GET"]
 
 
-def answer(base: str, index: int, *, sha256: str | None = None, content=data) -> dict:
+def answer(base: str, index: int, *, sha256: str | None = None) -> dict:
     """``slice_assigned`` as the control plane answers it: the node's URL with a real slice token."""
     token = tokens.sign(
         KEY, dataset="stdlib", index=index, job=JOB, peer="rig-a", expires=int(time.time() + 600)
     )
     return {
         "index": index,
-        "size": len(content(index)),
-        "sha256": sha256 or hashlib.sha256(content(index)).hexdigest(),
+        "size": len(data(index)),
+        "sha256": sha256 or hashlib.sha256(data(index)).hexdigest(),
         "urls": [f"{base}/datasets/stdlib/slices/{index}?token={token}"],
     }
 
@@ -161,76 +150,20 @@ async def test_the_prefetch_of_small_slices_comes_in_one_batch(make_backend, ans
     # when: it takes its first slice
     assert await fetch(backend, work) == ("0", len(data(0)))
 
-    # then: that one came by GET; it is small, so three places (one more than asked): the three prefetched
-    # came in one batch, checked, not acked
-    await wait_for_cache(work, ["1", "2", "3"])
+    # then: that one came by GET; the two prefetched came in one batch, checked, not acked
+    await wait_for_cache(work, ["1", "2"])
     assert (node.posts(), node.gets()) == (1, [0])
-    assert [(work / PREFETCH_DIR / name).read_bytes() for name in ("1", "2", "3")] == [
-        data(i) for i in (1, 2, 3)
-    ]
+    assert [(work / PREFETCH_DIR / name).read_bytes() for name in ("1", "2")] == [data(1), data(2)]
     assert acks(answerer) == [0]
 
     # when: it takes the next two
     assert [await fetch(backend, work) for _ in range(2)] == [("1", len(data(1))), ("2", len(data(2)))]
 
-    # then: handed out in claim order and acked then; once one prefetched slice is left, two places are
-    # free: the top-up is a batch of two (4 and 5)
+    # then: handed out in claim order and acked then; with two places, one frees at a time: one GET each
     assert (work / "artifacts" / "2").read_bytes() == data(2)
     assert acks(answerer) == [0, 1, 2]
-    await wait_for_cache(work, ["3", "4", "5"])
-    assert (node.posts(), node.gets()) == (2, [0])
-
-
-async def test_with_small_slices_the_default_prefetch_tops_up_in_batches_of_two(
-    make_backend, answerer, node, work
-):
-    # given: a trainer with the default prefetch (2) and a dataset of small slices (≤ 1 MiB)
-    backend = make_backend()
-    answerer.slice_answers = [answer(node.url, index) for index in range(COUNT)]
-
-    # when: it takes seven slices, one after another
-    handed = [await fetch(backend, work) for _ in range(7)]
-
-    # then: slice 0 showed the slices are small, so the prefetch keeps one place more (3): after the first
-    # hand-out a batch of three, then a batch of two each time one prefetched slice is left — never a GET
-    # (slices 1-3, 4-5, 6-7, 8-9)
-    await wait_for_cache(work, ["7", "8", "9"])
-    assert [name for name, _ in handed] == [str(index) for index in range(7)]
-    assert node.answered == [("GET", 1), ("POST", 3), ("POST", 2), ("POST", 2), ("POST", 2)]
-    assert node.gets() == [0]
-    assert all((work / "artifacts" / str(index)).read_bytes() == data(index) for index in range(7))
-    assert acks(answerer) == list(range(7))
-
-    # when: the task ends holding three prefetched slices: none of them is acknowledged (its lease returns them)
-    await backend.close()
-    await asyncio.sleep(0.05)
-    assert acks(answerer) == list(range(7))
-    assert len(answerer.of_type(protocol.FetchSlice)) == 10
-
-
-async def test_with_large_slices_the_prefetch_keeps_its_places_and_tops_up_one_by_one(
-    make_backend, answerer, tmp_path, work
-):
-    # given: a dataset of slices just over 1 MiB, and a trainer with the default prefetch (2)
-    big = Node(tmp_path / "large", content=large)
-    await big.start()
-    try:
-        backend = make_backend()
-        answerer.slice_answers = [answer(big.url, index, content=large) for index in range(COUNT)]
-
-        # when: it takes five slices
-        handed = [await fetch(backend, work) for _ in range(5)]
-
-        # then: two places, each top-up one slice by GET; no batch, and never a third slice held
-        await wait_for_cache(work, ["5", "6"])
-        assert [name for name, _ in handed] == [str(index) for index in range(5)]
-        assert big.posts() == 0
-        assert sorted(big.gets()) == list(range(7))
-        assert (work / "artifacts" / "4").read_bytes() == large(4)
-        assert acks(answerer) == list(range(5))
-        assert len(answerer.of_type(protocol.FetchSlice)) == 7
-    finally:
-        await big.server.close()
+    await wait_for_cache(work, ["3", "4"])
+    assert (node.posts(), node.gets()) == (1, [0, 3, 4])
 
 
 async def test_a_deeper_prefetch_tops_up_in_batches_when_one_slice_is_left(
@@ -240,12 +173,12 @@ async def test_a_deeper_prefetch_tops_up_in_batches_when_one_slice_is_left(
     answerer.slice_answers = [answer(node.url, index) for index in range(COUNT)]
 
     handed = [await fetch(backend, work) for _ in range(7)]
-    await wait_for_cache(work, ["7", "8", "9"])
+    await wait_for_cache(work, ["7", "8", "9", "10"])
 
-    # then: GET 0 and, the slices being small (4 + 1 places), a batch of 1-5 at the first fetch; then a batch
-    # of four once one slice is left (after fetch 4): 6-9
+    # then: GET 0 and a batch of 1-4 at the first fetch; then a batch of three each time one slice is left
+    # (after fetches 4 and 7): 5-7, 8-10
     assert [name for name, _ in handed] == [str(index) for index in range(7)]
-    assert (node.posts(), node.gets()) == (2, [0])
+    assert (node.posts(), node.gets()) == (3, [0])
     assert acks(answerer) == list(range(7))
     assert all((work / "artifacts" / str(index)).read_bytes() == data(index) for index in range(7))
 
@@ -260,12 +193,12 @@ async def test_a_node_without_batches_is_asked_once_then_slice_by_slice(
         answerer.slice_answers = [answer(older.url, index) for index in range(COUNT)]
 
         handed = [await fetch(backend, work) for _ in range(5)]
-        await wait_for_cache(work, ["5", "6", "7", "8", "9"])
+        await wait_for_cache(work, ["5", "6", "7"])
 
-        # then: the first batch (1-5) answered 404, and the second (6-9) was not asked; every slice by GET, once
+        # then: the first batch (1-4) answered 404, and the second (5-7) was not asked; every slice by GET, once
         assert [name for name, _ in handed] == ["0", "1", "2", "3", "4"]
         assert older.posts() == 1
-        assert sorted(older.gets()) == list(range(10))
+        assert sorted(older.gets()) == list(range(8))
     finally:
         await older.server.close()
 
@@ -285,9 +218,9 @@ async def test_a_batch_with_a_wrong_slice_falls_back_and_the_slice_is_refused_al
     # when
     handed = [await fetch(backend, work) for _ in range(3)]
 
-    # then: the batch of 1-3 failed whole, each was fetched alone, 2 was refused, and 3 came next
+    # then: the batch of 1 and 2 failed whole, each was fetched alone, 2 was refused, and 3 came next
     assert [name for name, _ in handed] == ["0", "1", "3"]
-    await wait_for_cache(work, ["4", "5", "6"])  # the prefetch goes on: a batch of 4-6 (the cache was empty)
+    await wait_for_cache(work, ["4", "5"])  # the prefetch goes on: a batch of 4 and 5
     assert node.posts() == 2
     assert sorted(node.gets()) == [0, 1, 2, 3]
     assert not (work / "artifacts" / "2").exists()
@@ -324,9 +257,9 @@ async def test_slices_behind_the_relay_are_never_batched(make_backend, answerer,
     answerer.slice_answers = [answer(node.url, index) for index in range(COUNT)]
 
     await fetch(backend, work)
-    await wait_for_cache(work, ["1", "2", "3"])
+    await wait_for_cache(work, ["1", "2"])
 
-    assert (node.posts(), sorted(node.gets())) == (0, [0, 1, 2, 3])
+    assert (node.posts(), sorted(node.gets())) == (0, [0, 1, 2])
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,8 @@ parameter server and data nodes (plain HTTP with timeouts). See ``docs/training.
   ``scheduler``        → ``fetch_slice`` / ``slice_assigned`` (asked again after ``retry_in`` while none is
                          ready), ``GET`` from the slice's URLs in order into ``.prefetch/``, size and SHA-256
                          checked, moved to ``artifacts/<index>``, then ``slice_ack``. After a hand-out up to
-                         ``prefetch`` more slices (one more for slices ≤ 1 MiB: ``slices.prefetch_places``) are
-                         claimed and downloaded in the background; they are acked only when handed out, so a
-                         task that ends returns them to the pool with its lease.
+                         ``prefetch`` more slices are claimed and downloaded in the background; they are acked
+                         only when handed out, so a task that ends returns them to the pool with its lease.
                          Small slices claimed together from one data node come in one batch request
                          (``POST <node>/datasets/<name>/slices``, each with its own token; ``batched``).
   ``parameter-server`` → ``GET <peer>/jobs/<job>/model/<filename>`` per file; ``X-Round`` (rounds completed)

@@ -39,7 +39,7 @@ from worker_daemon.bridge.references import (
     UriReference,
 )
 from worker_daemon.bridge.remote.relayed import RelayTransfers, SwitchedToRelay
-from worker_daemon.bridge.remote.slices import DEFAULT_PREFETCH, SliceFetching
+from worker_daemon.bridge.remote.slices import SliceFetching
 from worker_daemon.link import ControlLink
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
     request (a reply that does not come is a ``network_error``), ``connect_timeout``/``read_timeout`` every HTTP
     call (``read_timeout`` is per read, so large files are fine); ``result_wait`` is the long-poll ``wait``.
     Failed HTTP calls are retried ``retries`` times, after ``retry_base``·2^attempt seconds (at most
-    ``retry_cap``). ``prefetch`` slices of a dataset are kept claimed and downloaded ahead of the executor, one
-    more once its slices are known to be small (``slices.prefetch_places``: top-ups of two, in one batch). A
-    transfer token the parameter server refuses (401) is retried like a lost connection
+    ``retry_cap``). A transfer token the parameter server refuses (401) is retried like a lost connection
     (a fresh token comes with each lease renewal) for up to ``auth_grace`` seconds without a break; then
     ``on_authorisation_lost(reason)`` is called (the daemon fails the task with the reason) and the call
     fails. Call :meth:`close` when the task ends.
@@ -100,7 +98,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         result_wait: float = 30.0,
-        prefetch: int = DEFAULT_PREFETCH,
+        prefetch: int = 2,
         retries: int = 3,
         retry_base: float = 0.5,
         retry_cap: float = 10.0,

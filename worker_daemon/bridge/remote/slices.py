@@ -2,18 +2,11 @@
 nodes (size and SHA-256 checked, patiently while none answers), handed out in claim order and prefetched. A
 mixin of :class:`~worker_daemon.bridge.remote.RemoteBackend`.
 
-The prefetch is topped up once at most one prefetched slice is left, claiming a slice per free place at once
-(:func:`top_up`). It has ``prefetch`` places (default 2) for large slices, and one more once the dataset's
-slices are known to be small (:func:`prefetch_places`: the last slice handed out for it is at most
-``BATCH_SLICE_LIMIT``, 1 MiB, the bound of batches and of the data node's slices read into the answer): with
-2 places each top-up is one slice, one request per hand-out (the request rate, not the bytes, is the data
-node's limit with small slices); with 3 it is two slices in one request, at the cost of holding one more
-small slice unacknowledged. The first hand-out of a task claims and downloads its slice alone, so the first
-top-up knows the size (a large-slice dataset's smaller last slice gives one top-up a place more). The small
-slices of a group that one data node serves are then downloaded in one batch request
+The prefetch (``prefetch`` places) is topped up once at most one prefetched slice is left (with the default
+2 places: after every hand-out, one slice), claiming a slice per free place at once. The small slices of
+such a group that one data node serves are then downloaded in one batch request
 (:mod:`~worker_daemon.bridge.remote.batched`); the others, and any slice of a batch that fails, one at a time
-as before, trying every node and waiting for them. Prefetched slices are acknowledged only when handed out: a
-task that ends, or loses its lease, returns them (unacknowledged) to the pool.
+as before, trying every node and waiting for them.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ import aiohttp
 from worker_daemon import protocol
 from worker_daemon.bridge.exceptions import BridgeError, ConnectorError, NetworkError
 from worker_daemon.bridge.peer_http import CachedSlice, HttpStatusError, IntegrityError, without_query
-from worker_daemon.bridge.remote.batched import BATCH_MAX_SLICES, BATCH_SLICE_LIMIT, SliceBatches
+from worker_daemon.bridge.remote.batched import BATCH_MAX_SLICES, SliceBatches
 from worker_daemon.bridge.remote.problems import TransferProblemReports, peer_host
 from worker_daemon.link import ControlLink
 
@@ -39,22 +32,6 @@ logger = logging.getLogger(__name__)
 PREFETCH_DIR = ".prefetch"
 #: Shortest wait before asking for a slice again, whatever ``retry_in`` says.
 MIN_SLICE_RETRY = 0.05
-#: A bridge's ``prefetch`` unless told otherwise (``RemoteBackend(prefetch=…)``).
-DEFAULT_PREFETCH = 2
-
-
-def prefetch_places(prefetch: int, slice_size: int) -> int:
-    """How many slices a bridge with ``prefetch`` places keeps prefetched once the last slice it handed out of
-    the dataset was ``slice_size`` bytes: one more for small slices (≤ ``BATCH_SLICE_LIMIT``), so that every
-    top-up (:func:`top_up`) claims at least two and fetches them in one batch; ``prefetch`` (0: none) else."""
-    return prefetch + 1 if prefetch > 0 and slice_size <= BATCH_SLICE_LIMIT else prefetch
-
-
-def top_up(places: int, left: int) -> int:
-    """How many slices to claim after a hand-out that left ``left`` prefetched (downloaded or in flight) of
-    ``places``: the free places once at most one is left (that one goes to the executor while the top-up
-    downloads), else none."""
-    return places - left if left <= 1 and places > left else 0
 
 
 class SliceFetching(TransferProblemReports, SliceBatches):
@@ -100,10 +77,10 @@ class SliceFetching(TransferProblemReports, SliceBatches):
                 cached.size,
             )
             # Topped up once at most one prefetched slice is left: that one (downloaded by then, unless the
-            # data is late anyway) goes to the executor while the top-up downloads. One place more for small
-            # slices makes each top-up a batch of two instead of one GET per hand-out.
-            free = top_up(prefetch_places(self.prefetch, cached.size), len(queue))
-            if free > 0 and not self._closed:
+            # data is late anyway) goes to the executor while the top-up downloads, as with two places and
+            # one top-up per hand-out; more places make the top-ups, and batches, larger.
+            free = self.prefetch - len(queue)
+            if free > 0 and len(queue) <= 1 and not self._closed:
                 queue.extend(self._prefetch_group(dataset, free))
             return [(str(cached.index), cached.size)]
 
