@@ -278,3 +278,24 @@ async def test_slices_behind_the_relay_are_never_batched(make_backend, answerer,
 )  # fmt: skip
 def test_which_slice_urls_are_batched(url, index, expected):
     assert batch_target(url, index=index, control_plane="http://cp") == expected
+
+
+async def test_a_claim_told_to_wait_never_stands_before_a_slice_the_trainer_holds(
+    make_backend, answerer, node, work
+):
+    """At an epoch's end a top-up's two claims race: the control plane may tell the first to wait ("none yet":
+    the trainer holds an unacknowledged slice — the one the second claim just got). Places are handed out in
+    order; if the waiting place came first, the trainer would wait for a slice that comes only once the slice
+    behind it is acknowledged, which it blocks (tests/e2e/test_batchnorm.py starved a trainer so)."""
+    # given: slice 0, then a top-up whose first claim is told to wait and whose second gets slice 1; after
+    # that nothing more (every later claim is told to wait)
+    backend = make_backend()
+    answerer.slice_answers = [answer(node.url, 0), {"retry_in": 0.05}, answer(node.url, 1)]
+    assert await fetch(backend, work) == ("0", len(data(0)))
+
+    # when: the executor asks for the next slice
+    handed = await asyncio.wait_for(fetch(backend, work), timeout=10)
+
+    # then: it gets slice 1 at once, not after the waiting claim
+    assert handed == ("1", len(data(1)))
+    assert acks(answerer) == [0, 1]

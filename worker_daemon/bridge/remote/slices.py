@@ -100,6 +100,15 @@ class SliceFetching(TransferProblemReports, SliceBatches):
         outcomes: list[CachedSlice | protocol.SliceAssigned | BaseException] = list(
             await asyncio.gather(*(self._claim_once(dataset) for _ in range(count)), return_exceptions=True)
         )
+        # The claims race: the control plane may answer "none yet" to the first because the second was already
+        # given a slice (a trainer holding an unacknowledged slice is told to wait). Places are handed out in
+        # order, so slices go first: a place that waits must never stand before a slice this trainer holds —
+        # its wait would last until that slice is acknowledged, which it blocks (a stall at an epoch's end).
+        outcomes.sort(
+            key=lambda outcome: (
+                not (isinstance(outcome, protocol.SliceAssigned) and outcome.index is not None)
+            )
+        )
         batches: dict[str, list[tuple[int, protocol.SliceAssigned, str]]] = {}
         for place, outcome in enumerate(outcomes):
             if isinstance(outcome, protocol.SliceAssigned) and outcome.index is not None:
