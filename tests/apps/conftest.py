@@ -78,11 +78,13 @@ REQUIREMENTS = {
 
 @pytest.fixture(autouse=True)
 def _market_timing(settings):
-    """The market's timing at its defaults, whatever the environment says, so tests can assert exact times."""
+    """The market's timing at its defaults, whatever the environment says, so tests can assert exact times; but
+    a 60 s offer window, not the default 1 s: a busy machine must not close a window between a test's advert
+    and its offers (a test that needs a closed window closes it, as ``_window_closed`` does)."""
     settings.HYPHA_LEASE_TTL = 10.0
     settings.HYPHA_RENEW_AT_REMAINING = 0.67
     settings.HYPHA_OFFER_TTL = 3.0
-    settings.HYPHA_OFFER_WINDOW = 1.0
+    settings.HYPHA_OFFER_WINDOW = 60.0
     settings.HYPHA_READVERTISE_BASE = 1.0
     settings.HYPHA_READVERTISE_MAX = 30.0
 

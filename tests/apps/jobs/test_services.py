@@ -68,7 +68,7 @@ def lease_of(worker: Worker) -> Lease:
 
 @pytest.mark.django_db
 def test_create_job_advertises_both_roles_after_commit(
-    job_owner, django_capture_on_commit_callbacks, frozen_now
+    job_owner, django_capture_on_commit_callbacks, frozen_now, settings
 ):
     # when
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
@@ -115,7 +115,7 @@ def test_create_job_advertises_both_roles_after_commit(
             "next_attempt_at",
         )
     }
-    window = frozen_now + timedelta(seconds=1)
+    window = frozen_now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW)
     assert ads == {
         TRAINER: {
             "role": TRAINER,

@@ -410,7 +410,7 @@ def test_an_offer_whose_temporary_lease_runs_out_expires(trainer_ad, online_rigs
 
 
 def test_an_advertisement_closing_short_opens_its_next_attempt_after_the_backoff(
-    trainer_ad, online_rigs, frozen_now
+    trainer_ad, online_rigs, frozen_now, settings
 ):
     # given: one offer of the two wanted, and the window closed
     market.record_offer(worker=online_rigs[0], message=offer_on(trainer_ad, price=110.0))
@@ -435,7 +435,7 @@ def test_an_advertisement_closing_short_opens_its_next_attempt_after_the_backoff
         1,
         None,
     )
-    assert trainer_ad.window_closes_at == frozen_now + timedelta(seconds=1)
+    assert trainer_ad.window_closes_at == frozen_now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW)
 
 
 def test_cancelling_an_advertisement_declines_its_open_offers(trainer_ad, online_rigs, frozen_now):

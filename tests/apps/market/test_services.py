@@ -9,6 +9,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from apps.jobs import services as job_services
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job
@@ -138,7 +139,7 @@ def _stale_attempt(ad: Advertisement, job: Job) -> protocol.Offer:
 
 
 def _window_closed(ad: Advertisement, job: Job) -> protocol.Offer:
-    Advertisement.objects.filter(pk=ad.pk).update(window_closes_at=ad.window_closes_at - timedelta(seconds=5))
+    Advertisement.objects.filter(pk=ad.pk).update(window_closes_at=timezone.now() - timedelta(seconds=1))
     return offer_on(ad, price=120.0)
 
 
@@ -411,7 +412,9 @@ def test_settle_is_idempotent_once_filled(ps_ad, online_rigs):
 # --- re-advertising ---------------------------------------------------------------------------------------------
 
 
-def test_readvertise_starts_the_next_attempt_once_the_backoff_has_passed(trainer_ad, online_rigs, frozen_now):
+def test_readvertise_starts_the_next_attempt_once_the_backoff_has_passed(
+    trainer_ad, online_rigs, frozen_now, settings
+):
     # given: closed short at attempt 0
     market.settle(trainer_ad.pk, closing=True)
     trainer_ad.refresh_from_db()
@@ -432,7 +435,7 @@ def test_readvertise_starts_the_next_attempt_once_the_backoff_has_passed(trainer
     assert readvertised.pk == trainer_ad.pk
     trainer_ad.refresh_from_db()
     assert (trainer_ad.attempt, trainer_ad.next_attempt_at, trainer_ad.wanted) == (1, None, 2)
-    assert trainer_ad.window_closes_at == frozen_now + timedelta(seconds=1)
+    assert trainer_ad.window_closes_at == frozen_now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW)
 
     # and: an offer for the old attempt is stale, one for the new attempt is taken
     with pytest.raises(AdvertisementClosed):
