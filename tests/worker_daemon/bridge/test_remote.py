@@ -104,8 +104,18 @@ async def test_granted_step_reports_are_answered_here_and_counted_into_the_next_
     first, fourth = answerer.of_type(protocol.StatusReport)
     assert first.progress == step
     assert fourth.progress == {
-        "status": {"batch_size": 4, "loss": 2.5, "covered_steps": 3, "covered_samples": 12}
-    }
+        "status": {
+            "batch_size": 4,
+            "loss": 2.5,
+            "covered_steps": 3,
+            "covered_samples": 12,
+            # the two steps answered here, for the job's per-step charts (apps.jobs.metrics)
+            "covered_points": [
+                {"steps": 1, "seconds": 0.0, "samples": 4, "age": pytest.approx(0.0, abs=5.0),
+                 "loss": 2.5, "loss_min": 2.5, "loss_max": 2.5},
+            ] * 2,
+        }
+    }  # fmt: skip
     assert backend.samples == 16  # the update's X-Samples counts every step
     assert backend.local_continues == 0
 
@@ -425,6 +435,43 @@ async def test_an_update_sent_to_a_server_that_was_lost_is_sent_again_to_the_one
         assert replacement.requests[0][3] == b"round one"
         assert list((work / ".sent").iterdir()) == []  # the kept copy is gone once the result arrived
         assert peer.paths("PUT") == [f"/jobs/{JOB}/rounds/1/update"]  # sent once to the lost one
+    finally:
+        await replacement.stop()
+
+
+async def test_an_update_answered_by_the_lost_server_after_a_new_address_came_is_sent_again_to_the_new_one(
+    backend, peer, work
+):
+    """The parameter server's daemon was killed; the server, told to stop, still answered the update that was
+    in flight, after the control plane had named its replacement. The replacement never saw it: without
+    sending it again, the round waits for ever (tests/e2e/test_faults.py hit this in CI)."""
+    from tests.worker_daemon.conftest import FakePeer
+
+    # given: round 1's update is in flight at the old server, which holds its answer
+    (work / "delta").write_bytes(b"round one")
+    peer.hold_updates = asyncio.Event()
+    sending = asyncio.create_task(backend.send(reference=TO_PS, path=work / "delta"))
+    await wait_until(lambda: peer.paths("PUT") == [f"/jobs/{JOB}/rounds/1/update"])
+    replacement = FakePeer()
+    await replacement.start()
+    incoming = work / "incoming"
+    incoming.mkdir()
+    try:
+        # when: the replacement's address comes, then the old server answers 200
+        backend.update_peers({PS: replacement.url})
+        peer.hold_updates.set()
+        await asyncio.wait_for(sending, 5)
+        replacement.add_result(1, b"u1")
+        stream = backend.receive(reference=TO_PS, directory=incoming)
+        assert await asyncio.wait_for(anext(stream), 5) == (f"{PS}.round-1", 2, PS, {"round": 1})
+        await stream.aclose()
+
+        # then: the replacement got the update before the result was asked for
+        assert [(method, path) for method, path, _, _ in replacement.requests][:2] == [
+            ("PUT", f"/jobs/{JOB}/rounds/1/update"),
+            ("GET", f"/jobs/{JOB}/rounds/1/result?wait=0.2"),
+        ]
+        assert replacement.requests[0][3] == b"round one"
     finally:
         await replacement.stop()
 

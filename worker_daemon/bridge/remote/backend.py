@@ -40,6 +40,7 @@ from worker_daemon.bridge.references import (
 )
 from worker_daemon.bridge.remote.relayed import RelayTransfers, SwitchedToRelay
 from worker_daemon.bridge.remote.slices import SliceFetching
+from worker_daemon.bridge.remote.step_summary import StepSummary
 from worker_daemon.link import ControlLink
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class RemoteBackend(SliceFetching, RelayTransfers):
         self.local_continues = 0
         self._covered_steps = 0
         self._covered_samples = 0
+        #: What those steps said (loss, lr, step time …), sent with the next forwarded report for the charts.
+        self._covered_summary = StepSummary()
         #: Rounds the parameter server had completed when the model was fetched (its ``X-Round``).
         self.rounds_completed = 0
         self.next_send_round = 1
@@ -176,6 +179,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
                 self.local_continues -= 1
                 self._covered_steps += 1
                 self._covered_samples += batch_size
+                self._covered_summary.add(progress["status"], batch_size=batch_size)
                 return {"type": "Continue"}
             if self._covered_steps:
                 progress = {
@@ -183,6 +187,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
                         **progress["status"],
                         "covered_steps": self._covered_steps + 1,
                         "covered_samples": self._covered_samples + batch_size,
+                        "covered_points": self._covered_summary.take(),
                     }
                 }
         elif merged:
@@ -196,6 +201,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
             )
         if not merged:
             self.local_continues = self._covered_steps = self._covered_samples = 0
+            self._covered_summary.clear()
         message = protocol.StatusReport(request_id=uuid.uuid4(), task_id=self.task_id, progress=progress)
         try:
             reply = await self.link.request(message, timeout=self.request_timeout)
@@ -236,9 +242,9 @@ class RemoteBackend(SliceFetching, RelayTransfers):
             sent.parent.mkdir(mode=0o700, exist_ok=True)
             await asyncio.to_thread(shutil.copyfile, path, sent)
         for peer in peers:
-            base = await self._send_update(peer, round_number=round_number, path=path, samples=samples)
+            base, told = await self._send_update(peer, round_number=round_number, path=path, samples=samples)
             if sent is not None:
-                self._in_flight = _InFlight(round_number, peer, sent, samples, base, self.peers_told)
+                self._in_flight = _InFlight(round_number, peer, sent, samples, base, told)
 
     async def receive(
         self, *, reference: PeersReference, directory: Path
@@ -440,11 +446,19 @@ class RemoteBackend(SliceFetching, RelayTransfers):
 
     # --- updates -------------------------------------------------------------------------------------------
 
-    async def _send_update(self, peer: str, *, round_number: int, path: Path, samples: int) -> str:
-        """PUT the update to ``peer`` (patiently: :meth:`_at_peer`); returns the base URL it went to. A 4xx is
-        logged, not retried: the parameter server's reason says why."""
+    async def _send_update(
+        self, peer: str, *, round_number: int, path: Path, samples: int
+    ) -> tuple[str, int]:
+        """PUT the update to ``peer`` (patiently: :meth:`_at_peer`); returns the base URL it went to and how
+        many addresses the control plane had given when that attempt began (``peers_told``). An address given
+        while the attempt was in flight is newer than the server that answered (a lost server still answers
+        while it stops): :meth:`_resend_if_moved` sends the update there too. A 4xx is logged, not retried:
+        the parameter server's reason says why."""
+        told = self.peers_told
 
         async def put(base: str) -> None:
+            nonlocal told
+            told = self.peers_told  # this attempt's address is the one given by then
             url = f"{base}/jobs/{self.job_id}/rounds/{round_number}/update"
             await self._put_update(url, path=path, samples=samples, round_number=round_number)
 
@@ -456,6 +470,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
             except SwitchedToRelay:
                 pass
             if self._relayed(peer):
+                told = self.peers_told
                 await self._relay_update(round_number=round_number, path=path, samples=samples)
                 base = self.peers.get(peer, "")
         except HttpStatusError as error:
@@ -466,9 +481,9 @@ class RemoteBackend(SliceFetching, RelayTransfers):
                 error.status,
                 error.detail,
             )
-            return self.peers.get(peer, "")
+            return self.peers.get(peer, ""), told
         logger.info("task %s: round %d update sent (%d samples)", self.task_id, round_number, samples)
-        return base
+        return base, told
 
     async def _at_peer(self, peer: str, what: str, operation: Callable[[str], Awaitable[T]]) -> tuple[T, str]:
         """``operation(base URL)`` against ``peer``, and the base URL it succeeded at. Connection errors,
@@ -568,8 +583,7 @@ class RemoteBackend(SliceFetching, RelayTransfers):
             sent.base,
             round_number,
         )
-        sent.told = self.peers_told
-        sent.base = await self._send_update(
+        sent.base, sent.told = await self._send_update(
             sent.peer, round_number=round_number, path=sent.path, samples=sent.samples
         )
 
