@@ -299,3 +299,30 @@ async def test_a_claim_told_to_wait_never_stands_before_a_slice_the_trainer_hold
     # then: it gets slice 1 at once, not after the waiting claim
     assert handed == ("1", len(data(1)))
     assert acks(answerer) == [0, 1]
+
+
+async def test_a_place_told_to_wait_never_stands_before_a_slice_a_later_top_up_claimed(
+    make_backend, answerer, node, work
+):
+    """A place told to wait ("none yet": the trainer held an unacknowledged slice then) is asked again after its
+    ``retry_in``; if a later top-up claims a slice meanwhile, the trainer holds that one, so the control plane
+    tells the waiting place to wait again — for ever, while the slice behind it is never handed out (a trainer
+    starved until its round closed without it: tests/e2e/test_batchnorm.py in CI)."""
+    # given: slice 0; a top-up that gets slice 1 and a "none yet, ask again in 2 s"; the next top-up gets
+    # slice 2; after that every claim is told to wait (the trainer holds slice 2)
+    backend = make_backend()
+    answerer.slice_answers = [
+        answer(node.url, 0),
+        answer(node.url, 1),
+        {"retry_in": 2.0},
+        answer(node.url, 2),
+    ]
+    assert await fetch(backend, work) == ("0", len(data(0)))
+    assert await fetch(backend, work) == ("1", len(data(1)))
+
+    # when: the executor asks for the next slice
+    handed = await asyncio.wait_for(fetch(backend, work), timeout=10)
+
+    # then: it gets slice 2, the one the trainer holds
+    assert handed == ("2", len(data(2)))
+    assert acks(answerer) == [0, 1, 2]

@@ -3,7 +3,8 @@ nodes (size and SHA-256 checked, patiently while none answers), handed out in cl
 mixin of :class:`~worker_daemon.bridge.remote.RemoteBackend`.
 
 The prefetch (``prefetch`` places) is topped up once at most one prefetched slice is left (with the default
-2 places: after every hand-out, one slice), claiming a slice per free place at once. The small slices of
+2 places: after every hand-out, one slice), claiming a slice per free place at once; a place whose claim is
+told "none yet" (an epoch's end) is given up, never asked again behind the queue's back. The small slices of
 such a group that one data node serves are then downloaded in one batch request
 (:mod:`~worker_daemon.bridge.remote.batched`); the others, and any slice of a batch that fails, one at a time
 as before, trying every node and waiting for them.
@@ -34,6 +35,10 @@ PREFETCH_DIR = ".prefetch"
 MIN_SLICE_RETRY = 0.05
 
 
+class _NoSliceYet(BridgeError):
+    """A prefetch place whose claim was told "none yet": it gives its place up instead of asking again."""
+
+
 class SliceFetching(TransferProblemReports, SliceBatches):
     """``scheduler`` fetches (the attributes are :class:`RemoteBackend`'s)."""
 
@@ -61,6 +66,8 @@ class SliceFetching(TransferProblemReports, SliceBatches):
                         queue.popleft()
                         continue
                     raise
+                except _NoSliceYet:
+                    logger.debug("task %s: a prefetch place of %s got no slice yet", self.task_id, dataset)
                 except (BridgeError, OSError) as error:
                     logger.info("task %s: prefetching a slice of %s failed: %s", self.task_id, dataset, error)
                 queue.popleft()
@@ -164,9 +171,13 @@ class SliceFetching(TransferProblemReports, SliceBatches):
             return outcome
         if isinstance(outcome, BaseException):
             raise outcome
-        if outcome.index is None:  # none yet: ask again after ``retry_in``, alone
-            await asyncio.sleep(max(outcome.retry_in or 0.0, MIN_SLICE_RETRY))
-            outcome = await self._claim(dataset)
+        if outcome.index is None:
+            # None yet (an epoch's end, while this trainer held a slice it had not acknowledged): the place is
+            # given up, not asked again. Asking again would be told to wait for as long as this trainer holds a
+            # slice — and a later top-up's slice, behind this place in the queue, is held until this place is
+            # handed out: the trainer would starve. The next hand-out tops the prefetch up again; with nothing
+            # prefetched, the executor's request claims (and waits) itself, holding nothing.
+            raise _NoSliceYet(f"no slice of {dataset!r} yet")
         return await self._download_claimed(dataset, outcome)
 
     def _prefetch_cache(self) -> Path:
