@@ -74,7 +74,9 @@ class = "train"
 name = "diloco-transformer"
 runtime = "process"
 cmd = "{python}"
-args = ["-m", "accelerate.commands.launch", "--num_processes", "1", "-m", "worker_daemon.executors.training",
+args = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
+        "-m", "worker_daemon.executors.training",
         "--socket", "{{SOCKET_PATH}}", "--work-dir", "{{WORK_DIR}}"]
 
 [[executors]]

@@ -55,6 +55,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from data_node import adopt
 from data_node.slices import DATASET_NAME, SLICE_NAME, slice_file_name
 
 EXIT_OK = 0
@@ -396,7 +397,7 @@ def _section(command: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hypha-data",
-        description="Prepare datasets as safetensors slices for hypha-data-node.",
+        description="Prepare datasets as safetensors slices for hypha-data-node, or import existing slices.",
         epilog="exit codes: 0 done, 2 bad command line or tokenizer, 3 bad input, 4 bad output directory",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -447,6 +448,25 @@ def build_parser() -> argparse.ArgumentParser:
     pictures.add_argument(
         "--seed", type=int, default=0, help="seed of the shuffle across classes (default 0)"
     )
+    adopt_command = commands.add_parser(
+        "import",
+        help="adopt existing safetensors slices (any names) as a dataset directory, linking, not copying",
+        description=adopt.__doc__.split("\n\n", 1)[1],
+        epilog="exit codes: 0 done, 2 bad command line, 3 a file is no usable slice or differs from the "
+        "first, 4 the dataset directory cannot be created or already holds slices",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    adopt_command.add_argument(
+        "source", type=Path, metavar="DIR", help="directory holding *.safetensors slices"
+    )
+    adopt_command.add_argument("--name", required=True, help="the dataset's name (a slug)")
+    adopt_command.add_argument(
+        "--into",
+        type=Path,
+        default=Path("."),
+        metavar="PARENT",
+        help="where to create the dataset directory PARENT/NAME (default: the current directory)",
+    )
     return parser
 
 
@@ -461,6 +481,9 @@ def _positive(value: str) -> int:
 
 
 def _run(arguments: argparse.Namespace) -> None:
+    if arguments.command == "import":
+        _run_import(arguments)
+        return
     if arguments.command == "prepare-text":
         result = prepare_text(
             inputs=arguments.input,
@@ -491,6 +514,26 @@ def _run(arguments: argparse.Namespace) -> None:
     )
     labels = {name: index for index, name in enumerate(result["classes"])}
     print(f"labels {json.dumps(labels, ensure_ascii=False)}")
+
+
+def _run_import(arguments: argparse.Namespace) -> None:
+    try:
+        result = adopt.import_slices(source=arguments.source, name=arguments.name, into=arguments.into)
+    except adopt.SliceCheckError as error:
+        raise InputError(str(error)) from error
+    except adopt.ImportTargetError as error:
+        raise OutputError(str(error)) from error
+    if result["ignored"]:
+        print(
+            f"hypha-data: ignored {result['ignored']} entries that are not *.safetensors files",
+            file=sys.stderr,
+        )
+    for index, path in result["slices"]:
+        print(f"{slice_file_name(index)} -> {path.resolve()}")
+    print(
+        f"linked {len(result['slices'])} slices ({result['samples']} samples of {result['tensors']}) "
+        f"as {result['directory']}; serve it with hypha-data-node --dataset {result['directory']}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -59,6 +59,8 @@ def scan(directory: Path) -> list[SliceFile]:
     found: dict[int, Path] = {}
     for entry in directory.iterdir():
         match = SLICE_NAME.match(entry.name)
+        if match and entry.is_symlink() and not entry.exists():  # a slice ``hypha-data import`` linked
+            raise InvalidDatasetDirectory(f"{entry} links to {entry.readlink()}, which does not exist")
         if match and entry.is_file():
             index = int(match.group(1))
             if index in found:

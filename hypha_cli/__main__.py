@@ -32,7 +32,7 @@ exit codes:
       `watch`: the job failed
   {ExitCode.CANCELLED:<3d} `watch`: the job was cancelled
   {ExitCode.AUTHENTICATION:<3d} not logged in, or the server refused the token (HTTP 401/403)
-  {ExitCode.NOT_FOUND:<3d} no such job, or not one of yours (HTTP 404)
+  {ExitCode.NOT_FOUND:<3d} no such job, or not one of yours (HTTP 404); `logs --task`: no such task
   {ExitCode.WRONG_SERVER:<3d} wrong server: cannot connect or no answer in time, or not a Hypha control plane
   {ExitCode.SERVER_ERROR:<3d} the server failed (HTTP 5xx) or answered something unexpected
   {ExitCode.USAGE:<3d} usage error: bad flags or arguments, unreadable file, no server configured
@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument(
         "--limit", type=_count, default=20, metavar="N", help="show the newest N jobs (default: 20)"
     )
+    jobs.add_argument(
+        "--status",
+        choices=["pending", "allocating", "allocated", "running", "completed", "cancelled", "failed"],
+        help="only the jobs in this status",
+    )
+    jobs.add_argument("--name", metavar="TEXT", help="only the jobs whose name contains TEXT (any case)")
 
     show = command("show", "show one job in full", json_help="print the API's job detail as JSON")
     show.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
@@ -256,6 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="DIR", default=".", help="directory to save in (default: .)"
     )
     download.add_argument("--extract", action="store_true", help="also unpack the zip into DIR/model-<ID>/")
+
+    logs = command(
+        "logs",
+        "print a job's task logs, each under a header line (--task: one task's log alone)",
+        json_help='print [{"id", "role", "worker", "status", "log"}] as JSON',
+    )
+    logs.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+    logs.add_argument(
+        "--task",
+        metavar="TASK",
+        help="only this task's log: its id or the start of it (`hypha logs ID` heads each log with its task's id)",
+    )
 
     workers = command(
         "workers",

@@ -74,9 +74,11 @@ class HyphaClient:
             )
         return int(page["count"])
 
-    def jobs(self, *, limit: int) -> list[dict[str, Any]]:
-        """The newest ``limit`` jobs the token's user sees, as the API lists them."""
-        return self._list("/api/jobs/", limit=limit)
+    def jobs(self, *, limit: int, status: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
+        """The newest ``limit`` jobs the token's user sees, as the API lists them; with ``status``, only those in
+        it; with ``name``, only those whose name contains it (any case)."""
+        query = {key: value for key, value in (("status", status), ("name", name)) if value}
+        return self._list("/api/jobs/", limit=limit, query=query or None)
 
     def workers(self, *, limit: int, mine: bool = False) -> list[dict[str, Any]]:
         """Up to ``limit`` workers of the pool, as the API lists them: the public facts of each, in full those the
@@ -102,6 +104,10 @@ class HyphaClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a job; the job afterwards."""
         return self._object(self._send("POST", f"/api/jobs/{job_id}/cancel/", job_id=job_id))
+
+    def task_log(self, job_id: str, task_id: str) -> str:
+        """A task's full log as the control plane keeps it (its newest part, past the server's cap)."""
+        return self._send("GET", f"/api/jobs/{job_id}/tasks/{task_id}/log", job_id=job_id).text
 
     def download_model(self, job_id: str, directory: Path) -> Path:
         """Save the job's model zip in ``directory`` (created if needed); its path. The file appears only

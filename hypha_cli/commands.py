@@ -16,7 +16,14 @@ from typing import Any
 
 from hypha_cli import config, output
 from hypha_cli.client import HyphaClient
-from hypha_cli.exceptions import WATCH_EXIT_CODES, ExitCode, RefusedError, ServerError, UsageError
+from hypha_cli.exceptions import (
+    WATCH_EXIT_CODES,
+    ExitCode,
+    JobNotFoundError,
+    RefusedError,
+    ServerError,
+    UsageError,
+)
 
 #: Job statuses that can have rounds: `hypha jobs` fetches the detail of these for their rounds and loss.
 STARTED_STATUSES = ("running", "completed", "failed", "cancelled")
@@ -179,7 +186,11 @@ def read_spec(
 
 def jobs(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
     with _client(arguments, environ=environ, transport=transport) as client:
-        listed = client.jobs(limit=arguments.limit)
+        listed = client.jobs(
+            limit=arguments.limit,
+            status=getattr(arguments, "status", None),
+            name=getattr(arguments, "name", None),
+        )
         if arguments.json:
             output.print_json(listed)
             return ExitCode.OK
@@ -189,6 +200,9 @@ def jobs(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport
             for job in listed
         ]
     if not shown:
+        if getattr(arguments, "status", None) or getattr(arguments, "name", None):
+            print("No job matches the filter.")
+            return ExitCode.OK
         print("No jobs yet: submit one with `hypha submit FILE`")
         return ExitCode.OK
     output.console().print(output.jobs_table(shown))
@@ -213,7 +227,9 @@ def show(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport
         )
     for lease in job.get("leases") or []:
         console.print(
-            f"lease: {lease.get('role')} on {lease.get('worker')} ({lease.get('status')})", markup=False
+            f"lease: {lease.get('role')} on {lease.get('worker')} ({lease.get('status')}, "
+            f"{output.price_text(lease.get('price'))})",
+            markup=False,
         )
     for round_ in output.closed_rounds(job):
         console.print(output.round_line(round_, output.rounds_total(job)), markup=False)
@@ -279,6 +295,39 @@ def download(arguments: argparse.Namespace, *, environ: Mapping[str, str], trans
     return ExitCode.OK
 
 
+def logs(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    """Every task's full log, each under a header line; with ``--task``, that task's log alone."""
+    with _client(arguments, environ=environ, transport=transport) as client:
+        job = client.job(arguments.job_id)
+        tasks = [task for task in job.get("tasks") or [] if isinstance(task, dict) and task.get("id")]
+        if arguments.task:
+            tasks = [task for task in tasks if str(task["id"]).startswith(arguments.task.lower())]
+            if len(tasks) != 1:
+                what = "no task" if not tasks else "more than one task"
+                raise JobNotFoundError(
+                    f"job {job['id']} has {what} {arguments.task!r} (`hypha logs {job['id']}` lists its tasks)"
+                )
+        logged = [(task, client.task_log(job["id"], task["id"])) for task in tasks]
+    if arguments.json:
+        output.print_json(
+            [
+                {key: task.get(key) for key in ("id", "role", "worker", "status")} | {"log": log}
+                for task, log in logged
+            ]
+        )
+    elif arguments.task:
+        sys.stdout.write(logged[0][1])
+    elif not logged:
+        print(f"job {job['id']} has no tasks yet ({job.get('status')})", file=sys.stderr)
+    else:
+        for number, (task, log) in enumerate(logged):
+            exit_code = f", exit {task['exit_code']}" if task.get("exit_code") is not None else ""
+            header = f"==> {task.get('role')} on {task.get('worker')} ({task['id']}, {task.get('status')}{exit_code}) <=="
+            print(("\n" if number else "") + header)
+            sys.stdout.write(log if log.endswith("\n") or not log else log + "\n")
+    return ExitCode.OK
+
+
 def extract(archive: Path, destination: Path) -> Path:
     """Unpack ``archive`` into ``destination``, refusing members that would land outside it."""
     try:
@@ -323,5 +372,6 @@ COMMANDS = {
     "watch": watch,
     "cancel": cancel,
     "download": download,
+    "logs": logs,
     "workers": workers,
 }

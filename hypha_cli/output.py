@@ -141,6 +141,18 @@ def number_text(value: Any) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, int | float) else str(value)
 
 
+#: The unit of every price (bids, offers, leases, price floors): credits per hour of a lease, per worker; the
+#: control plane's ``worker_daemon.protocol.PRICE_UNIT`` (the CLI imports nothing of the server's packages).
+PRICE_UNIT = "credits/h"
+
+
+def price_text(value: Any) -> str:
+    """A price with its unit, ``125 credits/h`` (``-`` when absent)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "-"
+    return f"{value:g} {PRICE_UNIT}"
+
+
 def score_text(value: Any) -> str:
     """A benchmark score (samples/s) with one decimal, ``-`` when unknown."""
     return f"{value:.1f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
@@ -185,7 +197,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
         "MEM GB",
         "GPU GB",
         "EXECUTORS",
-        "FLOOR",
+        "FLOOR CR/H",
         "BENCH/S",
         "LEASES",
         "LAST SEEN",
@@ -194,7 +206,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
         table.add_column(
             column,
             no_wrap=True,
-            justify="right" if column in ("CPU", "MEM GB", "GPU GB", "FLOOR", "BENCH/S") else "left",
+            justify="right" if column in ("CPU", "MEM GB", "GPU GB", "FLOOR CR/H", "BENCH/S") else "left",
         )
     for worker in workers:
         resources = worker.get("resources") or {}
@@ -202,7 +214,8 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             f"{executor.get('class')}/{executor.get('name')}" for executor in worker.get("executors") or []
         )
         leases = ", ".join(
-            f"{lease.get('role')} ({lease.get('status')})" for lease in worker.get("leases") or []
+            f"{lease.get('role')} ({lease.get('status')}, {price_text(lease.get('price'))})"
+            for lease in worker.get("leases") or []
         )
         status = "revoked" if worker.get("revoked") else worker.get("status")
         table.add_row(

@@ -18,6 +18,9 @@ from rest_framework import exceptions, serializers
 from rest_framework.authentication import TokenAuthentication
 from rest_framework.fields import empty
 
+# Imported for its drf-spectacular extension: pydantic models as request bodies, in OpenAPI 3.0.
+from hypha_site import openapi  # noqa: F401
+
 # --- authentication -----------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from apps.jobs.api.views import (
     JobViewSet,
     UploadViewSet,
     job_model_download,
+    job_task_log,
 )
 from apps.leases.api.views import LeaseViewSet
 from apps.market.api.views import AdvertisementViewSet, OfferViewSet
@@ -30,6 +31,7 @@ router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("uploads", UploadViewSet, basename="upload")
 urlpatterns = [
     path("jobs/<uuid:pk>/model", job_model_download, name="job-model"),
+    path("jobs/<uuid:pk>/tasks/<uuid:task_id>/log", job_task_log, name="job-task-log"),
     path("jobs/<uuid:pk>/model/<str:filename>", JobModelView.as_view(), name="job-model-file"),
     path(
         "jobs/<uuid:pk>/checkpoint/<int:round_number>/<str:filename>",

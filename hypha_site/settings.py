@@ -388,6 +388,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    # A default beside a reference to an object component makes generators drop the schema (hypha_site.openapi).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "hypha_site.openapi.drop_object_defaults",
+    ],
 }
 
 # --- Celery -------------------------------------------------------------------------------------------
@@ -439,6 +444,9 @@ HYPHA_READVERTISE_MAX = env_float("HYPHA_READVERTISE_MAX", 30.0, minimum=0.05, m
 #: first (apps/market/targeting.py). 0 sends each attempt to every worker that could take it.
 HYPHA_ADVERT_FANOUT = env_int("HYPHA_ADVERT_FANOUT", 4, minimum=0, maximum=10_000)
 HYPHA_ADVERT_MIN_TARGETS = env_int("HYPHA_ADVERT_MIN_TARGETS", 8, minimum=1, maximum=100_000)
+#: Points kept per trainer in a job's per-step metric series (apps/jobs/metrics.py): when full, neighbours merge
+#: pairwise, so a series never passes 40 bytes × this, however long the job (docs/dashboard.md).
+HYPHA_METRICS_MAX_POINTS = env_int("HYPHA_METRICS_MAX_POINTS", 2000, minimum=16, maximum=1_000_000)
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
 #: Bounds of the request bodies the API parses (hypha_site/parsers.py): the largest JSON or form body (bytes;
@@ -455,6 +463,9 @@ HYPHA_MAX_MODEL_FILE_BYTES = env_int("HYPHA_MAX_MODEL_FILE_BYTES", 20 << 30, min
 HYPHA_MAX_UPLOAD_BYTES = env_int("HYPHA_MAX_UPLOAD_BYTES", 10 << 30, minimum=1 << 20, maximum=1 << 40)
 HYPHA_UPLOAD_QUOTA_BYTES = env_int("HYPHA_UPLOAD_QUOTA_BYTES", 50 << 30, minimum=1 << 20, maximum=1 << 50)
 HYPHA_UPLOAD_QUOTA_COUNT = env_int("HYPHA_UPLOAD_QUOTA_COUNT", 100, minimum=1, maximum=1_000_000)
+#: Each task's full output kept on the control plane (HYPHA_DATA_DIR/logs/, apps/jobs/training/task_logs.py):
+#: past this many bytes its oldest output is dropped (rotated), and the log says so.
+HYPHA_TASK_LOG_MAX_BYTES = env_int("HYPHA_TASK_LOG_MAX_BYTES", 4 << 20, minimum=1024, maximum=64 << 20)
 #: Largest websocket frame accepted from a daemon (UTF-8 bytes); larger ones get a ``too_large`` error frame.
 HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
 #: Per-connection token bucket of the worker gateway: sustained frames per second and the burst above it.

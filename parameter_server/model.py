@@ -30,6 +30,8 @@ from hypha_tensors import weights as weights_io
 from parameter_server import safe_fetch
 from parameter_server.exceptions import JobConfigError, ModelSourceError, WeightsFileError
 from parameter_server.job import JobConfig, ModelSource
+from worker_daemon.executors.job import set_loss_type
+from worker_daemon.protocol import MODEL_EXTRA_FILES
 
 if TYPE_CHECKING:
     import torch
@@ -236,6 +238,13 @@ def _trust_remote_code() -> bool:
 
 
 def _build(job: JobConfig, source_dir: Path, *, control_plane: ControlPlaneAccess | None = None) -> Any:
+    """The model, its loss named as the trainers name it (``set_loss_type``: GPT-2's would warn at every eval)."""
+    model = _build_model(job, source_dir, control_plane=control_plane)
+    set_loss_type(model, model_class(job.task).__name__)
+    return model
+
+
+def _build_model(job: JobConfig, source_dir: Path, *, control_plane: ControlPlaneAccess | None = None) -> Any:
     import torch
     import transformers
 
@@ -338,3 +347,14 @@ def prepare_model(
         aliases or "none",
     )
     return InitialModel(model=model, files_dir=files_dir, weights=weights, aliases=aliases, buffers=buffers)
+
+
+def final_model_files(files_dir: Path, weights_path: Path) -> dict[str, Path]:
+    """The files uploaded as the final model (name → path), in upload order: those of
+    :data:`~worker_daemon.protocol.MODEL_EXTRA_FILES` the initial model's directory holds
+    (``generation_config.json``, tokenizer files, …), then ``config.json``, and the weights last: the control
+    plane counts the model stored once its weights are, so everything else must be there by then."""
+    files = {name: files_dir / name for name in MODEL_EXTRA_FILES if (files_dir / name).is_file()}
+    files[CONFIG_FILENAME] = files_dir / CONFIG_FILENAME
+    files[WEIGHTS_FILENAME] = weights_path
+    return files

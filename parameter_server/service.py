@@ -17,7 +17,8 @@
    more). An update from a trainer the round does not expect (a replacement) is accepted if the control
    plane, asked at once, names it. The round is finished when the reply is ``{"type": "Done"}`` or
    ``update_rounds`` rounds are done.
-4. Upload ``config.json`` and ``model.safetensors`` to the control plane, keep serving until every
+4. Upload ``config.json``, ``model.safetensors`` and the model's data files (``generation_config.json``,
+   tokenizer files: ``final_model_files``) to the control plane, keep serving until every
    participant of the last round fetched its result (or ``final_wait`` seconds pass), return 0.
 
 Files under ``work_dir``: ``model/`` (config and other non-weight files), ``global/round-N.safetensors``
@@ -54,10 +55,9 @@ from parameter_server.exceptions import (
 from parameter_server.job import JobConfig
 from parameter_server.math import StateDict
 from parameter_server.model import (
-    CONFIG_FILENAME,
-    WEIGHTS_FILENAME,
     ControlPlaneAccess,
     InitialModel,
+    final_model_files,
     prepare_model,
 )
 from parameter_server.relay_pump import RelayPump, loopback_host
@@ -101,6 +101,9 @@ class Settings:
     #: Seconds a checkpoint upload (or the download of the one to resume from) keeps retrying: a control
     #: plane being redeployed must not fail the job.
     checkpoint_deadline: float = 600.0
+    #: Seconds a round's report waits for the round's participants to fetch its result, so that the round's
+    #: ``bytes_out`` counts those downloads (a slower one counts in the next round's report).
+    result_fetch_wait: float = 5.0
     #: Where the daemon keeps the current transfer token (``HYPHA_TRANSFER_TOKEN_FILE``): tokens are
     #: short-lived and refreshed there; ``transfer_token`` is the first one, used when the file is unreadable.
     transfer_token_file: Path | None = None
@@ -547,6 +550,11 @@ class ParameterServer:
         weights = self._weights_after.pop(result.round_number, None)
         if self.evaluator is not None and weights is not None:
             result.eval_loss, result.eval_error = await self._eval_loss(weights)
+        if self.relay is None and self.coordinator is not None:
+            # The result's direct downloads count in its own round, not in whichever report comes after they
+            # end (a round once showed bytes_out 0 while its trainers' downloads were still running). Through
+            # the relay the result leaves once, as its upload (settled below), whoever fetches it.
+            await self.coordinator.wait_result_fetched(result.round_number, self.settings.result_fetch_wait)
         bytes_out = self.app.take_bytes_out()
         relay_in = relay_out = 0
         if self.relay is not None:
@@ -600,10 +608,7 @@ class ParameterServer:
 
     async def _finish(self, stop_waiter: asyncio.Future[Any]) -> None:
         assert self.app is not None and self.initial is not None and self.coordinator is not None
-        files = {
-            CONFIG_FILENAME: self.initial.files_dir / CONFIG_FILENAME,
-            WEIGHTS_FILENAME: self.app.files.weights_path,
-        }
+        files = final_model_files(self.initial.files_dir, self.app.files.weights_path)
         upload = asyncio.ensure_future(
             upload_model(
                 server_url=self.settings.server_url,

@@ -97,11 +97,24 @@ hypha_bootstrap() {
             printf '%s\n' "$pip_check" >&2
             hypha_die "pip check found missing or conflicting pins: fix requirements/*.txt"
         fi
+        _hypha_install_openapi_client
         printf '%s\n' "$wanted" >"$HYPHA_STAMP"
         hypha_log "installed in $((SECONDS - started)) s"
     fi
     export HYPHA_BOOTSTRAPPED="$wanted"
     _hypha_activate
+}
+
+# openapi-python-client (tests/e2e/test_generated_client.py) in a venv of its own inside the main one: its
+# typer pin conflicts with the CLI's. Made afresh with every install of the main venv.
+HYPHA_OPENAPI_CLIENT_VENV="$HYPHA_VENV/tools/openapi-python-client"
+_hypha_install_openapi_client() {
+    rm -rf "$HYPHA_OPENAPI_CLIENT_VENV"
+    "$HYPHA_VENV/bin/python" -m venv "$HYPHA_OPENAPI_CLIENT_VENV" ||
+        hypha_die "could not create $HYPHA_OPENAPI_CLIENT_VENV"
+    HYPHA_VENV="$HYPHA_OPENAPI_CLIENT_VENV" _hypha_pip install --quiet --progress-bar off \
+        -r "$HYPHA_ROOT/requirements/openapi-client.txt" ||
+        hypha_die "pip could not install requirements/openapi-client.txt (see pip's message above)"
 }
 
 # pip in the venv, without the lines this machine's pip configuration adds for every package (an extra

@@ -19,6 +19,7 @@ Accepted keys (Hypha's worker keys, reference §7.3; the original's example file
     runtime = "process"              # or "parameter-server", or "trainer" (ours: the built-in trainer)
     cmd = "uv"                       # process only, required there
     args = ["..."]                   # process only, optional
+    env = { HF_HOME = "/data/hf" }   # ours: added to the task's environment (see ExecutorConfig)
 
 Our own keys (not Hypha's)::
 
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import tomllib
@@ -89,6 +91,27 @@ _ORIGINAL_ONLY_PREFIX = "telemetry_"
 ENV_KEYS = ("work_dir",)
 
 WEBSOCKET_PATH = "/ws/worker/"
+
+#: Variables an ``[[executors]]`` ``env`` table may not set: what the daemon sets for each task (the bridge's
+#: socket, the work dir, the job, the slowdown knob, the parameter server's control-plane URL and transfer
+#: credentials) and the worker's own credentials, which never reach a task (``jobs.PRIVATE_ENVIRONMENT``).
+RESERVED_ENVIRONMENT = (
+    "SOCKET_PATH",
+    "WORK_DIR",
+    "JOB_JSON",
+    "HYPHA_SLOWDOWN",
+    "HYPHA_SERVER_URL",
+    "HYPHA_TRANSFER_KEY",
+    "HYPHA_TRANSFER_TOKEN",
+    "HYPHA_TRANSFER_TOKEN_FILE",
+    "HYPHA_WORKER_TOKEN",
+    "HYPHA_WORKER_TOKEN_FILE",
+    "HYPHA_TOKEN",
+    "HYPHA_TOKEN_FILE",
+)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
+MAX_EXECUTOR_ENV = 256
+MAX_ENV_VALUE = 32768
 
 # A number in the config: strict so that `cpu = "16"` or `cpu = true` is reported instead of guessed at,
 # finite because TOML can spell `inf` and `nan`.
@@ -165,7 +188,12 @@ class ExecutorConfig(_ConfigModel):
     Runtimes: ``process`` runs ``cmd`` + ``args`` as configured (Hypha's; e.g. ``accelerate launch`` of an
     executor); ``parameter-server`` the built-in parameter server (Hypha's); ``trainer`` (ours) the built-in
     DiLoCo trainer, ``python -m worker_daemon.executors.training``, in one process without a launcher. The
-    two built-in runtimes start from a warm spare when the daemon has one (``warm_start``)."""
+    two built-in runtimes start from a warm spare when the daemon has one (``warm_start``).
+
+    ``env`` (ours, not Hypha's): string variables added to the task's environment, over the daemon's own; the
+    names of :data:`RESERVED_ENVIRONMENT` are refused. A task of an executor with an ``env`` always starts a
+    cold interpreter: a warm spare imported its libraries without those variables, and some are read at
+    import time (``PYTORCH_CUDA_ALLOC_CONF``, ``HF_HUB_OFFLINE``, …)."""
 
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
@@ -174,6 +202,30 @@ class ExecutorConfig(_ConfigModel):
     runtime: Literal["process", "parameter-server", "trainer"]
     cmd: str | None = Field(default=None, min_length=1)
     args: list[str] = Field(default_factory=list)
+    #: Ours: variables added to the task's environment (any runtime), over the daemon's own.
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_EXECUTOR_ENV)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _environment(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise ValueError('must be a table of strings, e.g. env = { HF_HOME = "/data/hf" }')
+        for key, item in value.items():
+            if not isinstance(key, str) or not ENV_NAME.match(key):
+                raise ValueError(
+                    f"{key!r} is not an environment variable name (letters, digits and '_', not starting "
+                    "with a digit)"
+                )
+            if key in RESERVED_ENVIRONMENT:
+                raise ValueError(
+                    f"{key} is reserved: the daemon sets it for the bridge and the task "
+                    f"(reserved: {', '.join(RESERVED_ENVIRONMENT)})"
+                )
+            if not isinstance(item, str):
+                raise ValueError(f'{key} must be a string (quote it: {key} = "{item}")')
+            if "\0" in item or len(item) > MAX_ENV_VALUE:
+                raise ValueError(f"{key} must hold no NUL character and at most {MAX_ENV_VALUE} characters")
+        return value
 
     @model_validator(mode="after")
     def _process_needs_cmd(self) -> ExecutorConfig:
@@ -224,6 +276,24 @@ class ParameterServerConfig(_ConfigModel):
                 raise ValueError("must be an http:// or https:// URL with a host")
             return value.rstrip("/")
         return value
+
+
+#: ``accelerate launch`` options for one process on one machine that name every value it would otherwise take a
+#: default for with a warning ("The following values were not passed to `accelerate launch` and had defaults
+#: used instead: …"), which would open every task's log: the args of a ``process`` executor under the launcher
+#: start with them (docs/configuration.md).
+ACCELERATE_LAUNCH_OPTIONS = (
+    "--num_processes",
+    "1",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "--num_cpu_threads_per_process",
+    "1",
+)
 
 
 def default_executors() -> list[ExecutorConfig]:

@@ -7,7 +7,8 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
    :class:`~worker_daemon.bridge.remote.RemoteBackend`;
 2. starts the process in its own session (so signals reach a launcher's children too, e.g. ``accelerate
    launch``'s), in the daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR``, ``JOB_JSON`` and
-   ``HYPHA_SLOWDOWN`` (the config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported:
+   ``HYPHA_SLOWDOWN`` (the config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported, over the
+   daemon's environment (less its credentials) and the executor's ``env`` table (which may not name these):
 
    * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
      (compact JSON of the spec) replaced in every argument;
@@ -20,8 +21,8 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
      control plane sends in a ``transfer_token`` frame) and ``HYPHA_SERVER_URL`` (the control plane's HTTP
      base URL) in its environment;
 
-   A task of a built-in runtime (``trainer``, ``parameter-server``) is handed to the daemon's warm spare
-   when there is one (:mod:`worker_daemon.spares`): a process started the same way earlier, which has done
+   A task of a built-in runtime (``trainer``, ``parameter-server``) whose executor has no ``env`` is handed
+   to the daemon's warm spare when there is one (:mod:`worker_daemon.spares`): a process started the same way earlier, which has done
    the imports and now runs that same command in itself. Everything below is the same for it.
 
 3. posts ``job_started``; re-logs every line of the child's stdout and stderr (prefixed with the task id);
@@ -72,8 +73,16 @@ WORK_DIR_MODE = 0o700
 LOG_TAIL_LINES = 50
 LOG_TAIL_CHARS = 8000
 #: Seconds between two ``task_log`` frames of a running task (its new output lines, so the job page can show
-#: the log while it runs); at most :data:`LOG_BATCH_LINES` lines each, older ones are dropped.
+#: the log while it runs and the control plane keeps its full log); at most :data:`LOG_BATCH_LINES` lines each.
 LOG_FORWARD_INTERVAL = 2.0
+#: Output kept for the next forwarding, in lines and in characters (so a chatty task adds at most ~64 KB/s to its
+#: daemon's connection, far below the control plane's byte limits: docs/protocol.md); a task that prints more in
+#: one interval loses its older lines, and the log then says how many.
+LOG_BUFFER_LINES = 500
+LOG_BUFFER_CHARS = 128 * 1024
+#: Characters in one ``task_log`` frame at most (with JSON's worst escaping, 6 bytes a character, it stays
+#: below the control plane's 256 KiB frame limit).
+LOG_BATCH_CHARS = 32 * 1024
 #: Ended tasks remembered (see ``JobManager.finished``).
 FINISHED_REMEMBERED = 1000
 LOG_BATCH_LINES = 100
@@ -153,7 +162,10 @@ class Task:
     backend: RemoteBackend | None = None
     output: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     #: Output lines not yet forwarded to the control plane in a ``task_log`` frame.
-    unsent: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_BATCH_LINES))
+    unsent: deque[str] = field(default_factory=deque)
+    #: Characters in :attr:`unsent`, and lines pushed out of it before they were forwarded.
+    unsent_chars: int = 0
+    unsent_dropped: int = 0
     cancel_reason: str | None = None
     #: Why the daemon stopped the task as failed (e.g. its authorisation was lost): reported as a failure.
     failure_reason: str | None = None
@@ -533,7 +545,9 @@ class JobManager:
         argv, environment = self._command(task)
         if task.cancel_requested.is_set():
             raise LaunchError(task.cancel_reason or "cancelled")
-        spare = self.spares.take(base_environment()) if task.executor.runtime in WARM_RUNTIMES else None
+        # An executor with its own ``env`` starts cold: the spare imported its libraries without those variables.
+        warm = task.executor.runtime in WARM_RUNTIMES and not task.executor.env
+        spare = self.spares.take(base_environment()) if warm else None
         if spare is not None:
             task.process, task.warm = spare.process, True
             self.spares.hand_out(spare, argv=argv, environment=environment)
@@ -569,6 +583,9 @@ class JobManager:
             "JOB_JSON": json.dumps(dispatch.spec, separators=(",", ":")),
         }
         environment = base_environment()
+        # The executor's own variables (config ``env``); the reserved names the daemon sets below are refused
+        # when the config is loaded, so none of these can override them.
+        environment.update(task.executor.env)
         environment.update(values)
         # The experiment knob (config ``slowdown``): the training executor sleeps (factor − 1) × each step.
         environment["HYPHA_SLOWDOWN"] = repr(self.config.slowdown)
@@ -650,6 +667,7 @@ class JobManager:
         for reader in pending:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        self._flush_output(task)
         code = process.returncode
         assert code is not None
         exit_code, signal_number = (None, -code) if code < 0 else (code, None)
@@ -690,19 +708,44 @@ class JobManager:
                 if line:
                     task.output.append(line)
                     task.unsent.append(line[:1000])
+                    task.unsent_chars += len(task.unsent[-1])
+                    while len(task.unsent) > LOG_BUFFER_LINES or task.unsent_chars > LOG_BUFFER_CHARS:
+                        task.unsent_chars -= len(task.unsent.popleft())
+                        task.unsent_dropped += 1
                     logger.info("[task %s] %s", prefix, line)
             if not chunk:
                 return
 
     async def _forward_output(self, task: Task) -> None:
-        """Post the task's new output lines every :data:`LOG_FORWARD_INTERVAL` while it runs (the last ones
-        travel in ``job_exited.log_tail``)."""
+        """Post the task's new output lines every :data:`LOG_FORWARD_INTERVAL` while it runs (the rest once
+        its output has ended, before its ``job_exited``)."""
         while True:
             await asyncio.sleep(LOG_FORWARD_INTERVAL)
-            if task.unsent:
-                lines = list(task.unsent)
-                task.unsent.clear()
-                self.link.post(protocol.TaskLog(task_id=task.task_id, lines=lines))
+            self._flush_output(task)
+
+    def _flush_output(self, task: Task) -> None:
+        """Post the task's unsent output lines, at most :data:`LOG_BATCH_LINES` and :data:`LOG_BATCH_CHARS` a
+        frame."""
+        lines = list(task.unsent)
+        task.unsent.clear()
+        task.unsent_chars = 0
+        if task.unsent_dropped:
+            lines.insert(
+                0,
+                f"[hypha: {task.unsent_dropped} lines of output were not forwarded (more than "
+                f"{LOG_BUFFER_LINES} lines or {LOG_BUFFER_CHARS} characters in {LOG_FORWARD_INTERVAL:g} s)]",
+            )
+            task.unsent_dropped = 0
+        batch: list[str] = []
+        chars = 0
+        for line in lines:
+            if batch and (len(batch) == LOG_BATCH_LINES or chars + len(line) > LOG_BATCH_CHARS):
+                self.link.post(protocol.TaskLog(task_id=task.task_id, lines=batch))
+                batch, chars = [], 0
+            batch.append(line)
+            chars += len(line)
+        if batch:
+            self.link.post(protocol.TaskLog(task_id=task.task_id, lines=batch))
 
     def _signal(self, task: Task, signal_number: signal.Signals) -> None:
         process = task.process

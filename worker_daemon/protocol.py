@@ -80,6 +80,23 @@ MAX_SLOWDOWN = 100.0
 #: a GB of VRAM is worth 25 cores, a GB of memory 0.1 cores, a GB of storage 0.01 cores.
 RESOURCE_WEIGHTS = {"gpu": 25.0, "cpu": 1.0, "memory": 0.1, "storage": 0.01}
 
+#: What every price is — a job's bid and private maximum, an offer's price, a lease's agreed price, a worker's
+#: floor: credits per hour of a lease, per worker. The control plane bills nothing itself (prices rank and cap
+#: offers); a deployment's accounting bills in this unit (docs/architecture.md, "Prices").
+PRICE_UNIT = "credits/h"
+PRICE_MEANING = "credits per hour of a lease, per worker"
+
+#: Files of a model's directory, besides ``config.json`` and ``model.safetensors``, that the final model carries
+#: when the initial model had them (saved by ``save_pretrained`` or brought with the source): the parameter
+#: server uploads them and the control plane keeps them in the zip users download. Data only, by exact name:
+#: no code (``*.py`` would run with ``trust_remote_code``), nothing else a worker could slip into the archive.
+MODEL_EXTRA_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json", "video_preprocessor_config.json",
+)  # fmt: skip
+
 #: Whether a worker or data node accepts inbound connections at its public URL: ``true``, ``false``, or
 #: ``"auto"`` (not said: to be found out). The config files, ``--reachable`` and ``hello`` spell it the same way.
 Reachable = bool | Literal["auto"]

@@ -10,8 +10,9 @@ relays them to the browsers that joined (docs/dashboard.md lists their shapes):
   compact ``job`` event (id, name, status, reason).
 
 Trainer progress arrives once per optimizer step of every trainer; it is sent at most once per
-:data:`PROGRESS_INTERVAL` per job (a leading-edge throttle, per process), and every ``round`` event carries the
-trainers' progress too, so a page is never behind by more than a round.
+:data:`PROGRESS_INTERVAL` per job (a leading-edge throttle, per process), except a report that changed a task's
+status or sync state, which is always sent; every ``round`` and ``job`` event carries the trainers' progress too,
+so a page shows every state a trainer reaches and its step counters are never behind by more than a round.
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ def round_recorded(round_) -> None:
     send_on_commit(lambda: _send_round(job_id, round_id))
 
 
-def task_progress(task) -> None:
-    """A trainer reported a step (called once per optimizer step: throttled to one event per interval)."""
+def task_progress(task, *, state_changed: bool = False) -> None:
+    """A trainer reported a step (called once per optimizer step: throttled to one event per interval).
+
+    ``state_changed``: the report moved the task's status or sync state (running, scheduled, updating, done).
+    Such a change is always sent — it also restarts the interval — so that the throttle only ever drops step
+    counters, never a state the page would otherwise show until the next event."""
     job_id = str(task.job_id)
-    if not _due(job_id, time.monotonic()):
+    if not _due(job_id, time.monotonic(), force=state_changed):
         return
     send_on_commit(lambda: _send_progress(job_id))
 
 
-def _due(job_id: str, now: float) -> bool:
+def _due(job_id: str, now: float, *, force: bool = False) -> bool:
     with _throttle_lock:
-        if now - _last_progress.get(job_id, float("-inf")) < PROGRESS_INTERVAL:
+        if not force and now - _last_progress.get(job_id, float("-inf")) < PROGRESS_INTERVAL:
             return False
         _last_progress[job_id] = now
         if len(_last_progress) > 1000:
@@ -83,6 +88,7 @@ def _publish(group: str, event: dict) -> None:
 
 def _send_job(job_id, owner_id) -> None:
     from apps.dashboard import snapshots
+    from apps.dashboard.progress import run_progress
     from apps.datasets import services as dataset_services
     from apps.jobs.models import Job
 
@@ -97,8 +103,13 @@ def _send_job(job_id, owner_id) -> None:
             "job": state,
             "leases": snapshots.job_leases(job),
             "tasks": snapshots.job_tasks(job),
+            # The trainers' table and the status history too: a task's end or several transitions committed
+            # together reach the page with the next job event, whatever came before (issue 16).
+            "trainers": snapshots.trainer_progress(job_id),
+            "events": snapshots.job_events(job),
             "workers": snapshots.worker_names(job),
             "data": dataset_services.progress(job),
+            "progress": run_progress(job),
         },
     )
     summary = {"type": "job", "job": {key: state[key] for key in ("id", "name", "status", "status_reason")}}
@@ -108,6 +119,7 @@ def _send_job(job_id, owner_id) -> None:
 
 def _send_round(job_id, round_id) -> None:
     from apps.dashboard import snapshots
+    from apps.dashboard.progress import run_progress
     from apps.datasets import services as dataset_services
     from apps.jobs.api.serializers import RoundSerializer
     from apps.jobs.models import Job, Round
@@ -123,12 +135,14 @@ def _send_round(job_id, round_id) -> None:
             "round": RoundSerializer(round_).data,
             "trainers": snapshots.trainer_progress(job_id),
             "data": dataset_services.progress(job),
+            "progress": run_progress(job),
         },
     )
 
 
 def _send_progress(job_id) -> None:
     from apps.dashboard import snapshots
+    from apps.dashboard.progress import run_progress
     from apps.datasets import services as dataset_services
     from apps.jobs.models import Job
 
@@ -141,5 +155,6 @@ def _send_progress(job_id) -> None:
             "type": "progress",
             "trainers": snapshots.trainer_progress(job_id),
             "data": dataset_services.progress(job),
+            "progress": run_progress(job),
         },
     )

@@ -19,6 +19,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import Count, Prefetch, Q, QuerySet
 from django.utils import timezone
 
+from apps.dashboard.progress import run_progress
 from apps.datasets import services as dataset_services
 from apps.jobs.api.serializers import JobEventSerializer, JobLeaseSerializer, RoundSerializer, TaskSerializer
 from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
@@ -30,8 +31,9 @@ from apps.workers.services import manages
 #: How many rows of market activity and lease history the pages show.
 RECENT_ADVERTISEMENTS = 15
 RECENT_OFFERS = 25
-RECENT_JOBS = 25
 LEASE_HISTORY = 50
+#: How many status transitions the job page's history shows (the newest).
+HISTORY = 30
 
 
 def to_json(value) -> str:
@@ -91,12 +93,18 @@ def job_tasks(job: Job) -> list[dict]:
 
 def samples_per_second(task: Task, *, now: datetime | None = None) -> float | None:
     """A trainer's throughput since its first step (until it ended): samples over wall time, sync waits
-    included, so it is what the job actually got from the worker."""
-    if task.first_step_at is None or not task.samples_total:
+    included, so it is what the job actually got from the worker.
+
+    The clock starts when the first step is reported, at that step's end, so the first step's samples are
+    not counted (a step's mean of them: the first report is of one step): counting them divided a step's
+    samples by the milliseconds since, and a trainer once showed 15,533 samples/s after its first step. None
+    until a second step is reported."""
+    if task.first_step_at is None or task.steps_total < 2 or not task.samples_total:
         return None
     until = task.ended_at or now or timezone.now()
     seconds = (until - task.first_step_at).total_seconds()
-    return round(task.samples_total / seconds, 2) if seconds > 0 else None
+    after_first = task.samples_total * (task.steps_total - 1) / task.steps_total
+    return round(after_first / seconds, 2) if seconds > 0 else None
 
 
 def trainer_progress(job_id) -> list[dict]:
@@ -128,6 +136,11 @@ def worker_names(job: Job) -> dict[str, str]:
     return {str(worker_id): name for worker_id, name in rows}
 
 
+def job_events(job: Job) -> list[dict]:
+    """The job's status history, the newest first (the last :data:`HISTORY` transitions)."""
+    return JobEventSerializer(job.events.order_by("-at", "-id")[:HISTORY], many=True).data
+
+
 def job_rounds(job: Job) -> list[dict]:
     return [RoundSerializer(round_).data for round_ in job.rounds.order_by("number")]
 
@@ -143,11 +156,14 @@ def job_snapshot(job: Job) -> dict:
         "rounds": job_rounds(job),
         "workers": worker_names(job),
         "data": dataset_services.progress(job),
+        "progress": run_progress(job),
+        "events": job_events(job),
     }
 
 
 def job_page(job: Job) -> dict:
-    """The job page's template context (besides the snapshot): roles, history, model files."""
+    """The job page's template context (besides the snapshot, which holds the status history): roles, tasks,
+    transfer problems, the spec."""
     leases = job_leases(job)
     roles = []
     for role in ROLES:
@@ -168,7 +184,6 @@ def job_page(job: Job) -> dict:
     tasks = job_tasks(job)
     return {
         "roles": roles,
-        "events": JobEventSerializer(job.events.order_by("-at", "-id")[:30], many=True).data,
         "tasks": tasks,
         "transfer_problems": transfer_problems(tasks),
         "spec": job.spec,
@@ -179,7 +194,11 @@ def transfer_problems(tasks: list[dict]) -> list[dict]:
     """The transfer problems of the serialized ``tasks`` (``job_tasks``), each with its task's worker, the
     oldest first: what ``GET /api/jobs/<id>/`` lists as ``transfer_problems`` (the page's script builds the
     same rows from the tasks of each live event)."""
-    found = [{**problem, "worker": task["worker"]} for task in tasks for problem in task["transfer_problems"]]
+    found = [
+        {**problem, "worker": task["worker"], "worker_id": task["worker_id"]}
+        for task in tasks
+        for problem in task["transfer_problems"]
+    ]
     return sorted(found, key=lambda problem: (problem["since"], problem["peer"]))
 
 
@@ -220,7 +239,7 @@ def overview(user) -> dict:
             {"status": status, "label": label, "count": counts.get(status, 0)}
             for status, label in Job.Status.choices
         ],
-        "jobs": list(jobs[:RECENT_JOBS]),
+        # The list itself, filtered and a page at a time, is apps/dashboard/job_list.py's.
         "job_total": sum(counts.values()),
         "advertisements": list(advertisements[:RECENT_ADVERTISEMENTS]),
         "offers": list(offers[:RECENT_OFFERS]),

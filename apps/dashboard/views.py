@@ -4,6 +4,8 @@ is a 404, as an unknown one is."""
 
 from __future__ import annotations
 
+import uuid
+
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
@@ -13,7 +15,7 @@ from django.shortcuts import redirect, render
 from django.urls import reverse, reverse_lazy
 from django.views.decorators.http import require_http_methods, require_POST
 
-from apps.dashboard import services, snapshots
+from apps.dashboard import clone, compare, job_list, services, snapshots
 from apps.dashboard.forms import DiLoCoJobForm, TomlJobForm
 from apps.dashboard.login import ThrottledAuthenticationForm
 from apps.jobs.exceptions import JobNotCancellable
@@ -42,6 +44,7 @@ class LogoutView(auth_views.LogoutView):
 @dashboard_login_required
 def overview(request: HttpRequest) -> HttpResponse:
     context = snapshots.overview(request.user)
+    context.update(job_list.job_list(request.user, request.GET))
     # The page's script re-fetches the page with ?fragment=1 when something changed, and swaps the sections.
     template = (
         "dashboard/_overview_sections.html" if request.GET.get("fragment") else "dashboard/overview.html"
@@ -53,10 +56,20 @@ def overview(request: HttpRequest) -> HttpResponse:
 @require_http_methods(["GET", "POST"])
 def submit_job(request: HttpRequest) -> HttpResponse:
     source = request.POST.get("source", "fields") if request.method == "POST" else "fields"
+    # ?clone=<job id>: the fields filled in from one of the user's jobs (apps/dashboard/clone.py).
+    cloned, initial, lost = None, None, []
+    if request.method == "GET" and request.GET.get("clone"):
+        try:
+            cloned = _visible_job(request, uuid.UUID(request.GET["clone"]))
+        except ValueError:
+            raise Http404("No such job.") from None
+        initial = clone.initial_for(cloned)
+        lost = clone.lost_settings(cloned, initial, request.user)
     fields_form = DiLoCoJobForm(
         request.POST if source == "fields" and request.method == "POST" else None,
         owner=request.user,
         prefix="job",
+        initial=initial,
     )
     toml_form = TomlJobForm(
         request.POST if source == "toml" else None,
@@ -77,7 +90,7 @@ def submit_job(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "dashboard/submit.html",
-        {"form": fields_form, "toml_form": toml_form, "source": source},
+        {"form": fields_form, "toml_form": toml_form, "source": source, "cloned": cloned, "lost": lost},
         status=status,
     )
 
@@ -102,6 +115,27 @@ def job_detail(request: HttpRequest, job_id) -> HttpResponse:
         **snapshots.job_page(job),
     }
     return render(request, "dashboard/job.html", context)
+
+
+@dashboard_login_required
+def compare_jobs(request: HttpRequest) -> HttpResponse:
+    """``?ids=a,b`` (or ``?ids=a&ids=b``, as the overview's checkboxes send them): the jobs' curves overlaid.
+    Ids of other users' jobs are left out with a message; if none is left, a 404."""
+    ids, unreadable = compare.requested_ids(request.GET.getlist("ids"))
+    if not ids and not unreadable:
+        messages.info(request, "Tick two or more jobs in the list to compare them.")
+        return redirect("dashboard:overview")
+    context = compare.comparison(request.user, ids)
+    if not context["jobs"]:
+        raise Http404("No such job.")
+    left_out = context["left_out"] + unreadable
+    if left_out:
+        messages.warning(
+            request,
+            f"{left_out} of the jobs asked for {'is' if left_out == 1 else 'are'} not yours, unknown "
+            f"or beyond the first {compare.MAX_JOBS}: left out.",
+        )
+    return render(request, "dashboard/compare.html", context)
 
 
 @dashboard_login_required

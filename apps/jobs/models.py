@@ -344,6 +344,15 @@ class Round(models.Model):
         ordering = ["job", "number"]
         constraints = [models.UniqueConstraint(fields=["job", "number"], name="jobs_unique_round_number")]
 
+    @property
+    def reported(self) -> bool:
+        """The parameter server's report of the round arrived (its samples, duration and bytes are known).
+
+        A round is also closed when its checkpoint is saved (``training/checkpoints.py``), before its report:
+        a job cancelled or failed between the two keeps a round that was applied but never reported, with no
+        samples, duration or bytes. Every report carries the duration, so it tells the two apart."""
+        return self.duration is not None
+
     def __str__(self) -> str:
         return f"round {self.number} of job {self.job_id}"
 
@@ -371,3 +380,27 @@ class Upload(models.Model):
         from pathlib import Path
 
         return Path(settings.HYPHA_DATA_DIR) / "uploads" / str(self.id)
+
+
+class MetricSeries(models.Model):
+    """One trainer task's per-step metrics: a bounded, packed series of points (``apps.jobs.metrics``).
+
+    ``points`` and ``tail`` hold at most ``HYPHA_METRICS_MAX_POINTS`` points of 40 bytes together; each stands
+    for a bucket of steps ending at its ``step`` (``stride`` steps once the series was downsampled)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_series")
+    task = models.OneToOneField(Task, on_delete=models.CASCADE, related_name="metric_series")
+    #: The trainer's worker, for the chart's label (the task's lease may be gone when the series is read).
+    worker_id = models.CharField(max_length=64, blank=True)
+    stride = models.PositiveIntegerField(default=1, help_text="Steps per point since the last downsampling.")
+    steps = models.PositiveBigIntegerField(default=0, help_text="The last step the series covers.")
+    #: The series' points but its newest, packed (``apps.jobs.metrics.POINT``) ...
+    points = models.BinaryField(default=b"")
+    #: ... and its newest (at most ``apps.jobs.metrics.TAIL_POINTS``): what a step report writes.
+    tail = models.BinaryField(default=b"")
+
+    class Meta:
+        ordering = ["job", "id"]
+
+    def __str__(self) -> str:
+        return f"metric series of task {self.task_id}"

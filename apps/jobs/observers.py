@@ -28,7 +28,7 @@ def trainer_metrics(task, *, round_number: int, metrics: dict[str, float]) -> No
     )
 
 
-def task_progress(task) -> None:
+def task_progress(task, *, state_changed: bool = False) -> None:
     from apps.dashboard import live
 
-    live.task_progress(task)
+    live.task_progress(task, state_changed=state_changed)

@@ -2,8 +2,8 @@
 
 Accepts the keys the original reads (reference §7.2) and the unambiguous spellings of its docs (§9 item 8),
 and keys of ours marked so below (``model.config``: a model built from a transformers config, as the JSON spec's
-``config`` source); error paths name the TOML keys as the user wrote them. ``examples/`` has a TOML of each
-kind of job.
+``config`` source; ``model.upload``: a file the user uploaded, as its ``upload`` source); error paths name the
+TOML keys as the user wrote them. ``examples/`` has a TOML of each kind of job.
 """
 
 from __future__ import annotations
@@ -197,12 +197,14 @@ class _TomlTranslation:
         return data
 
     def artifact(self, table: dict, name: str) -> dict:
-        """A ``[model]``/``[preprocessor]`` table: ``repository``…, ``url`` or (ours) ``config``, plus ``type`` and
-        input names."""
+        """A ``[model]``/``[preprocessor]`` table: ``repository``…, ``url`` or (ours) ``config`` or ``upload``, plus
+        ``type`` and input names."""
         keys = (name,)
         result: dict[str, Any] = {}
         if "config" in table:
             result["source"] = self.config_source(table, name)
+        elif "upload" in table:
+            result["source"] = self.upload_source(table, name)
         elif "url" in table and "repository" not in table:
             result["source"] = {"type": "url", "url": self.take(table, keys, ("url",), f"{name}.source.url")}
         else:
@@ -225,9 +227,9 @@ class _TomlTranslation:
         JSON spec's ``{"type": "config", "config": {...}}``: the model is built from it and trained from scratch.
         """
         where = self.path(name, "config")
-        others = [key for key in ("repository", "url") if key in table]
+        others = [key for key in ("repository", "url", "upload") if key in table]
         if others:
-            self.error(where, "Give one of repository, url and config.")
+            self.error(where, "Give one of repository, url, upload and config.")
             for key in others:
                 table.pop(key)
         # Errors of the source (a wrong tag for a preprocessor) and of the config are reported at ``config``.
@@ -240,6 +242,20 @@ class _TomlTranslation:
                     "A TOML date or time has no JSON equivalent; write it as a string.",
                 )
         return {"type": "config", "config": config}
+
+    def upload_source(self, table: dict, name: str) -> dict:
+        """Ours: ``upload = "<id or file name>"``, a file the user uploaded (``POST /api/uploads/``), for the
+        JSON spec's ``{"type": "upload", "file": ...}``."""
+        where = self.path(name, "upload")
+        others = [key for key in ("repository", "url", "revision", "filenames", "token") if key in table]
+        if others:
+            self.error(
+                where, f"Give one of repository, url, upload and config ('{others[0]}' is not for an upload)."
+            )
+            for key in others:
+                table.pop(key)
+        self.rename[f"{name}.source"] = where
+        return {"type": "upload", "file": self.take(table, (name,), ("upload",), f"{name}.source.file")}
 
     def dataset(self, table: dict, data: dict) -> None:
         """``dataset.dataset`` (the original), ``dataset.name``, or the docs' ``dataset_name``."""

@@ -577,10 +577,25 @@ class RoundCoordinator(StepArithmetic):
                 self._changed.notify_all()
 
     def _last_round_fetched(self) -> bool:
-        last = self._results.get(self.rounds_completed)
-        if last is None:
+        return self._round_fetched(self.rounds_completed)
+
+    def _round_fetched(self, round_number: int) -> bool:
+        result = self._results.get(round_number)
+        if result is None:
             return True
-        return set(last.participants) <= self._fetched.get(last.round_number, set())
+        return set(result.participants) <= self._fetched.get(round_number, set())
+
+    async def wait_result_fetched(self, round_number: int, timeout: float) -> bool:
+        """Wait until every participant of round ``round_number`` fetched its result (True) or ``timeout``
+        (False): a round's report waits so that its ``bytes_out`` counts the result's downloads."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._round_fetched(round_number)), timeout
+                )
+            except TimeoutError:
+                return False
+        return True
 
     async def wait_last_result_fetched(self, timeout: float) -> bool:
         """Wait until every participant of the last round fetched its result (True) or ``timeout`` (False)."""

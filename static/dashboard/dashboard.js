@@ -12,7 +12,10 @@
   function liveSocket(path, onEvent) {
     var indicator = document.getElementById("live-indicator");
     var attempt = 0;
-    function setState(state) { if (indicator) { indicator.dataset.state = state; } }
+    function setState(state) {
+      // A finished job's page says so whatever its socket does (it stays open: tasks may still report their end).
+      if (indicator && indicator.dataset.state !== "finished") { indicator.dataset.state = state; }
+    }
     function open() {
       var scheme = window.location.protocol === "https:" ? "wss://" : "ws://";
       var socket = new WebSocket(scheme + window.location.host + path);
@@ -47,6 +50,7 @@
     cells.forEach(function (cell) {
       var td;
       if (cell instanceof Node) { td = element("td"); td.appendChild(cell); }
+      else if (cell && cell.node instanceof Node) { td = element("td", null, cell.className); td.appendChild(cell.node); }
       else if (cell && typeof cell === "object") { td = element("td", cell.text, cell.className); }
       else { td = element("td", cell); }
       tr.appendChild(td);
@@ -60,15 +64,52 @@
     return num(typeof value === "number" ? value.toFixed(digits) : null);
   }
 
+  // Django's filesizeformat, as the page's template writes sizes: "512 bytes", "4.0 KB" (no-break spaces).
   function bytes(value) {
     if (typeof value !== "number") { return num(null); }
-    var units = ["B", "KB", "MB", "GB", "TB"];
-    var index = 0;
+    if (value < 1024) { return num(value + (value === 1 ? "\u00a0byte" : "\u00a0bytes")); }
+    var units = ["KB", "MB", "GB", "TB", "PB"];
+    var index = -1;
     while (value >= 1024 && index < units.length - 1) { value /= 1024; index += 1; }
-    return num((index === 0 ? value : value.toFixed(1)) + " " + units[index]);
+    return num(value.toFixed(1) + "\u00a0" + units[index]);
   }
 
   function badge(text, kind) { return element("span", text, "badge " + kind + "-" + text); }
+
+  // A time as the templates' |when filter writes it (apps/dashboard/templatetags/dashboard_format.py):
+  // "2026-11-26 13:20:01 UTC", its ISO form in datetime, the relative time as its tooltip; "—" for none.
+  function when(value) {
+    var date = value ? new Date(value) : null;
+    if (!date || isNaN(date.getTime())) { return element("span", value ? String(value) : "—"); }
+    var node = element("time", date.toISOString().slice(0, 19).replace("T", " ") + " UTC");
+    node.dateTime = date.toISOString();
+    node.title = relative(date);
+    return node;
+  }
+
+  function relative(date) {
+    var seconds = Math.round((Date.now() - date.getTime()) / 1000);
+    var size = Math.abs(seconds);
+    if (size < 1) { return "just now"; }
+    var units = [[86400, "day"], [3600, "hour"], [60, "minute"], [1, "second"]];
+    for (var index = 0; index < units.length; index += 1) {
+      if (size >= units[index][0]) {
+        var count = Math.floor(size / units[index][0]);
+        var text = count + " " + units[index][1] + (count === 1 ? "" : "s");
+        return seconds > 0 ? text + " ago" : "in " + text;
+      }
+    }
+    return "just now";
+  }
+
+  // A price as the templates' |price filter writes it: "120 credits/h", what that is as its tooltip
+  // (worker_daemon/protocol.py: PRICE_UNIT, PRICE_MEANING).
+  function price(value) {
+    if (typeof value !== "number") { return num(null); }
+    var node = element("span", (Number.isInteger(value) ? String(value) : value.toFixed(2)) + " credits/h", "price");
+    node.title = "credits per hour of a lease, per worker";
+    return { node: node, className: "num" };
+  }
 
   function replaceRows(tbody, rows, emptyText, columns) {
     if (!tbody) { return; }
@@ -128,6 +169,24 @@
       document.getElementById("job-reason").textContent = job.status_reason;
       document.getElementById("cancel-form").hidden = job.final;
       document.getElementById("model-link").hidden = !job.model_ready;
+      var indicator = document.getElementById("live-indicator");
+      if (indicator && job.final) {
+        indicator.dataset.state = "finished";
+        indicator.textContent = "finished";
+        indicator.title = "the job has ended";
+      }
+    }
+
+    function renderHistory() {
+      // The template's rows from the same data (snapshot and job events carry the history): every transition,
+      // the newest first, with the time the server recorded it.
+      var tbody = document.getElementById("history-rows");
+      if (!tbody || !state.events) { return; }
+      tbody.replaceChildren();
+      state.events.forEach(function (event) {
+        tbody.appendChild(row([{ node: when(event.at), className: "mono small" }, event.from_status, event.to_status,
+          event.reason]));
+      });
     }
 
     function renderTrainers() {
@@ -164,8 +223,8 @@
       document.querySelectorAll("#leases .role").forEach(function (roleBox) {
         var rows = (state.leases || []).filter(function (lease) { return lease.role === roleBox.dataset.role; })
           .map(function (lease) {
-            return row([workerLink(lease.worker, lease.worker_id), badge(lease.status, "lease"), num(lease.price),
-              num(lease.renewals), lease.expires_at]);
+            return row([workerLink(lease.worker, lease.worker_id), badge(lease.status, "lease"), price(lease.price),
+              num(lease.renewals), when(lease.expires_at)]);
           });
         replaceRows(roleBox.querySelector("tbody"), rows, "None yet.", 5);
       });
@@ -175,13 +234,24 @@
       var box = document.getElementById("logs");
       var tasks = (state.tasks || []).filter(function (task) { return task.log_tail || task.reason; });
       box.replaceChildren();
-      if (!tasks.length) { box.appendChild(element("p", (state.tasks || []).length ? "No output yet: a task's last lines appear when it exits." : "No task yet.", "muted")); return; }
+      if (!tasks.length) { box.appendChild(element("p", (state.tasks || []).length ? "No output yet: a task's lines appear here every few seconds while it runs." : "No task yet.", "muted")); return; }
       tasks.forEach(function (task) {
         var details = element("details");
         details.open = true;
         var exit = task.exit_code === null || task.exit_code === undefined ? "" : " (exit " + task.exit_code + ")";
-        details.appendChild(element("summary", task.role + " on " + task.worker + " — " + task.status + exit +
-          (task.reason ? ": " + task.reason : "")));
+        var summary = element("summary", task.role + " on ");
+        summary.append(workerLink(task.worker, task.worker_id), " — " + task.status + exit +
+          (task.reason ? ": " + task.reason : ""));
+        details.appendChild(summary);
+        var logUrl = document.getElementById("logs-card").dataset.logUrl;
+        if (logUrl) {  // the task's full log (GET /api/jobs/<id>/tasks/<task>/log)
+          var link = element("a", "full log", "task-log");
+          link.href = logUrl.replace("00000000-0000-0000-0000-000000000000", encodeURIComponent(task.id));
+          link.setAttribute("download", "task-" + task.id + ".log");
+          var line = element("p", null, "small");
+          line.appendChild(link);
+          details.appendChild(line);
+        }
         details.appendChild(element("pre", task.log_tail, "log"));
         box.appendChild(details);
       });
@@ -192,16 +262,17 @@
       var problems = [];
       (state.tasks || []).forEach(function (task) {
         (task.transfer_problems || []).forEach(function (problem) {
-          problems.push(Object.assign({ worker: task.worker }, problem));
+          problems.push(Object.assign({ worker: task.worker, worker_id: task.worker_id }, problem));
         });
       });
       problems.sort(function (a, b) { return a.since < b.since ? -1 : a.since > b.since ? 1 : 0; });
       document.getElementById("problems-card").hidden = !problems.length;
       replaceRows(document.getElementById("problems"), problems.map(function (problem) {
         return row([
-          problem.worker, problem.role + " " + problem.peer, { text: problem.url, className: "mono small" },
+          workerLink(problem.worker, problem.worker_id), problem.role + " " + problem.peer,
+          { text: problem.url, className: "mono small" },
           problem.operation, { text: problem.cause, className: "error" }, num(problem.attempts),
-          { text: problem.since, className: "mono small" }
+          { node: when(problem.since), className: "mono small" }
         ]);
       }), "None.", 7);
     }
@@ -213,10 +284,11 @@
     function renderRounds() {
       var rows = sortedRounds().map(function (round) {
         var tr = row([
-          num(round.number), round.closed ? "yes" : "no", num((round.participants || []).length),
-          num((round.left_out || []).length), num(round.samples),
-          num(typeof round.duration === "number" ? round.duration.toFixed(2) + " s" : null),
-          bytes(round.bytes_in), bytes(round.bytes_out), sentAs(round), fixed(round.mean_loss, 4),
+          num(round.number), applied(round), num((round.participants || []).length),
+          num((round.left_out || []).length), num(round.reported ? round.samples : null),
+          num(round.reported && typeof round.duration === "number" ? round.duration.toFixed(2) + " s" : null),
+          round.reported ? bytes(round.bytes_in) : num(null), round.reported ? bytes(round.bytes_out) : num(null),
+          sentAs(round), fixed(round.mean_loss, 4),
           round.eval_error ? { text: "none: " + round.eval_error, className: "error" } : fixed(round.eval_loss, 4)
         ]);
         tr.dataset.round = round.number;
@@ -225,8 +297,20 @@
       replaceRows(document.getElementById("rounds"), rows, "No round recorded yet.", 11);
     }
 
+    // Applied: "yes"; "yes, no report" for a round its checkpoint closed whose report never came (the job
+    // ended first: its samples, duration and bytes are unknown); "no" while open.
+    function applied(round) {
+      if (!round.closed) { return "no"; }
+      if (round.reported) { return "yes"; }
+      var node = element("span", "yes, no report");
+      node.title = "applied, but the job ended before the parameter server reported the round: its samples, " +
+        "duration and bytes are unknown";
+      return node;
+    }
+
     // The round's encoding and path: "int8 · relay 12.3 MB" (bytes through the relay) or "float32 · direct".
     function sentAs(round) {
+      if (!round.reported) { return "—"; }  // unknown until the parameter server reports the round
       var relay = (round.transfers || {}).relay || {};
       var through = (relay.in || 0) + (relay.out || 0);
       return (round.encoding || "float32") + (through > 0 ? " · relay " + bytes(through).text : " · direct");
@@ -289,16 +373,6 @@
       chart.update("none");
     }
 
-    function recordHistory(before, after) {
-      // The status history is rendered with the page; later changes are added on top as they arrive.
-      if (!before || (before.status === after.status && before.status_reason === after.status_reason)) { return; }
-      var tbody = document.getElementById("history-rows");
-      if (!tbody) { return; }
-      var tr = row([{ text: new Date().toISOString(), className: "mono small" }, before.status, after.status,
-        after.status_reason]);
-      tbody.insertBefore(tr, tbody.firstChild);
-    }
-
     function upsertRound(round) {
       var rounds = state.rounds || (state.rounds = []);
       for (var index = 0; index < rounds.length; index += 1) {
@@ -311,12 +385,16 @@
       if (event.type === "snapshot") {
         state = event;
         renderHead(); renderLeases(); renderProblems(); renderLogs(); renderTrainers(); renderData(); renderRounds();
-        renderChart();
+        renderHistory(); renderChart();
       } else if (event.type === "job") {
-        recordHistory(state.job, event.job);
+        // A job event carries every section it may have changed, read after the change's commit: the page
+        // re-renders them whole (as the snapshot), so several transitions in one commit, or a task's end,
+        // are never lost between two events.
         state.job = event.job; state.leases = event.leases; state.tasks = event.tasks; state.data = event.data;
+        if (event.trainers) { state.trainers = event.trainers; }
+        if (event.events) { state.events = event.events; }
         state.workers = Object.assign(state.workers || {}, event.workers || {});
-        renderHead(); renderLeases(); renderProblems(); renderLogs(); renderData();
+        renderHead(); renderLeases(); renderProblems(); renderLogs(); renderTrainers(); renderData(); renderHistory();
       } else if (event.type === "round") {
         upsertRound(event.round);
         state.trainers = event.trainers; state.data = event.data;
@@ -325,6 +403,8 @@
         state.trainers = event.trainers; state.data = event.data;
         renderTrainers(); renderData();
       }
+      // Other scripts of the page (progress.js) follow the same events.
+      document.dispatchEvent(new CustomEvent("hypha:job-event", { detail: event }));
     }
 
     renderChart();

@@ -142,7 +142,7 @@ def test_login_submit_watch_and_download_a_tiny_training_job(tmp_path: Path) -> 
         archive = out / f"model-{job_id}.zip"
         assert downloaded.stdout.splitlines() == [str(archive), str(out / f"model-{job_id}")]
         with zipfile.ZipFile(archive) as bundle:
-            assert sorted(bundle.namelist()) == ["config.json", "model.safetensors"]
+            assert sorted(bundle.namelist()) == ["config.json", "generation_config.json", "model.safetensors"]
         assert (out / f"model-{job_id}" / "model.safetensors").stat().st_size > 0
 
         # and: a completed job cannot be cancelled (refused, and it stays completed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,19 @@ def _drive(page, cluster) -> None:
     expect(page.locator("#rounds tr[data-round='1'] td").nth(1)).to_have_text("yes", timeout=60_000)
     assert page.evaluate("window.hyphaChart.data.datasets[1].data[0]") is not None
     assert page.evaluate("window.__sameDocument") is True
+    # Each task's log streams while it runs, and its "full log" link (drawn by the script from live events)
+    # serves all of it with the page's session: the trainers' round lines, and no warning of accelerate's or
+    # transformers' filling it (issue 16, item 8).
+    expect(page.locator("#logs a.task-log").first).to_be_visible(timeout=30_000)
+    fetch_logs = (
+        "Promise.all([...document.querySelectorAll('#logs a.task-log')]"
+        ".map((link) => fetch(link.href).then((response) => response.text())))"
+    )
+    deadline = time.monotonic() + 30
+    while not any("round 1" in log for log in page.evaluate(fetch_logs)):
+        assert time.monotonic() < deadline, page.evaluate(fetch_logs)
+        time.sleep(0.5)
+    assert not [log for log in page.evaluate(fetch_logs) if "loss_type=" in log or "accelerate launch" in log]
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard-job.png"), full_page=True)
 

@@ -148,7 +148,7 @@ def test_a_job_whose_daemons_are_on_different_web_processes_completes(tmp_path: 
         archive = tmp_path / "model.zip"
         archive.write_bytes(response.content)
         with zipfile.ZipFile(archive) as bundle:
-            assert sorted(bundle.namelist()) == ["config.json", "model.safetensors"]
+            assert sorted(bundle.namelist()) == ["config.json", "generation_config.json", "model.safetensors"]
 
         # and every control-plane process is still running
         for child in plane.children:

@@ -70,11 +70,24 @@ def test_a_diloco_job_trains_a_tiny_model_and_its_model_is_downloadable(tmp_path
         ] * TRAINERS
         # every lease ended with the job
         assert all(lease["status"] == "released" for lease in job["leases"]), job["leases"]
+        # every step of every trainer has its own point in its per-step series (docs/dashboard.md), the steps
+        # its daemon answered itself included (covered_points), with the loss, lr and throughput it reported
+        with cluster.api() as client:
+            series = client.get(f"/api/jobs/{job_id}/metrics/").json()
+        assert sorted(trainer["steps"] for trainer in series["trainers"]) == sorted(
+            task["steps_total"] for task in trainers
+        )
+        for trainer in series["trainers"]:
+            points = trainer["points"]
+            assert trainer["steps"] >= 15 * ROUNDS and points["step"] == list(range(1, trainer["steps"] + 1))
+            for field in ("loss", "lr", "samples_per_second", "tokens_per_second"):
+                assert None not in points[field], (field, points[field])
+        assert len(series["rounds"]) == ROUNDS and len(series["mean"]["step"]) > 0
 
         # and the downloaded model is the parameter server's last global weights
         archive = cluster.download_model(job_id, tmp_path / "model.zip")
         with zipfile.ZipFile(archive) as bundle:
-            assert sorted(bundle.namelist()) == ["config.json", "model.safetensors"]
+            assert sorted(bundle.namelist()) == ["config.json", "generation_config.json", "model.safetensors"]
             downloaded = tmp_path / "downloaded.safetensors"
             downloaded.write_bytes(bundle.read("model.safetensors"))
             assert b'"gpt2"' in bundle.read("config.json")

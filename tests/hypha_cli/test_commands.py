@@ -408,6 +408,14 @@ def test_jobs_follows_pages_up_to_the_limit(api, hypha, capsys):
     ]
 
 
+def test_show_gives_each_lease_its_price_with_the_unit(api, hypha, capsys):
+    leases = [{"id": "x", "role": "trainer", "worker": "rig-a", "status": "active", "price": 125.0}]
+    api.routes[("GET", f"/api/jobs/{JOB_ID}/")] = json_response(200, job(leases=leases))
+
+    assert hypha("show", JOB_ID) == ExitCode.OK
+    assert "lease: trainer on rig-a (active, 125 credits/h)" in capsys.readouterr().out
+
+
 def test_show_of_a_missing_job_exits_4(hypha, capsys):
     assert hypha("show", OTHER_JOB_ID) == ExitCode.NOT_FOUND == 4
     assert (
@@ -643,6 +651,7 @@ def test_workers_shows_a_table(api, hypha, capsys):
         "GB",
         "EXECUTORS",
         "FLOOR",
+        "CR/H",
         "BENCH/S",
         "LEASES",
         "LAST",
@@ -658,7 +667,9 @@ def test_workers_shows_a_table(api, hypha, capsys):
         "50",
         "123.5",
         "trainer",
-        "(active)",
+        "(active,",
+        "90",
+        "credits/h)",
         "-",
     ]
 
@@ -737,3 +748,27 @@ def test_a_rounds_line_names_a_lossy_encoding_only():
         == round_line(plain, 3)
         == ("round 2/3: loss 4.5000 · 2 trainers · 3.5s")
     )
+
+
+def test_jobs_filters_by_status_and_name_on_every_page(api, hypha, capsys):
+    # given: the API filters (GET /api/jobs/?status=…&name=…); here one page of one job, then none
+    api.routes[("GET", "/api/jobs/")] = [
+        json_response(200, {"count": 1, "next": None, "results": [{**job("failed"), "name": "gpt sweep"}]}),
+        json_response(200, {"count": 0, "next": None, "results": []}),
+    ]
+
+    # when
+    found = hypha("jobs", "--json", "--status", "failed", "--name", "sweep")
+    listed = json.loads(capsys.readouterr().out)
+    nothing = hypha("jobs", "--name", "gamma")
+
+    # then
+    assert (found, [entry["name"] for entry in listed]) == (ExitCode.OK, ["gpt sweep"])
+    assert (nothing, capsys.readouterr().out) == (ExitCode.OK, "No job matches the filter.\n")
+    assert [dict(r.url.params) for r in api.requests] == [
+        {"limit": "20", "offset": "0", "status": "failed", "name": "sweep"},
+        {"limit": "20", "offset": "0", "name": "gamma"},
+    ]
+    with pytest.raises(SystemExit) as exit_:  # an unknown status is a usage error
+        hypha("jobs", "--status", "done")
+    assert exit_.value.code == ExitCode.USAGE

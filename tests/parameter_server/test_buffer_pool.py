@@ -209,8 +209,10 @@ async def test_weights_a_reader_holds_stay_bit_identical_while_later_rounds_run(
     assert all(torch.equal(eval_weights[name], snapshot[name]) for name in snapshot)
     assert torch.equal(one_tensor, one_snapshot)
     assert held_memory.isdisjoint(later)
-    # while the rounds nobody held recycled their memory: at most the two held sets on top of the pool's
-    assert len(set(later)) <= 3
+    # while the rounds nobody held recycled their memory: at most the two held sets on top of the pool's, and
+    # one more on a loaded machine (a step's worker thread may not have dropped its arguments yet when the next
+    # round looks for a free set: reuse goes by reference counts); without reuse, six
+    assert len(set(later)) <= 4
     assert rounds.pool.sets <= 6
 
 

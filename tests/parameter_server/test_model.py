@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -191,6 +192,59 @@ async def test_an_upload_is_fetched_from_the_control_plane_with_the_transfer_tok
     assert all(torch.equal(initial.weights[name], expected[name]) for name in expected)
 
 
+async def test_the_final_model_carries_the_uploads_data_files_but_no_code(gpt2, tmp_path):
+    # given: an uploaded model directory with its tokenizer, a generation config and custom code
+    from parameter_server.model import ControlPlaneAccess, final_model_files
+
+    _, gpt2_dir = gpt2
+    archive = io.BytesIO()
+    extras = {
+        "tokenizer.json": b'{"version": "1.0"}',
+        "tokenizer_config.json": b'{"model_max_length": 128}',
+        "generation_config.json": b'{"max_new_tokens": 7}',
+        "modeling_evil.py": b"import os",
+        "notes/readme.txt": b"hello",
+    }
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for name in ("config.json", "model.safetensors"):
+            zipped.write(gpt2_dir / "served" / name, name)
+        for name, data in extras.items():
+            zipped.writestr(name, data)
+
+    async def content(request: web.Request) -> web.Response:
+        return web.Response(body=archive.getvalue())
+
+    app = web.Application()
+    app.router.add_get("/api/uploads/{id}/content/", content)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    access = ControlPlaneAccess(server_url=f"http://127.0.0.1:{runner.addresses[0][1]}", token="ps-token")
+    job = parse_job(
+        aggregate_job(peers=[ALICE], source={"type": "uri", "value": "/api/uploads/4f1c/content/"})
+    )
+    try:
+        # when
+        initial = await asyncio.to_thread(prepare_model, job, tmp_path, control_plane=access)
+    finally:
+        await runner.cleanup()
+    files = final_model_files(initial.files_dir, tmp_path / "global.safetensors")
+
+    # then: the data files first (the upload's tokenizer, save_pretrained's generation config), the weights
+    # last; not the code, not a nested file
+    assert list(files) == [
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+        "model.safetensors",
+    ]
+    assert files["model.safetensors"] == tmp_path / "global.safetensors"
+    assert files["tokenizer.json"].read_bytes() == extras["tokenizer.json"]
+    assert json.loads(files["generation_config.json"].read_text())["max_new_tokens"] == 7
+
+
 # --- SSRF: a model URL may not reach the worker's own network (issue 12, finding 7) ----------------------
 
 
@@ -256,3 +310,25 @@ def test_a_malformed_allowance_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HYPHA_ALLOW_PRIVATE_URLS", "127.0.0.1/40")
     with pytest.raises(JobConfigError, match="HYPHA_ALLOW_PRIVATE_URLS"):
         allowed_private_networks()
+
+
+def test_the_model_the_parameter_server_evaluates_gives_its_loss_without_a_loss_type_warning(gpt2):
+    """The eval model is the one prepare_model builds: unnamed, GPT-2's loss warns "`loss_type=None` was set in
+    the config but it is unrecognized" at every eval into the parameter server's log (issue 16, item 8)."""
+    import logging
+
+    import torch
+
+    initial, _ = gpt2
+    batch = torch.randint(0, 16, (2, 8))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        initial.model(input_ids=batch, labels=batch)
+    finally:
+        library.removeHandler(handler)
+    assert initial.model.loss_type == "ForCausalLM"
+    assert not [message for message in records if "loss_type" in message]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from pathlib import Path
 
 import aiohttp
@@ -178,7 +179,8 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
     assert 0 < report_1["eval_loss"] < 10
     _, report_2 = await status_backend.wait_for("round", 2)
     assert (report_2["round"], report_2["samples"]) == (2, 2)
-    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+    # the model's data files too (save_pretrained's generation_config.json), and the weights last
+    assert list(receiver.uploads) == ["generation_config.json", "config.json", "model.safetensors"]
     assert set(receiver.authorizations) == {f"Bearer {options.transfer_token}"}
     final_dir = tmp_path / "final"
     final_dir.mkdir()
@@ -189,6 +191,39 @@ async def test_two_rounds_with_eval_then_the_final_model_is_uploaded(
         loss = float(final(input_ids=input_ids, labels=input_ids).loss)
     assert report_2["eval_loss"] == pytest.approx(loss, rel=1e-5)
     assert final.lm_head.weight.data_ptr() == final.transformer.wte.weight.data_ptr()
+
+
+async def test_each_rounds_bytes_out_counts_its_result_downloads_even_when_they_end_after_the_close(
+    tmp_path, bridge, status_backend, receiver
+):
+    # given: no eval (the report would go at once), trainers that fetch each result a little after it is
+    # published — round 2 once showed bytes_out 0 because its downloads counted in round 3's report
+    job = parse_job(aggregate_job(peers=[ALICE, BOB], update_rounds=2))
+    service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
+    (ready,) = await status_backend.wait_for("ready", timeout=60)
+    sizes = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        alice, bob = Trainer(session, ready["url"], ALICE), Trainer(session, ready["url"], BOB)
+        model = (await alice.get("model/model.safetensors"))[2]
+        body = to_bytes(tmp_path, delta_like(from_bytes(tmp_path, model), 1))
+        status_backend.replies.extend([{"type": "Ok"}, {"type": "Done"}])
+        for round_number in (1, 2):
+            # when: both send, and fetch the result 0.3 s after it is ready
+            assert await alice.send(round_number, body, samples=2) == 200
+            assert await bob.send(round_number, body, samples=2) == 200
+            while json.loads((await alice.get("state"))[2])["rounds_completed"] < round_number:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            results = [await trainer.get(f"rounds/{round_number}/result?wait=20") for trainer in (alice, bob)]
+            assert [status for status, _, _ in results] == [200, 200]
+            sizes[round_number] = sum(len(data) for _, _, data in results)
+        reports = await status_backend.wait_for("round", 2)
+        assert await asyncio.wait_for(service, 30) == 0
+
+    # then: each round counts its own result's downloads (round 1 the initial model too), none counts 0
+    assert reports[0]["bytes_out"] == len(model) + sizes[1]
+    assert reports[1]["bytes_out"] == sizes[2]
+    assert reports[0]["transfers"]["direct"]["out"] == reports[0]["bytes_out"]
 
 
 async def test_a_silent_trainer_is_left_out_after_the_timeout(tmp_path, bridge, status_backend, receiver):
@@ -218,8 +253,9 @@ async def test_a_silent_trainer_is_left_out_after_the_timeout(tmp_path, bridge, 
         BOB: "tensor 'transformer.wpe.weight' refused: shape (3, 3), expected (64, 32)",
     }
     assert (report["eval_loss"], report["eval_error"]) == (None, None)  # the job has no eval
-    assert len(receiver.authorizations) == 4  # config.json: 503, 503, 200; model.safetensors: 200
-    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+    # generation_config.json (uploaded first): 503, 503, 200; config.json: 200; model.safetensors: 200
+    assert len(receiver.authorizations) == 5
+    assert sorted(receiver.uploads) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 async def test_the_control_plane_says_whom_to_expect_when_the_first_update_arrives(
@@ -443,7 +479,7 @@ async def test_done_in_reply_to_a_round_report_ends_the_job_early(tmp_path, brid
 
         # then
         assert await asyncio.wait_for(service, 30) == 0
-    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+    assert sorted(receiver.uploads) == ["config.json", "generation_config.json", "model.safetensors"]
     assert len(await status_backend.wait_for("round")) == 1
 
 
@@ -502,7 +538,7 @@ async def test_an_update_of_huge_finite_tensors_is_refused_and_the_job_goes_on(
     assert (report_1["participants"], report_1["left_out"]) == ([ALICE, BOB], [CAROL])
     assert report_1["refused"] == {CAROL: body["detail"]}
     assert report_1["samples"] == 8 and report_1["discarded"] is None
-    assert sorted(receiver.uploads) == ["config.json", "model.safetensors"]
+    assert sorted(receiver.uploads) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 async def test_x_samples_is_bounded_by_the_jobs_cap_and_the_control_planes_count(

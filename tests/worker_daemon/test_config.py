@@ -196,13 +196,21 @@ def test_defaults_without_a_file(monkeypatch, tmp_path):
     assert (config.offer.price, config.offer.floor, config.strategy) == (100.0, 100.0, "whole")
     assert [e.model_dump(by_alias=True, exclude_unset=False) for e in config.executors] == [
         # the built-in trainer in one process, no `accelerate launch` (issue 15)
-        {"class": "train", "name": "diloco-transformer", "runtime": "trainer", "cmd": None, "args": []},
+        {
+            "class": "train",
+            "name": "diloco-transformer",
+            "runtime": "trainer",
+            "cmd": None,
+            "args": [],
+            "env": {},
+        },
         {
             "class": "aggregate",
             "name": "parameter-server",
             "runtime": "parameter-server",
             "cmd": None,
             "args": [],
+            "env": {},
         },
     ]
     assert [d.key() for d in config.descriptors()] == [

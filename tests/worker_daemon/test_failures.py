@@ -5,6 +5,7 @@ on real output — a real process that nests its failure the way ``accelerate la
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from worker_daemon import protocol
-from worker_daemon.config import WorkerConfig
+from worker_daemon.config import ACCELERATE_LAUNCH_OPTIONS, WorkerConfig
 from worker_daemon.failures import root_cause
 from worker_daemon.jobs import JobManager
 from worker_daemon.leases import LeaseBook
@@ -76,13 +77,38 @@ def test_the_real_accelerate_launch_of_a_failing_script_gives_the_scripts_error(
 
     # when
     code, lines = output_of(
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu", str(child)
+        sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE_LAUNCH_OPTIONS, "--cpu", str(child)
     )
 
     # then
     assert code == 1
     assert any(line.startswith("subprocess.CalledProcessError") for line in lines), lines
     assert root_cause(lines) == ROOT
+    # and with every value passed, the launcher warns of none (issue 16, item 8)
+    assert not [line for line in lines if "were not passed to `accelerate launch`" in line], lines
+
+
+def test_the_accelerate_launch_options_leave_accelerate_nothing_to_warn_about(caplog):
+    """accelerate's own check of a launch command, on the options a ``process`` executor under the launcher
+    uses: it warns about every value left to a default (issue 16, item 8)."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    def warnings_of(*options: str) -> list[str]:
+        caplog.clear()
+        arguments = launch_command_parser().parse_args(
+            [*options, "--cpu", "-m", "worker_daemon.executors.training"]
+        )
+        with caplog.at_level(logging.WARNING):
+            _validate_launch_command(arguments)
+        return [
+            record.getMessage() for record in caplog.records if "accelerate launch" in record.getMessage()
+        ]
+
+    # the check warns about a bare launch (the capture sees it)
+    assert warnings_of("--num_processes", "1")
+    # and about nothing with the options, CPU threads included
+    assert warnings_of(*ACCELERATE_LAUNCH_OPTIONS) == []
 
 
 def test_an_uncaught_exception_chain_gives_the_innermost_exception(tmp_path):

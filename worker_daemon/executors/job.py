@@ -80,6 +80,24 @@ MODEL_CLASSES: dict[str, tuple[str, ...]] = {
     "time-series-prediction": ("AutoModelForTimeSeriesPrediction",),
 }
 
+
+def set_loss_type(model: Any, auto_class_name: str) -> None:
+    """Name the model's loss after its task when transformers cannot tell it from the class name (GPT-2's
+    ``GPT2LMHeadModel`` matches none of its loss names): otherwise every forward with labels warns
+    "`loss_type=None` was set in the config but it is unrecognized" into the task's log, and then uses
+    ``ForCausalLM`` whatever the task. ``AutoModelForCausalLM`` gives ``ForCausalLM``; a task without a
+    loss of its own in transformers is left as it is."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # a transformers without loss registry has no such warning either
+        return
+    if getattr(model, "loss_type", None) in LOSS_MAPPING:
+        return
+    wanted = auto_class_name.removeprefix("AutoModel")
+    if wanted in LOSS_MAPPING:
+        model.loss_type = wanted
+
+
 PREPROCESSOR_CLASSES: dict[str, str] = {
     "tokenizer": "AutoTokenizer",
     "feature": "AutoFeatureExtractor",

@@ -3,16 +3,17 @@
 Launch (the daemon substitutes the three placeholders; the same values may come from the environment
 variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``)::
 
-    accelerate launch --num_processes 1 [--cpu] -m worker_daemon.executors.training \\
-        --socket {SOCKET_PATH} --work-dir {WORK_DIR} --job {JOB_JSON}
+    accelerate launch <worker_daemon.config.ACCELERATE_LAUNCH_OPTIONS> [--cpu] \\
+        -m worker_daemon.executors.training --socket {SOCKET_PATH} --work-dir {WORK_DIR} --job {JOB_JSON}
 
 ``python -m worker_daemon.executors.training …`` works too. What it does, per the contract:
 
 1. open one ``/resources/receive`` stream on the job's ``results`` reference for the whole job;
 2. fetch the model artifact once, load it with ``AutoModelFor<task>.from_pretrained``, make AdamW (and the
    optional LR schedule); the data loader fetches a slice of the ``data`` reference whenever it needs one;
-3. every round: train, reporting ``{"status": {"batch_size", "loss", "step_time"}}`` after every optimizer
-   step, until the scheduler's counter says stop (below); send ``"update"``; write
+3. every round: train, reporting ``{"status": {"batch_size", "loss", "step_time", "lr", "tokens"}}`` after every
+   optimizer step (``tokens``: the token ids in the batch, for token models), until the scheduler's counter
+   says stop (below); send ``"update"``; write
    ``delta = θ_local − θ_global_prev`` to ``updates/<round>.safetensors`` (in the job's ``encoding``, with
    error feedback: docs/training.md, "Encodings") and send it to ``updates``; report
    the round's metrics (``loss``, ``samples``, ``steps``, ``samples_per_second``, and ``train_seconds``: the
@@ -156,7 +157,7 @@ def load_model(
     import transformers
 
     from worker_daemon.executors.exceptions import JobConfigError
-    from worker_daemon.executors.job import MODEL_CLASSES
+    from worker_daemon.executors.job import MODEL_CLASSES, set_loss_type
 
     files = client.fetch(config.model.artifact)
     configs = [file for file in files if Path(file.path).name == "config.json"]
@@ -172,6 +173,7 @@ def load_model(
     except (OSError, ValueError, KeyError) as error:
         raise JobConfigError(f"cannot load the model from {[f.path for f in files]}: {error}") from error
     _own_memory(model)
+    set_loss_type(model, auto_class.__name__)
     return model
 
 
@@ -397,8 +399,10 @@ def run_round(
         outputs = model(**inputs)
         loss = _loss_of(outputs)
         accelerator.backward(loss)
+        # The lr this step uses, read before the schedule moves it.
+        step_lr = float(optimizer.param_groups[0]["lr"])
         if stats.lr is None:
-            stats.lr = float(optimizer.param_groups[0]["lr"])
+            stats.lr = step_lr
         optimizer.step()
         if lr_schedule is not None:
             lr_schedule.step()
@@ -414,9 +418,11 @@ def run_round(
         stats.samples += batch_size
         stats.loss_sum += loss_value
         stats.train_seconds += step_time
-        reply = client.status(
-            {"status": {"batch_size": batch_size, "loss": loss_value, "step_time": step_time}}
-        )
+        report = {"batch_size": batch_size, "loss": loss_value, "step_time": step_time, "lr": step_lr}
+        first_input = inputs[input_names[0]]
+        if first_input.dim() >= 2 and not first_input.is_floating_point():
+            report["tokens"] = int(first_input.numel())  # token ids: the job page's tokens/s
+        reply = client.status({"status": report})
         if reply["type"] == "ScheduleUpdate":
             counter = int(reply.get("counter", 0))
         else:

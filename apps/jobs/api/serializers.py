@@ -28,12 +28,14 @@ from hypha_site.api import (
     ResourcesSerializer,
     StrictSerializer,
 )
+from worker_daemon.protocol import PRICE_MEANING
 
 DEFAULT_RESOURCES = {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0}
 ALLOCATION_TIMEOUT_HELP = (
     "seconds after submission by which every role must have been leased once; a job not fully allocated by "
     "then gives back the leases it holds and fails (default 600)"
 )
+
 DEFAULT_BID = 100.0
 DEFAULT_MAX_PRICE = 100.0
 MAX_TRAINERS = 256
@@ -55,8 +57,10 @@ class ResourcesInputSerializer(StrictSerializer):
 class PriceInputSerializer(StrictSerializer):
     """Price per worker: `bid` is broadcast to daemons; `max` is private, offers above it are declined."""
 
-    bid = NumberField(min_value=0, default=DEFAULT_BID, help_text="public price per worker")
-    max = NumberField(min_value=0, default=DEFAULT_MAX_PRICE, help_text="private maximum, at least `bid`")
+    bid = NumberField(min_value=0, default=DEFAULT_BID, help_text=f"public price per worker, {PRICE_MEANING}")
+    max = NumberField(
+        min_value=0, default=DEFAULT_MAX_PRICE, help_text=f"private maximum, at least `bid` ({PRICE_MEANING})"
+    )
 
     def validate(self, attrs: dict) -> dict:
         if attrs["max"] < attrs["bid"]:
@@ -181,8 +185,8 @@ def _stored_requirement(block: dict) -> dict:
 class PriceSerializer(serializers.Serializer):
     """Price per worker: `bid` is public, `max` is private to the job's owner and staff."""
 
-    bid = serializers.FloatField(read_only=True)
-    max = serializers.FloatField(read_only=True)
+    bid = serializers.FloatField(read_only=True, help_text=PRICE_MEANING)
+    max = serializers.FloatField(read_only=True, help_text=PRICE_MEANING)
 
 
 class RoleRequirementSerializer(serializers.Serializer):
@@ -233,6 +237,7 @@ class JobLeaseSerializer(serializers.ModelSerializer):
         model = Lease
         fields = ["id", "role", "worker", "worker_id", "status", "expires_at", "renewals", "price"]
         read_only_fields = fields
+        extra_kwargs = {"price": {"help_text": f"the agreed price, {PRICE_MEANING}"}}
 
 
 class JobEventSerializer(serializers.ModelSerializer):
@@ -311,8 +316,27 @@ class RoundSerializer(serializers.ModelSerializer):
             "trainer_metrics",
             "created_at",
             "closed_at",
+            "reported",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "closed": {"help_text": "the parameter server applied this round (its report or its checkpoint)"},
+            "samples": {"help_text": "samples the round's participants trained on; 0 until `reported`"},
+            "bytes_in": {"help_text": "bytes of updates the parameter server received in the round, encoded"},
+            "bytes_out": {
+                "help_text": "bytes the parameter server sent in the round, encoded: the round's result to "
+                "each participant that fetched it (round 1: the initial model files too); 0 until `reported`"
+            },
+            "duration": {
+                "help_text": "seconds from the round's first update to its close; null until `reported`"
+            },
+        }
+
+    reported = serializers.BooleanField(
+        read_only=True,
+        help_text="the parameter server's report of the round arrived, so its samples, duration and bytes are "
+        "known; false for a round closed by its checkpoint alone (the job ended before the report came)",
+    )
 
 
 class TransferProblemSerializer(serializers.Serializer):
@@ -448,3 +472,64 @@ class UploadSerializer(serializers.ModelSerializer):
         model = Upload
         fields = ["id", "name", "size", "sha256", "created_at"]
         read_only_fields = fields
+
+
+# --- GET /api/jobs/{id}/metrics/ (documentation only: apps.jobs.metrics.job_metrics builds the body) ---------
+
+
+def _number_list(help_text: str) -> serializers.ListField:
+    return serializers.ListField(child=serializers.FloatField(allow_null=True), help_text=help_text)
+
+
+class MetricPointsSerializer(serializers.Serializer):
+    step = serializers.ListField(
+        child=serializers.IntegerField(),
+        help_text="The last step of each point's bucket (the trainer's count).",
+    )
+    time = _number_list("Unix time of the bucket's last step (the control plane's clock).")
+    count = serializers.ListField(child=serializers.IntegerField(), help_text="Steps each point stands for.")
+    loss = _number_list("Count-weighted mean training loss of the bucket's steps.")
+    loss_min = _number_list("Lowest loss in the bucket.")
+    loss_max = _number_list("Highest loss in the bucket.")
+    lr = _number_list("Learning rate.")
+    samples_per_second = _number_list("Samples per second of step time.")
+    tokens_per_second = _number_list("Tokens per second of step time (token models only).")
+
+
+class TrainerMetricsSerializer(serializers.Serializer):
+    task = serializers.UUIDField()
+    worker_id = serializers.CharField()
+    worker = serializers.CharField(help_text="The worker's name.")
+    stride = serializers.IntegerField(help_text="Steps per point (doubles each time the series is merged).")
+    steps = serializers.IntegerField(help_text="The last step the series covers.")
+    points = MetricPointsSerializer()
+
+
+class MeanLossSerializer(serializers.Serializer):
+    step = serializers.ListField(child=serializers.IntegerField())
+    loss = serializers.ListField(child=serializers.FloatField())
+    trainers = serializers.ListField(
+        child=serializers.IntegerField(), help_text="How many trainers had a loss in each bucket."
+    )
+
+
+class RoundMetricsSerializer(serializers.Serializer):
+    number = serializers.IntegerField()
+    closed = serializers.BooleanField()
+    closed_at = serializers.DateTimeField(allow_null=True)
+    mean_loss = serializers.FloatField(allow_null=True)
+    eval_loss = serializers.FloatField(allow_null=True)
+    bytes_in = serializers.IntegerField()
+    bytes_out = serializers.IntegerField()
+    samples = serializers.IntegerField()
+    duration = serializers.FloatField(allow_null=True)
+
+
+class JobMetricsSerializer(serializers.Serializer):
+    job = serializers.UUIDField()
+    status = serializers.CharField()
+    final = serializers.BooleanField()
+    max_points = serializers.IntegerField(help_text="The points kept per series (HYPHA_METRICS_MAX_POINTS).")
+    trainers = TrainerMetricsSerializer(many=True)
+    mean = MeanLossSerializer()
+    rounds = RoundMetricsSerializer(many=True)

@@ -6,6 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
+from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiExample,
@@ -15,17 +16,20 @@ from drf_spectacular.utils import (
     extend_schema_view,
 )
 from rest_framework import mixins, status, viewsets
-from rest_framework.decorators import action, api_view
-from rest_framework.exceptions import ParseError
+from rest_framework.decorators import action, api_view, renderer_classes
+from rest_framework.exceptions import ParseError, ValidationError
 from rest_framework.parsers import BaseParser
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.jobs import services, spec, training
+from apps.jobs import metrics, services, spec, training
+from apps.jobs.api.schema import DiLoCoSubmission
 from apps.jobs.api.serializers import (
     JobCreateSerializer,
     JobDetailSerializer,
+    JobMetricsSerializer,
     JobSerializer,
     JobSubmittedSerializer,
     UploadSerializer,
@@ -92,7 +96,18 @@ DILOCO_EXAMPLE = {
 
 
 @extend_schema_view(
-    list=extend_schema(summary="List jobs", responses={200: JobSerializer, **error_responses(401)}),
+    list=extend_schema(
+        summary="List jobs",
+        description="Your jobs (staff: every job), newest first, a page at a time (`limit`, `offset`); "
+        "`status` keeps the jobs in that status, `name` those whose name contains the text (any case).",
+        parameters=[
+            OpenApiParameter(
+                "status", OpenApiTypes.STR, enum=Job.Status.values, description="only this status"
+            ),
+            OpenApiParameter("name", OpenApiTypes.STR, description="only names containing this (any case)"),
+        ],
+        responses={200: JobSerializer, **error_responses(400, 401)},
+    ),
     retrieve=extend_schema(
         summary="Show a job, its leases and its status history",
         responses={200: JobDetailSerializer, **error_responses(401, 404)},
@@ -130,6 +145,25 @@ class JobViewSet(
             )
         if not self.request.user.is_staff:
             jobs = jobs.filter(owner=self.request.user)
+        if self.action == "list":
+            jobs = self._filtered(jobs)
+        return jobs
+
+    def _filtered(self, jobs: QuerySet[Job]) -> QuerySet[Job]:
+        """The list's ``status`` (one of the statuses, else a 400) and ``name`` (text in the name) filters."""
+        params = self.request.query_params
+        wanted = params.get("status")
+        if wanted is not None:
+            if wanted not in Job.Status.values:
+                raise ValidationError({"status": [f"One of {', '.join(Job.Status.values)}."]})
+            jobs = jobs.filter(status=wanted)
+        text = params.get("name")
+        if text:
+            if len(text) > 200:
+                raise ValidationError({"name": ["At most 200 characters."]})
+            if problem := hostile_string_problem(text):  # PostgreSQL refuses NUL in a query
+                raise ValidationError({"name": [problem]})
+            jobs = jobs.filter(name__icontains=text)
         return jobs
 
     def get_serializer_class(self):
@@ -157,7 +191,7 @@ class JobViewSet(
             "The dataset must already be registered by a data node."
         ),
         parameters=[OpenApiParameter("name", OpenApiTypes.STR, description="job name, for a TOML body")],
-        request={"application/json": OpenApiTypes.OBJECT, "application/toml": OpenApiTypes.STR},
+        request={"application/json": DiLoCoSubmission, "application/toml": OpenApiTypes.STR},
         responses={201: JobSubmittedSerializer, **error_responses(400, 401, 413, 415)},
         examples=[OpenApiExample("a small causal LM", value=DILOCO_EXAMPLE, request_only=True)],
     )
@@ -195,6 +229,38 @@ class JobViewSet(
             allocation_timeout=parsed.allocation_timeout,
         )
         return _submitted(self.get_queryset(), job)
+
+    @extend_schema(
+        summary="A job's per-step training metrics, for charts",
+        description=(
+            "Each trainer's per-step series (loss mean/min/max, learning rate, samples/s and tokens/s of step "
+            "time, by step and time; at most `HYPHA_METRICS_MAX_POINTS` points each, neighbours merged as a "
+            "long job grows), the trainers' mean loss per step bucket, and each round's mean and eval loss and "
+            "bytes. Missing values are null. `trainer` (a task id or worker id) keeps one trainer; "
+            "`max_points` merges each series pairwise down to at most that many points (docs/dashboard.md)."
+        ),
+        parameters=[
+            OpenApiParameter("trainer", OpenApiTypes.STR, description="a trainer's task id or worker id"),
+            OpenApiParameter(
+                "max_points", OpenApiTypes.INT, description="at most this many points per series (10–10000)"
+            ),
+        ],
+        responses={200: JobMetricsSerializer, **error_responses(400, 401, 404)},
+    )
+    @action(detail=True, methods=["get"])
+    def metrics(self, request: Request, pk: str | None = None) -> Response:
+        job = self.get_object()
+        trainer = request.query_params.get("trainer") or None
+        if trainer is not None and len(trainer) > 64:
+            return Response({"trainer": ["At most 64 characters."]}, status=status.HTTP_400_BAD_REQUEST)
+        max_points = request.query_params.get("max_points")
+        if max_points is not None:
+            if not max_points.isdigit() or not 10 <= int(max_points) <= 10_000:
+                return Response(
+                    {"max_points": ["A whole number from 10 to 10000."]}, status=status.HTTP_400_BAD_REQUEST
+                )
+            max_points = int(max_points)
+        return Response(metrics.job_metrics(job, trainer=trainer, max_points=max_points))
 
     @extend_schema(
         summary="Cancel a job",
@@ -235,14 +301,16 @@ class JobModelView(APIView):
         description=(
             "Called by the job's parameter server after its last round, with its transfer token "
             "(`Authorization: Bearer <token>`, signed by the control plane for that job). The body is the file. "
-            "Only the model's files are taken (`config.json`, `model.safetensors`): any other name is a 400."
+            "Only the model's files are taken (`config.json`, `model.safetensors`, and the data files the "
+            "initial model had: `generation_config.json`, tokenizer files, …; the enum): any other name is a "
+            "400. The weights come last: the model counts as stored once they are."
         ),
         parameters=[
             OpenApiParameter(
                 "filename",
                 OpenApiTypes.STR,
                 OpenApiParameter.PATH,
-                enum=list(training.MODEL_FILES),
+                enum=list(training.FINAL_MODEL_FILES),
                 description="the file name: one of the model's files",
             )
         ],
@@ -361,7 +429,8 @@ class JobCheckpointDownloadView(APIView):
 
 @extend_schema(
     summary="Download a job's final model",
-    description="A zip of the model files (`config.json`, `model.safetensors`) once the job has completed.",
+    description="A zip of the model files once the job has completed: `config.json`, `model.safetensors`, and "
+    "the data files the initial model had (`generation_config.json`, tokenizer files, …; not code).",
     responses={
         (200, "application/zip"): OpenApiTypes.BINARY,
         **error_responses(401, 404, 409),
@@ -379,6 +448,45 @@ def job_model_download(request: Request, pk: str):
             {"detail": f"job {job.pk} has no model yet (it is {job.status})"}, status=status.HTTP_409_CONFLICT
         )
     return file_response(request, archive, content_type="application/zip", filename=f"model-{job.pk}.zip")
+
+
+class PlainTextRenderer(BaseRenderer):
+    """``text/plain`` for a client that asks for it (a task's log); an error body becomes its ``detail``."""
+
+    media_type = "text/plain"
+    format = "txt"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None) -> bytes:
+        if isinstance(data, dict) and "detail" in data:
+            data = data["detail"]
+        return str(data).encode(self.charset)
+
+
+@extend_schema(
+    summary="Download a task's log",
+    description="The task's full output as its daemon forwarded it, while it runs and after it ended. Kept "
+    "up to `HYPHA_TASK_LOG_MAX_BYTES` (4 MiB by default): past that its oldest output is dropped and the "
+    "first line says how many bytes were; empty while the task has printed nothing. 404 for a job that is not "
+    "yours or a task not of that job.",
+    parameters=[OpenApiParameter("format", exclude=True)],
+    responses={
+        (200, "text/plain"): OpenApiTypes.STR,
+        **error_responses(401, 404),
+    },
+)
+@api_view(["GET"])
+@renderer_classes([JSONRenderer, PlainTextRenderer])
+def job_task_log(request: Request, pk: str, task_id: str):
+    jobs = Job.objects.all() if request.user.is_staff else Job.objects.filter(owner=request.user)
+    task = Task.objects.filter(pk=task_id, job__in=jobs.filter(pk=pk)).first()
+    if task is None:
+        return Response({"detail": "No such task."}, status=status.HTTP_404_NOT_FOUND)
+    text = training.task_logs.read(task.job_id, task.pk) or ""
+    response = HttpResponse(text.encode("utf-8"), content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'inline; filename="task-{task.pk}.log"'
+    response["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 def _stored_file(pk: str, filename: str, store) -> Response:

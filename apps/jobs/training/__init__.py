@@ -16,6 +16,7 @@ The package, by concern (each module imports only those above it):
 * :mod:`.plans` — a running job's parsed spec
 * :mod:`.dispatch` — dispatch, lost and replaced tasks, the end of the training
 * :mod:`.reports` — what daemons report about their tasks (ownership, exits, output)
+* :mod:`.task_logs` — each task's full output, size-capped and rotated
 * :mod:`.status` — the sync protocol (status reports and their replies; rounds)
 * :mod:`.slices` — data slices for trainers
 * :mod:`.storage`, :mod:`.model_files`, :mod:`.checkpoints`, :mod:`.uploads` — files sent to the control plane
@@ -25,7 +26,7 @@ Tests that drive the sync clock patch :data:`apps.jobs.training.status.sync_cloc
 
 from __future__ import annotations
 
-from apps.jobs.training import transfers
+from apps.jobs.training import task_logs, transfers
 from apps.jobs.training.checkpoints import (
     CHECKPOINT_FILES,
     CHECKPOINT_MANIFEST,
@@ -57,6 +58,7 @@ from apps.jobs.training.dispatch import (
     wants_replacements,
 )
 from apps.jobs.training.model_files import (
+    FINAL_MODEL_FILES,
     authorise_model_upload,
     model_archive,
     model_directory,
@@ -95,6 +97,7 @@ __all__ = [
     "CHECKPOINT_FILES",
     "CHECKPOINT_MANIFEST",
     "CONTROL_PLANE_PEER",
+    "FINAL_MODEL_FILES",
     "LOG_TAIL_LINES",
     "MAX_CONTINUE_GRANT",
     "MAX_CONTINUE_SECONDS",
@@ -123,6 +126,7 @@ __all__ = [
     "fresh_tokens",
     "handle_status",
     "ready_url",
+    "task_logs",
     "transfers",
     "is_training_job",
     "jobs_waiting_for_trainers",

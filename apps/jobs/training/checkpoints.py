@@ -26,6 +26,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from apps.jobs import observers
 from apps.jobs.exceptions import TransferRefused
 from apps.jobs.models import Job
 from apps.jobs.training.status import locked_round
@@ -175,6 +176,7 @@ def store_checkpoint_file(
                 if isinstance(participants, list):
                     round_.participants = [str(peer)[:64] for peer in participants[:1024]]
                 round_.save()
+                observers.round_recorded(round_)
     _prune(directory, round_number=round_number, base=base)
     logger.info(
         "job %s: round %d checkpoint saved (base round %d; uploaded %s)",

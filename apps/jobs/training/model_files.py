@@ -12,6 +12,10 @@ from apps.jobs.models import Job, Task
 from apps.jobs.training.dispatch import MODEL_FILES
 from apps.jobs.training.storage import MODEL_FILENAME, write_stream
 from apps.jobs.training.tokens import server_task
+from worker_daemon.protocol import MODEL_EXTRA_FILES
+
+#: Every file the final model may have: what trainers fetch, and the data files the model's directory had.
+FINAL_MODEL_FILES = (*MODEL_FILES, *MODEL_EXTRA_FILES)
 
 # --- the final model -------------------------------------------------------------------------------------------
 
@@ -28,15 +32,17 @@ def authorise_model_upload(job: Job, token: str | None) -> Task:
 def store_model_file(job: Job, filename: str, chunks, *, limit: int) -> dict:
     """Write one uploaded model file atomically; returns ``{"size", "sha256"}`` (recorded on the job).
 
-    Only the files the parameter server uploads (:data:`MODEL_FILES`) are taken: any other name would be
-    a stranger's file in the archive users download and run (``evil.py``). A 400, nothing written, otherwise.
+    Only the files the parameter server uploads (:data:`FINAL_MODEL_FILES`: the weights, ``config.json``
+    and the model's data files, such as ``generation_config.json`` and the tokenizer's) are taken: any other
+    name would be a stranger's file in the archive users download and run (``evil.py``). A 400, nothing
+    written, otherwise.
     """
     if not MODEL_FILENAME.match(filename):
         raise TransferRefused(f"{filename!r} is not an allowed model file name", status=400)
-    if filename not in MODEL_FILES:
+    if filename not in FINAL_MODEL_FILES:
         raise TransferRefused(
             f"{filename!r} is not a file of the model: the parameter server uploads only "
-            f"{', '.join(MODEL_FILES)}",
+            f"{', '.join(FINAL_MODEL_FILES)}",
             status=400,
         )
     directory = model_directory(job.pk)
@@ -62,7 +68,7 @@ def model_archive(job: Job) -> Path | None:
         # Stored, not deflated: safetensors barely compress and the archive is written once per job.
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as bundle:
             # Only the model's files, also for a job stored before uploads were limited to them.
-            for filename in sorted(set(job.model_files) & set(MODEL_FILES)):
+            for filename in sorted(set(job.model_files) & set(FINAL_MODEL_FILES)):
                 bundle.write(directory / filename, arcname=filename)
         partial.replace(archive)
     return archive

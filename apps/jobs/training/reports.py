@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 from django.db import transaction
@@ -9,8 +10,10 @@ from django.db import transaction
 from apps.jobs import observers
 from apps.jobs.exceptions import TaskRefused
 from apps.jobs.models import PARAMETER_SERVER, Job, Task
-from apps.jobs.training import problems
+from apps.jobs.training import problems, task_logs
 from worker_daemon import protocol
+
+logger = logging.getLogger(__name__)
 
 # --- what daemons report about their tasks ----------------------------------------------------------------------
 
@@ -49,8 +52,14 @@ def record_exit(worker, message: protocol.JobExited) -> Task | None:
         exit_code=message.exit_code,
         signal=message.signal,
         reason=message.reason[:2000],
-        log_tail=message.log_tail,
+        log_tail=_storable(message.log_tail),
     )
+    if ended and message.log_tail and not task_logs.has_log(task.job_id, task.pk):
+        # It ended before any of its output was forwarded (or its daemon forwards none): its last lines are
+        # all of its log there is.
+        _keep_log(task, _storable(message.log_tail).splitlines())
+    if ended:  # the page's task and trainer tables show the end at once, also while the job runs on
+        observers.job_changed(task.job)
     return task if ended else None
 
 
@@ -59,15 +68,31 @@ LOG_TAIL_LINES = 100
 
 
 def append_output(worker, task_id, lines: list[str]) -> None:
-    """Add a running task's new output lines to its log tail (the last :data:`LOG_TAIL_LINES` are kept)."""
+    """Add a running task's new output lines to its log tail (the last :data:`LOG_TAIL_LINES` are kept) and
+    to its full log (:mod:`.task_logs`)."""
     with transaction.atomic():
         task = own_task(worker, task_id, lock=True)
         if not task.is_live or not lines:
             return
-        kept = (task.log_tail.splitlines() + list(lines))[-LOG_TAIL_LINES:]
+        lines = [_storable(line) for line in lines]
+        _keep_log(task, lines)
+        kept = (task.log_tail.splitlines() + lines)[-LOG_TAIL_LINES:]
         task.log_tail = "\n".join(kept)
         Task.objects.filter(pk=task.pk).update(log_tail=task.log_tail)
         observers.job_changed(task.job)
+
+
+def _storable(text: str) -> str:
+    """``text`` without NUL, which PostgreSQL cannot store (the protocol already refuses lone surrogates)."""
+    return text.replace("\x00", "\ufffd")
+
+
+def _keep_log(task: Task, lines: list[str]) -> None:
+    """Add ``lines`` to the task's full log; a failed write (a full disk) loses them there, nothing else."""
+    try:
+        task_logs.append(task.job_id, task.pk, lines)
+    except OSError as error:
+        logger.warning("cannot keep the log of task %s: %s", task.pk, error)
 
 
 #: What a daemon says when it knows nothing more of a failure than its exit (older daemons always did).

@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from apps.jobs import observers, sync
+from apps.jobs import metrics, observers, sync
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
 from apps.jobs.spec import OVERLAPS_TRAINING_AHEAD
 from apps.jobs.training import transfers
@@ -52,7 +52,10 @@ def task_started(worker, task_id) -> None:
 def _finite(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float (JSON allows any length)
+        return None
     return value if math.isfinite(value) else None
 
 
@@ -87,10 +90,23 @@ def handle_status(
         Task.objects.filter(pk=task.pk).update(
             **changes, last_status_request=message.request_id, last_status_reply=reply
         )
+        if "steps_total" in changes:
+            # The steps this report counted, with what it (and its daemon's summary) says of them.
+            metrics.record_step_report(
+                task,
+                message.progress["status"] if isinstance(message.progress["status"], dict) else {},
+                first_step=task.steps_total + 1,
+                last_step=changes["steps_total"],
+                now=changes["last_status_at"],
+            )
         if changes:
+            state_changed = any(
+                field in changes and changes[field] != getattr(task, field)
+                for field in ("status", "sync_state")
+            )
             for field, value in changes.items():
                 setattr(task, field, value)
-            observers.task_progress(task)
+            observers.task_progress(task, state_changed=state_changed)
         return reply, changes.get("continue_granted", 0)
 
 

@@ -6,6 +6,7 @@ from rest_framework import serializers
 
 from apps.leases.models import Lease, LeaseEvent
 from hypha_site.api import EnumField, ResourcesSerializer, status_filter, uuid_filter
+from worker_daemon.protocol import PRICE_MEANING
 
 
 class LeaseEventSerializer(serializers.ModelSerializer):
@@ -44,6 +45,7 @@ class LeaseSerializer(serializers.ModelSerializer):
             "ended_at",
         ]
         read_only_fields = fields
+        extra_kwargs = {"price": {"help_text": f"the agreed price, {PRICE_MEANING}"}}
 
 
 class LeaseDetailSerializer(LeaseSerializer):

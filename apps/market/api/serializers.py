@@ -13,6 +13,7 @@ from hypha_site.api import (
     status_filter,
     uuid_filter,
 )
+from worker_daemon.protocol import PRICE_MEANING
 
 
 class AdvertisementSerializer(serializers.ModelSerializer):
@@ -41,6 +42,12 @@ class AdvertisementSerializer(serializers.ModelSerializer):
             "closed_at",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "wanted": {"help_text": "workers the role still needs: 0 once the advertisement is filled"},
+            "attempt": {"help_text": "the offer window it is in, counted from 0 (0: the first)"},
+            "bid": {"help_text": f"public price per worker, {PRICE_MEANING}"},
+            "max_price": {"help_text": f"private maximum, {PRICE_MEANING}"},
+        }
 
 
 class OfferSerializer(serializers.ModelSerializer):
@@ -53,7 +60,8 @@ class OfferSerializer(serializers.ModelSerializer):
     score = NullIfInfiniteFloatField(
         read_only=True,
         allow_null=True,
-        help_text="price per weighted capacity, lower wins; null for an offer of no capacity (it never wins)",
+        help_text="price ÷ weighted capacity (25·GPU GB + CPU cores + 0.1·memory GB + 0.01·storage GB, times the "
+        "share its benchmark supports), lower wins; null for an offer of no capacity (it never wins)",
     )
 
     class Meta:
@@ -75,6 +83,10 @@ class OfferSerializer(serializers.ModelSerializer):
             "decided_at",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "price": {"help_text": f"the price asked, {PRICE_MEANING}"},
+            "attempt": {"help_text": "the advertisement's offer window it answered, counted from 0"},
+        }
 
 
 class AdvertisementFilterSerializer(serializers.Serializer):

@@ -15,6 +15,7 @@ from apps.leases.models import Lease
 from apps.workers import services
 from apps.workers.models import Reachable, Worker
 from hypha_site.api import EnumField, ExecutorSerializer, ResourcesSerializer, StrictSerializer
+from worker_daemon.protocol import PRICE_MEANING
 
 
 class WorkerCreateSerializer(StrictSerializer):
@@ -39,6 +40,7 @@ class WorkerLeaseSerializer(serializers.ModelSerializer):
         model = Lease
         fields = ["id", "job", "role", "status", "price", "resources", "expires_at", "renewals"]
         read_only_fields = fields
+        extra_kwargs = {"price": {"help_text": f"the agreed price, {PRICE_MEANING}"}}
 
 
 class PublicWorkerSerializer(serializers.ModelSerializer):
@@ -55,7 +57,7 @@ class PublicWorkerSerializer(serializers.ModelSerializer):
     executors = ExecutorSerializer(many=True, read_only=True)
     price_floor = serializers.FloatField(
         read_only=True,
-        help_text="the lowest price it offers at, as its daemon declares (in the unit of the jobs' bids)",
+        help_text=f"the lowest price it offers at, as its daemon declares ({PRICE_MEANING})",
     )
     reachable = EnumField(
         Reachable,

@@ -46,11 +46,12 @@ def test_the_job_page_shows_a_problem_and_hides_the_card_without_one(training_jo
     html = ada_browser.get(f"/jobs/{training_job.pk}/").content.decode()
     assert '<section class="card" id="problems-card">' in html
     assert (
-        "<tr><td>rig-a</td><td>parameter_server "
+        f'<tr><td><a href="/workers/{online_rigs[0].pk}/">rig-a</a></td><td>parameter_server '
         f'{online_rigs[2].pk}</td><td class="mono small">http://10.0.0.3:7070</td><td>round 1 update</td>'
         '<td class="error">Cannot connect to host 10.0.0.3:7070 ssl:default [Connect call failed (&#x27;10.0.0.3&#x27;, 7070)]</td>'
-        '<td class="num">4</td><td class="mono small">2026-03-01T10:00:00Z</td></tr>'
+        '<td class="num">4</td><td class="mono small"><time datetime="2026-03-01T10:00:00+00:00" title="'
     ) in html
+    assert ' ago">2026-03-01 10:00:00 UTC</time></td></tr>' in html
 
 
 @pytest.mark.django_db(transaction=True)

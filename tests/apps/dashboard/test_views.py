@@ -17,6 +17,9 @@ from tests.apps.dashboard.conftest import record_round
 
 pytestmark = pytest.mark.django_db
 
+#: A price as the pages write it: its unit, and what that is as its tooltip.
+PRICE_125 = '<td class="num"><span class="price" title="credits per hour of a lease, per worker">125 credits/h</span></td>'
+
 
 def snapshot_of(response) -> dict:
     html = response.content.decode()
@@ -105,7 +108,7 @@ def test_the_overview_shows_staff_every_worker_its_lease_and_the_market(
     assert 'trainer · <a href="/jobs/' in page
     assert '<span class="badge offer-accepted">won</span>' in page
     assert page.count('<span class="badge offer-accepted">won</span>') == 3
-    assert '<td class="num">125</td>' in page  # rig-b's winning price
+    assert PRICE_125 in page  # rig-b's winning price, with its unit
 
 
 def test_the_overview_fragment_is_the_sections_alone(ada_browser, training_job):
@@ -326,9 +329,12 @@ def test_the_worker_page_compares_the_benchmark_with_measured_throughput(
 
     # then: the score with its workload, and each trainer's samples/s as a share of it
     assert '<dt>Benchmark</dt><dd id="benchmark"><strong>412.5 samples/s</strong>' in html
-    assert "(tiny-gpt-2x128, cpu, batch 8, median step 0.0194 s, measured 2026-11-22T03:00:00Z)" in html
-    assert '<th title="measured samples/s ÷ benchmark samples/s">vs benchmark</th>' in html
-    assert re.search(r'<td class="num">\d+%</td>', html)
+    assert "(tiny-gpt-2x128, cpu, batch 8, median step 0.0194 s, measured <time " in html
+    assert '<time datetime="2026-11-22T03:00:00+00:00" title="' in html
+    assert ' ago">2026-11-22 03:00:00 UTC</time>)' in html
+    # the share, and why it can pass 100 %
+    assert "<th title=\"measured samples/s ÷ the benchmark's samples/s. Over 100 % is normal when" in html
+    assert re.search(r'<td class="num" title="measured samples/s[^"]*">\d+%</td>', html)
     assert '<td class="num">412.5 samples/s</td>' in overview
     assert overview.count('<td class="num"><span class="muted">—</span></td>') == 2  # rig-b, rig-c
 

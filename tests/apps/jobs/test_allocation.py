@@ -55,6 +55,7 @@ def clock(monkeypatch, settings) -> FakeClock:
     """``timezone.now`` stopped, moved only by the test; leases last an hour (no lease clock runs here, but a
     lease must not look run out while the job's deadline is what the test is about)."""
     settings.HYPHA_LEASE_TTL = 3600.0
+    settings.HYPHA_OFFER_WINDOW = 1.0  # the fake clock closes it: no wall-clock luck
     fake = FakeClock(now=timezone.now().replace(microsecond=0))
     monkeypatch.setattr(timezone, "now", lambda: fake.now)
     return fake

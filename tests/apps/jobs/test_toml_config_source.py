@@ -108,7 +108,7 @@ def test_a_config_beside_a_repository_or_url_is_refused_with_every_other_mistake
     # then
     assert {
         "field": "scheduler.job.model.config",
-        "message": "Give one of repository, url and config.",
+        "message": "Give one of repository, url, upload and config.",
     } in errors
     assert any(error["field"] == "scheduler.job.inner_optimizer.learning-rate" for error in errors)
 

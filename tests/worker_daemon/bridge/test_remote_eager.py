@@ -3,6 +3,8 @@ round's result between two steps of a run of steps the control plane allowed the
 
 from __future__ import annotations
 
+import pytest
+
 from tests.worker_daemon.bridge.test_remote import JOB, backend, work  # noqa: F401 (fixtures)
 from worker_daemon import protocol
 
@@ -28,8 +30,20 @@ async def test_a_merge_between_granted_steps_keeps_the_run_and_its_count(backend
     assert [report.progress for report in answerer.of_type(protocol.StatusReport)] == [
         step,
         "update-received",
-        {"status": {"batch_size": 4, "loss": 2.0, "covered_steps": 4, "covered_samples": 16}},
-    ]
+        {
+            "status": {
+                "batch_size": 4,
+                "loss": 2.0,
+                "covered_steps": 4,
+                "covered_samples": 16,
+                # the three steps answered here, on either side of the merge (apps.jobs.metrics)
+                "covered_points": [
+                    {"steps": 1, "seconds": 0.0, "samples": 4, "age": pytest.approx(0.0, abs=5.0),
+                     "loss": 2.0, "loss_min": 2.0, "loss_max": 2.0},
+                ] * 3,
+            }
+        },
+    ]  # fmt: skip
     assert backend.local_continues == 0
 
 

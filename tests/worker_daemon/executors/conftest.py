@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from hypha_tensors import weights
 from worker_daemon.bridge import BridgeServer, serve_bridge
+from worker_daemon.config import ACCELERATE_LAUNCH_OPTIONS
 
 REPOSITORY = Path(__file__).resolve().parents[3]
 JOB_ID = "0b6c3c0e-1f5e-4c1d-8a57-1d7f0a9e2b11"
@@ -307,14 +308,7 @@ async def run_executor(
         command = [
             str(accelerate),
             "launch",
-            "--num_processes",
-            "1",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
+            *ACCELERATE_LAUNCH_OPTIONS,
             "--cpu",
             *arguments,
         ]

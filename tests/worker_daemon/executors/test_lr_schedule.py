@@ -151,3 +151,8 @@ async def test_the_trainer_reports_the_lr_of_its_rounds_from_the_jobs_step(
     assert [entry["lr"] for entry in metrics] == pytest.approx(
         [expected[start], expected[start + 3]], rel=1e-12
     )
+    # and every step report carries the lr that step used (the job page's lr chart)
+    steps = [progress["status"] for progress in backend.progress if "status" in progress]
+    assert [step["lr"] for step in steps] == pytest.approx(
+        lrs_from_zero(schedule, start + 6)[start:], rel=1e-12
+    )

@@ -24,6 +24,7 @@ from .conftest import (
     BATCH_SIZE,
     LEARNING_RATE,
     REPOSITORY,
+    SEQUENCE_LENGTH,
     ScriptedTrainerBackend,
     TinyModel,
     executor_environment,
@@ -125,6 +126,8 @@ async def test_two_rounds_against_the_real_bridge(tiny_model: TinyModel, short_d
     statuses = [progress["status"] for progress in backend.progress if kind(progress) == "status"]
     assert [status["batch_size"] for status in statuses] == [BATCH_SIZE] * 6
     assert all(math.isfinite(status["loss"]) and status["step_time"] > 0 for status in statuses)
+    assert [status["tokens"] for status in statuses] == [BATCH_SIZE * SEQUENCE_LENGTH] * 6
+    assert [status["lr"] for status in statuses] == [LEARNING_RATE] * 6  # no schedule: constant
 
     # the numbers: losses and pseudo-gradients of a correct trainer, replayed here
     expected_losses, expected_deltas = replay(tiny_model, updates)
@@ -157,6 +160,8 @@ async def test_two_rounds_against_the_real_bridge(tiny_model: TinyModel, short_d
     assert "round 1: 3 steps" in run.stdout
     assert "round 2: 3 steps" in run.stdout
     assert "done after 2 rounds" in run.stdout
+    # no warning of transformers' about the loss fills every trainer's log (issue 16, item 8)
+    assert "loss_type=" not in run.stdout + run.stderr
 
 
 @pytest.mark.skipif(
@@ -181,6 +186,8 @@ async def test_runs_under_accelerate_launch(tiny_model: TinyModel, short_dir: Pa
     assert run.returncode == 0, run.stdout + run.stderr
     assert [kind(progress) for progress in backend.progress] == ROUND_SEQUENCE * 2
     assert len(backend.sent) == 2
+    # every value accelerate would otherwise warn about was passed (issue 16, item 8)
+    assert "were not passed to `accelerate launch`" not in run.stdout + run.stderr
 
 
 async def test_a_refused_update_stops_training_before_update_received(
@@ -289,3 +296,52 @@ def test_the_loaded_model_does_not_share_memory_with_its_file(tiny_model: TinyMo
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def transformers_warnings(action) -> list[str]:
+    """The warnings transformers logs while ``action()`` runs (its once-only warnings included)."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.warning_once.cache_clear()
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        action()
+    finally:
+        library.removeHandler(handler)
+    return records
+
+
+def test_a_model_loaded_as_the_trainer_does_trains_without_a_loss_type_warning(tiny_model: TinyModel) -> None:
+    """GPT-2's class name matches none of transformers' loss names: unnamed, every forward with labels warns
+    "`loss_type=None` was set in the config but it is unrecognized" (issue 16, item 8)."""
+    from transformers import AutoModelForCausalLM
+
+    from worker_daemon.executors.job import set_loss_type
+
+    batch = torch.randint(0, 16, (2, 8))
+
+    def forward(model) -> None:
+        model(input_ids=batch, labels=batch).loss.backward()
+
+    # given: the model as transformers loads it warns (the capture sees the warning)
+    bare = AutoModelForCausalLM.from_pretrained(tiny_model.directory, dtype=torch.float32)
+    assert any("loss_type=None" in message for message in transformers_warnings(lambda: forward(bare)))
+
+    # when: it is loaded as the trainer loads it
+    model = AutoModelForCausalLM.from_pretrained(tiny_model.directory, dtype=torch.float32)
+    set_loss_type(model, "AutoModelForCausalLM")
+
+    # then: the loss is the same and nothing is warned
+    assert model.loss_type == "ForCausalLM"
+    assert not [m for m in transformers_warnings(lambda: forward(model)) if "loss_type" in m]
+    assert torch.equal(model(input_ids=batch, labels=batch).loss, bare(input_ids=batch, labels=batch).loss)
+    # a task transformers has no loss of its own for is left as it is
+    other = AutoModelForCausalLM.from_pretrained(tiny_model.directory, dtype=torch.float32)
+    set_loss_type(other, "AutoModelForTextEncoding")
+    assert other.loss_type is None
