@@ -156,11 +156,24 @@ class Cluster:
     data_node: Child
     data_node_argv: list[str] = field(default_factory=list)
     daemons: dict[str, Child] = field(default_factory=dict)
+    daemon_argvs: dict[str, list[str]] = field(default_factory=dict)
+    daemon_environment: dict[str, str] = field(default_factory=dict)
 
     def restart_data_node(self) -> Child:
         """Start the data node again, with the same dataset, token and address (after a test stopped it)."""
         self.data_node = self.plane.start("data-node", self.data_node_argv)
         return self.data_node
+
+    def restart_daemon(self, name: str) -> Child:
+        """Start daemon ``name`` again with its config, token and work directory (after a test stopped it);
+        its log goes on in the same file."""
+        saved_env = self.plane.env
+        self.plane.env = self.daemon_environment
+        try:
+            self.daemons[name] = self.plane.start(name, self.daemon_argvs[name])
+        finally:
+            self.plane.env = saved_env
+        return self.daemons[name]
 
     def api(self) -> httpx.Client:
         return httpx.Client(
@@ -355,6 +368,8 @@ def training_cluster(
                     peer = wan.add(name, public=name in public_workers)
                     daemon_argv = peer.command([*daemon_argv, "--ps-host", peer.address])
                 cluster.daemons[name] = plane.start(name, daemon_argv)
+                cluster.daemon_argvs[name] = daemon_argv
+            cluster.daemon_environment = environment
         finally:
             plane.env = saved_env
         cluster.wait_for_dataset(dataset_dir.name)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from hypha_cli import knobs
 from hypha_cli.exceptions import CLIError, ExitCode
 from hypha_tensors.formats import ENCODINGS
 from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
@@ -220,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="streaming: a fragment's weights become A x local + (1 - A) x global when its result arrives "
         "(sets rounds.mix; 0 <= A < 1, the server's default: 0.5)",
     )
+    knobs.add_arguments(submit)
 
     jobs = command("jobs", "list your jobs, newest first", json_help="print the API's job objects as JSON")
     jobs.add_argument(

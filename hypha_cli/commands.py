@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hypha_cli import config, output
+from hypha_cli import knobs as knob_options
 from hypha_cli.client import HyphaClient
 from hypha_cli.exceptions import (
     WATCH_EXIT_CODES,
@@ -100,6 +101,7 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
         overlap=arguments.overlap,
         fragments=arguments.fragments,
         mix=arguments.mix,
+        knobs=knob_options.given(arguments),
     )
     with _client(arguments, environ=environ, transport=transport) as client:
         try:
@@ -127,12 +129,14 @@ def read_spec(
     overlap: str | None = None,
     fragments: int | None = None,
     mix: float | None = None,
+    knobs: dict[str, Any] | None = None,
 ) -> tuple[bytes, str]:
     """The request body and content type of a spec file: TOML by its ``.toml`` suffix, else JSON (checked
     here, so a syntax error names its line; ``--name``, ``--encoding``, ``--encoding-block-size``,
     ``--overlap``, ``--fragments`` and ``--mix`` are set in it: ``rounds.encoding``,
     ``rounds.encoding_block_size``, ``rounds.overlap``, ``rounds.fragments``, ``rounds.mix``; the server checks
-    them, fragments and mix being streaming's alone)."""
+    them, fragments and mix being streaming's alone). ``knobs``: the training knobs' options
+    (:mod:`hypha_cli.knobs`), set in a JSON spec, refused for a TOML one."""
     try:
         raw = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
     except OSError as error:
@@ -154,6 +158,7 @@ def read_spec(
                 "--fragments and --mix set a JSON spec's rounds; in a TOML spec write fragments = N and "
                 'mix = A (with overlap = "streaming") under [scheduler.job.rounds]'
             )
+        knob_options.refuse_for_toml(knobs or {})
         return raw, "application/toml"
     try:
         spec = json.loads(raw)
@@ -181,6 +186,7 @@ def read_spec(
                 status=0,
             )
         rounds.update({key: value for key, value in rounds_options.items() if value is not None})
+    knob_options.apply(spec, knobs or {}, file=file)
     return json.dumps(spec).encode(), "application/json"
 
 
@@ -233,6 +239,10 @@ def show(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport
         )
     for round_ in output.closed_rounds(job):
         console.print(output.round_line(round_, output.rounds_total(job)), markup=False)
+        if (line := output.throughput_line(round_, output.rounds_total(job))) is not None:
+            console.print(line, markup=False)
+    for line in output.trainer_throughput_lines(job):
+        console.print(line, markup=False)
     if job.get("model_files"):
         console.print(f"model: {', '.join(job['model_files'])} (hypha download {job['id']})", markup=False)
     return ExitCode.OK

@@ -296,3 +296,46 @@ def round_line(round_: dict[str, Any], total: int | None) -> str:
 def eval_line(round_: dict[str, Any], total: int | None) -> str:
     """A round's eval that arrived after its round line: ``round 2/6: eval 3.2000`` (or why there is none)."""
     return f"{_round_name(round_, total)}: {_eval_text(round_) or 'eval -'}"
+
+
+# --- throughput (samples/s, tokens/s, peak device memory, MFU) -------------------------------------------------
+
+
+def _rate_text(value: float) -> str:
+    return f"{value / 1000:.1f}k" if value >= 10_000 else f"{value:.1f}"
+
+
+def throughput_text(facts: dict[str, Any] | None) -> str:
+    """``50.0 samples/s · 6.4k tokens/s · peak 3.0 GiB · MFU 42%``: what ``facts`` has, "" when nothing."""
+    facts = facts or {}
+    parts = []
+    for name, unit in (("samples_per_second", "samples/s"), ("tokens_per_second", "tokens/s")):
+        if isinstance(facts.get(name), int | float):
+            parts.append(f"{_rate_text(facts[name])} {unit}")
+    if isinstance(facts.get("peak_memory_bytes"), int | float):
+        parts.append(f"peak {facts['peak_memory_bytes'] / 2**30:.1f} GiB")
+    if isinstance(facts.get("mfu"), int | float):
+        parts.append(f"MFU {facts['mfu'] * 100:.0f}%")
+    return " · ".join(parts)
+
+
+def throughput_line(round_: dict[str, Any], total: int | None) -> str | None:
+    """A round's throughput summed over its trainers (``round 2/6 throughput: …``), None when none reported."""
+    text = throughput_text(round_.get("throughput"))
+    return f"{_round_name(round_, total)} throughput: {text}" if text else None
+
+
+def trainer_throughput_lines(job: dict[str, Any]) -> list[str]:
+    """Each trainer's throughput in the latest round that has any: ``trainer rig-a: 40.0 samples/s · …``."""
+    names = {str(task.get("worker_id")): task.get("worker") for task in job.get("tasks") or []}
+    for round_ in reversed(job.get("rounds") or []):
+        trainers = (round_.get("throughput") or {}).get("trainers") or {}
+        if trainers:
+            return [
+                f"trainer {names.get(worker) or worker} (round {round_.get('number')}): {throughput_text(facts)}"
+                for worker, facts in sorted(
+                    trainers.items(), key=lambda item: str(names.get(item[0]) or item[0])
+                )
+                if throughput_text(facts)
+            ]
+    return []

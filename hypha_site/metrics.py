@@ -149,10 +149,24 @@ class DatabaseCollector(Collector):
                 "received; out: updates sent), summed over all rounds.",
                 labels=["direction"],
             ),
+            GaugeMetricFamily(
+                "hypha_job_samples_per_second",
+                "Samples per second of a running job's trainers, summed, in its latest closed round that "
+                f"reported any (the {MAX_JOB_SERIES} most recently created running jobs).",
+                labels=["job"],
+            ),
+            GaugeMetricFamily(
+                "hypha_job_tokens_per_second",
+                "Tokens per second of a running job's trainers, summed, in its latest closed round that "
+                f"reported any (token models only; the {MAX_JOB_SERIES} most recently created running jobs).",
+                labels=["job"],
+            ),
         ]
 
     @staticmethod
-    def _fill(jobs, workers, leases, advertisements, offers, rounds, round_bytes) -> None:
+    def _fill(
+        jobs, workers, leases, advertisements, offers, rounds, round_bytes, job_samples, job_tokens
+    ) -> None:
         from django.db.models import Count, Q, Sum
 
         from apps.jobs.models import Job, Round
@@ -181,6 +195,29 @@ class DatabaseCollector(Collector):
         rounds.add_metric(["false"], totals["open_rounds"])
         round_bytes.add_metric(["in"], totals["bytes_in"] or 0)
         round_bytes.add_metric(["out"], totals["bytes_out"] or 0)
+        _fill_job_throughput(job_samples, job_tokens)
+
+
+#: Running jobs given throughput series, the most recently created first: bounds the label cardinality.
+MAX_JOB_SERIES = 50
+#: A job's latest rounds read for its throughput (the open one, and closed ones before it).
+_THROUGHPUT_ROUNDS = 3
+
+
+def _fill_job_throughput(job_samples: GaugeMetricFamily, job_tokens: GaugeMetricFamily) -> None:
+    """Per running job (at most :data:`MAX_JOB_SERIES`), the rates of ``apps.jobs.throughput.of_job`` over its
+    latest rounds; a job whose trainers reported none has no series."""
+    from apps.jobs import throughput
+    from apps.jobs.models import Job, Round
+
+    running = Job.objects.filter(status=Job.Status.RUNNING).order_by("-created_at")[:MAX_JOB_SERIES]
+    for job_id in running.values_list("pk", flat=True):
+        latest = Round.objects.filter(job_id=job_id).order_by("-number").only("closed", "trainer_metrics")
+        found = throughput.of_job(reversed(list(latest[:_THROUGHPUT_ROUNDS])))
+        if found["samples_per_second"] is not None:
+            job_samples.add_metric([str(job_id)], found["samples_per_second"])
+        if found["tokens_per_second"] is not None:
+            job_tokens.add_metric([str(job_id)], found["tokens_per_second"])
 
 
 REGISTRY.register(DatabaseCollector())

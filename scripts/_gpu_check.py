@@ -5,12 +5,17 @@ Runs, in embedded mode (SQLite, no servers), the control plane, one data node an
 daemons (``bench/cluster.py``, as ``scripts/demo`` does), every daemon declaring the GPU memory it may use, and a
 job whose trainers ask for GPU memory, so the market gives the trainer roles to GPU daemons; the trainers'
 ``Accelerator`` picks CUDA by itself. Meanwhile it polls ``nvidia-smi`` for the GPU memory in use (the trainers
-run in their own processes and report no memory of their own). Ends with one JSON line on stdout (progress goes
-to stderr)::
+run in their own processes). Ends with one JSON line on stdout (progress goes to stderr)::
 
     {"ok": true, "device": "cuda", "devices": [{"index": 0, "name": ..., "memory_mib": ...}], "torch": ...,
      "cuda_available": true, "trainers": 2, "trainer_processes": 1, "trainer_devices": ["cuda:0", "cuda:0"],
-     "samples_per_s": ..., "peak_gpu_memory_mib": ..., "final_loss": ..., "rounds": ..., "wall_s": ..., ...}
+     "samples_per_s": ..., "peak_memory_mib": ..., "peak_memory_source": ..., "peak_gpu_memory_mib": ...,
+     "final_loss": ..., "rounds": ..., "wall_s": ..., ...}
+
+Every line has the keys of :data:`CORE_FIELDS` (null where the check did not get that far). ``peak_memory_mib``
+is the trainers' own ``torch.cuda.max_memory_allocated()`` when their round metrics carry ``peak_memory_bytes``
+(apps/jobs/throughput.py), else nvidia-smi's peak above the baseline (``peak_gpu_memory_mib``);
+``peak_memory_source`` says which.
 
 ``ok`` is true only when the job completed and, on CUDA, every trainer said it ran on a CUDA device. Exit code
 0 when ok, 1 otherwise. ``--setup FILE``: a JSON object from ``scripts/gpu-check`` (how the environment was
@@ -54,6 +59,16 @@ TRAINER_GPU_GB = 1
 NOT_MULTI_PROCESS = (
     "multi-process trainers are not implemented (worker_daemon/executors/training.py refuses "
     "--num_processes other than 1): each trainer ran one process"
+)
+#: Fields every JSON line has (null where the check did not get that far, or the number is unknown).
+CORE_FIELDS = (
+    "devices",
+    "trainers",
+    "trainer_processes",
+    "samples_per_s",
+    "peak_memory_mib",
+    "peak_memory_source",
+    "final_loss",
 )
 LOADED = re.compile(
     r"model \S+ \((?P<cls>[\w.]+), (?P<parameters>\d+) parameters\) loaded on (?P<device>\S+?),"
@@ -258,6 +273,28 @@ def trainer_rates(job: dict) -> dict:
     }
 
 
+def trainer_peak_memory(job: dict) -> float | None:
+    """The highest ``peak_memory_bytes`` any trainer reported for any round (its
+    ``torch.cuda.max_memory_allocated()``, apps/jobs/throughput.py), in MiB; None when none reported it."""
+    peaks = [
+        float(metrics["peak_memory_bytes"])
+        for round_ in job["rounds"]
+        for metrics in (round_.get("trainer_metrics") or {}).values()
+        if isinstance(metrics, dict) and isinstance(metrics.get("peak_memory_bytes"), int | float)
+    ]
+    return round(max(peaks) / 2**20, 1) if peaks else None
+
+
+def peak_memory(result: dict) -> tuple[float | None, str | None]:
+    """The line's ``peak_memory_mib`` and where it came from: the trainers' own
+    ``torch.cuda.max_memory_allocated()`` when they reported it, else nvidia-smi's peak above the baseline."""
+    if result.get("peak_memory_mib_torch") is not None:
+        return result["peak_memory_mib_torch"], "torch.cuda.max_memory_allocated (trainers' round metrics)"
+    if result.get("peak_gpu_memory_mib") is not None:
+        return result["peak_gpu_memory_mib"], "nvidia-smi (memory in use above the baseline, busiest GPU)"
+    return None, None
+
+
 def trainer_devices(log_dir: Path) -> tuple[list[str], int | None]:
     """Where each trainer said its model went (``… loaded on cuda:0``), from the daemons' logs."""
     devices, parameters = [], None
@@ -376,6 +413,7 @@ def run_check(args: argparse.Namespace, result: dict) -> None:
                 first_round_loss=closed[0]["mean_loss"] if closed else None,
                 final_loss=closed[-1]["mean_loss"] if closed else None,
                 eval_loss=closed[-1]["eval_loss"] if closed else None,
+                peak_memory_mib_torch=trainer_peak_memory(job),
                 **trainer_rates(job),
             )
             devices, parameters = trainer_devices(root / "logs")
@@ -419,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     result: dict = {"ok": False, "error": None, "gpu": args.device == "cuda", "device": args.device}
+    result.update(dict.fromkeys(CORE_FIELDS), trainers=args.trainers)
     if args.setup is not None:
         with contextlib.suppress(OSError, ValueError):
             result.update(json.loads(args.setup.read_text()))
@@ -430,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # the line must say what went wrong, whatever it was
         result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc(file=sys.stderr)
+    result["peak_memory_mib"], result["peak_memory_source"] = peak_memory(result)
     result["wall_s"] = round(time.monotonic() - started + float(result.get("setup_s") or 0), 1)
     print(json.dumps(result, separators=(", ", ": ")), flush=True)
     return 0 if result["ok"] else 1

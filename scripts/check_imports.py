@@ -57,7 +57,7 @@ def main() -> int:
     if problems:
         print(
             f"{len(problems)} forbidden import(s): {', '.join(DAEMON_PACKAGES)} run without Django or a "
-            "database driver (requirements/daemon.txt); move shared code to worker_daemon/protocol.py",
+            "database driver (requirements/daemon.txt); move shared code to worker_daemon/protocol/",
             file=sys.stderr,
         )
         return 1

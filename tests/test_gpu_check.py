@@ -79,6 +79,11 @@ def test_a_gpu_torch_cannot_use_fails_the_check_instead_of_running_on_the_cpu(tm
     assert result["ok"] is False and result["gpu"] is True and result["cuda_available"] is False
     assert "torch.cuda.is_available() is False" in result["error"]
     assert result["devices"] == [{"index": 0, "name": "NVIDIA H200", "memory_mib": 143771.0}]
+    # Every line carries the core fields, null where the check did not get that far.
+    assert set(gpu_check.CORE_FIELDS) <= set(result)
+    assert result["trainers"] == 2
+    assert result["samples_per_s"] is None and result["final_loss"] is None
+    assert result["peak_memory_mib"] is None and result["peak_memory_source"] is None
 
 
 def test_nvidia_smi_readings_give_the_peak_above_the_baseline(tmp_path, monkeypatch):
@@ -129,3 +134,21 @@ def test_samples_per_second_sums_the_trainers_and_leaves_out_the_first_round():
         "samples_per_s_first_round": 30.0,
     }
     assert gpu_check.trainer_rates({"rounds": []})["samples_per_s"] is None
+
+
+def test_peak_memory_is_the_trainers_own_max_memory_allocated_when_they_report_it():
+    job = {
+        "rounds": [
+            {"trainer_metrics": {"a": {"peak_memory_bytes": 2 * 2**30}, "b": {"samples_per_second": 5.0}}},
+            {"trainer_metrics": {"a": {"peak_memory_bytes": 3 * 2**30}, "b": {"peak_memory_bytes": 2**30}}},
+        ]
+    }
+    assert gpu_check.trainer_peak_memory(job) == 3072.0
+    assert gpu_check.trainer_peak_memory({"rounds": [{"trainer_metrics": {"a": {"loss": 1.0}}}]}) is None
+    both = {"peak_memory_mib_torch": 3072.0, "peak_gpu_memory_mib": 3500.0}
+    assert gpu_check.peak_memory(both)[0] == 3072.0
+    assert gpu_check.peak_memory(both)[1].startswith("torch.cuda.max_memory_allocated")
+    smi_only = {"peak_memory_mib_torch": None, "peak_gpu_memory_mib": 3500.0}
+    assert gpu_check.peak_memory(smi_only)[0] == 3500.0
+    assert gpu_check.peak_memory(smi_only)[1].startswith("nvidia-smi")
+    assert gpu_check.peak_memory({}) == (None, None)

@@ -8,7 +8,12 @@ Accepted keys (Hypha's worker keys, reference §7.3; the original's example file
     cpu = 16                         # memory = MemTotal of /proc/meminfo in GB, storage = free GB of
     memory = 64                      # work_dir's file system, gpu = 0 (GB of VRAM)
     storage = 500
-    gpu = 24
+    gpu = 24                         # Hypha's: total VRAM, GB; no device list (serves roles that ask for
+                                     # no devices); with a device list it defaults to their sum
+    gpus = 4                         # ours: 4 devices (indices 0-3) of gpu_memory GB each, or instead
+    gpu_memory = 24                  # one [[resources.devices]] table per device:
+    [[resources.devices]]            #   memory = 24 (GB, required), index = 0 (CUDA ordinal; default: its
+    memory = 24                      #   position in the list), name = "A10" (optional)
     [offer]
     price = 100.0                    # under "whole": the counter-offer, price = max(price, bid)
     floor = 100.0                    # bids below it are ignored
@@ -109,6 +114,8 @@ RESERVED_ENVIRONMENT = (
     "HYPHA_TOKEN",
     "HYPHA_TOKEN_FILE",
 )
+#: What a task with leased devices is told about them (per lease; see ``WorkerConfig.devices``).
+DEVICE_VARIABLE = "CUDA_VISIBLE_DEVICES"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
 MAX_EXECUTOR_ENV = 256
 MAX_ENV_VALUE = 32768
@@ -122,6 +129,16 @@ class _ConfigModel(BaseModel):
     # extra="allow" keeps unknown keys in `model_extra`, so that load_config can name them in one warning
     # instead of failing: a worker owner's old file should start, not crash.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class DeviceConfig(_ConfigModel):
+    """One ``[[resources.devices]]`` entry: a GPU of ``memory`` GB at CUDA ordinal ``index``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    index: int | None = Field(default=None, ge=0, le=protocol.MAX_DEVICE_INDEX, strict=True)
+    memory: float = Field(**_NUMBER, le=protocol.MAX_DEVICE_MEMORY, description="GB")
+    name: str = Field(default="", max_length=200)
 
 
 class ResourcesConfig(_ConfigModel):
@@ -154,6 +171,34 @@ class ResourcesConfig(_ConfigModel):
         le=protocol.MAX_DECLARED["gpu"],
         description="GPU memory (VRAM), GB. At most what a hello may declare.",
     )
+    devices: list[DeviceConfig] | None = Field(default=None, max_length=protocol.MAX_DEVICES)
+    gpus: int | None = Field(default=None, ge=0, le=protocol.MAX_DEVICES, strict=True)
+    gpu_memory: float | None = Field(default=None, **_NUMBER, le=protocol.MAX_DEVICE_MEMORY)
+
+    @model_validator(mode="after")
+    def _one_device_list(self) -> ResourcesConfig:
+        if self.gpus is not None and self.devices is not None:
+            raise ValueError("give either gpus (+ gpu_memory) or [[resources.devices]], not both")
+        if self.gpu_memory is not None and self.gpus is None:
+            raise ValueError("gpu_memory needs gpus (the number of devices of that memory)")
+        if self.gpus and self.gpu_memory is None:
+            raise ValueError("gpus needs gpu_memory (GB of each device)")
+        self.device_list()  # duplicate indices are an error here, not at the first offer
+        return self
+
+    def device_list(self) -> list[protocol.Device]:
+        """The configured devices (none without ``gpus`` or ``[[resources.devices]]``)."""
+        if self.gpus:
+            return [protocol.Device(index=index, memory=self.gpu_memory or 0.0) for index in range(self.gpus)]
+        devices = []
+        seen: set[int] = set()
+        for position, entry in enumerate(self.devices or []):
+            index = position if entry.index is None else entry.index
+            if index in seen:
+                raise ValueError(f"devices[{position}]: device index {index} is listed twice")
+            seen.add(index)
+            devices.append(protocol.Device(index=index, memory=entry.memory, name=entry.name))
+        return devices
 
 
 class StrategyConfig(_ConfigModel):
@@ -366,6 +411,12 @@ class WorkerConfig(_ConfigModel):
                     f"of executors[{seen[key]}]; each class+name may be configured once"
                 )
             seen[key] = index
+            if self.resources.device_list() and DEVICE_VARIABLE in executor.env:
+                # With a device list the daemon sets it per lease (the lease's devices only).
+                raise ValueError(
+                    f"executors[{index}].env: {DEVICE_VARIABLE} is set by the daemon from each lease's devices "
+                    "when [resources] lists devices"
+                )
         if not self.executors:
             self.executors = default_executors()
         resources = self.resources
@@ -377,10 +428,19 @@ class WorkerConfig(_ConfigModel):
                 "storage": resources.storage
                 if resources.storage is not None
                 else min(free_disk_gb(self.work_dir), protocol.MAX_DECLARED["storage"]),
-                "gpu": resources.gpu if resources.gpu is not None else 0.0,
+                "gpu": resources.gpu
+                if resources.gpu is not None
+                else min(
+                    sum(device.memory for device in resources.device_list()), protocol.MAX_DECLARED["gpu"]
+                ),
             }
         )
         return self
+
+    @property
+    def devices(self) -> list[protocol.Device]:
+        """The configured devices (GPUs); empty when none are listed (``gpu = N`` alone lists none)."""
+        return self.resources.device_list()
 
     @property
     def capacity(self) -> protocol.Resources:

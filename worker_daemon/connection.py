@@ -133,7 +133,11 @@ class WorkerSession:
         #: then get their grace (see the module docstring).
         self.cut_off = False
         self.daemon_version = daemon_version
-        self.book = book if book is not None else LeaseBook(capacity=config.capacity, clock=clock)
+        self.book = (
+            book
+            if book is not None
+            else LeaseBook(capacity=config.capacity, clock=clock, devices=config.devices)
+        )
         self._clock = clock
         # Local deadline of each advert's offer window (advertisement.window_closes_in after it arrived).
         self._window_deadlines: dict[uuid.UUID, float] = {}
@@ -167,6 +171,7 @@ class WorkerSession:
             protocol_version=protocol.PROTOCOL_VERSION,
             daemon_version=self.daemon_version,
             resources=self.config.capacity,
+            devices=list(self.book.devices),
             executors=self.config.descriptors(),
             price_floor=self.config.offer.floor,
             strategy=self.config.strategy,
@@ -269,6 +274,7 @@ class WorkerSession:
                 executors=self._executor_keys,
                 floor=self.config.offer.floor,
                 capacity=self.book.capacity,
+                free_devices=self.book.free_devices(),
             )
             if reason is not None:
                 if self._rejected_attempt.get(advertisement_id) != advertisement.attempt:
@@ -292,13 +298,24 @@ class WorkerSession:
             floor=self.config.offer.floor,
             price=self.config.offer.price,
             strategy=self.config.strategy,
+            free_devices=self.book.free_devices(),
+            devices=self.book.devices,
         ):
             advertisement = planned.advertisement
+            devices: tuple[int, ...] | list[int] | None = planned.devices
+            if not self.book.devices_free(planned.devices):
+                # An offer planned before this one took some of them: choose again among those still free.
+                devices = protocol.choose_devices(
+                    self.book.free_devices(), count=advertisement.devices, memory=advertisement.device_memory
+                )
+                if devices is None:
+                    continue
             reservation = self.book.reserve(
                 advertisement_id=advertisement.advertisement_id,
                 attempt=advertisement.attempt,
                 resources=planned.resources,
                 ttl=self.offer_ttl + OFFER_SAFETY_MARGIN,
+                devices=devices,
             )
             if reservation is None:
                 continue
@@ -309,6 +326,7 @@ class WorkerSession:
                     attempt=advertisement.attempt,
                     price=planned.price,
                     resources=planned.resources,
+                    devices=list(reservation.devices),
                     benchmark_score=self.benchmark.score if self.benchmark is not None else None,
                 )
             )
@@ -402,6 +420,7 @@ class WorkerSession:
                 resources=info.resources,
                 price=info.price,
                 ttl=info.expires_in,
+                devices=info.devices,
             )
             if adopted is None:
                 logger.warning("lease %s cannot be kept: %s; releasing it", info.lease_id, NOT_FREE_REASON)
@@ -429,6 +448,7 @@ class WorkerSession:
             price=message.price,
             ttl=message.expires_in,
             advertisement_id=message.advertisement_id,
+            devices=message.devices,
         )
         if lease is None:
             logger.warning(

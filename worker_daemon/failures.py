@@ -14,7 +14,10 @@ and returns the failure the executor itself reported, the latest one in the outp
   the built-in executors report their own errors), whichever came later.
 
 A bridge error's JSON body (``{"error": "connector_error", "detail": "…"}``) is shortened to
-``connector_error: …``. Pure functions of text: used by the job manager when a process exits non-zero.
+``connector_error: …``. A CUDA out-of-memory error (``torch.OutOfMemoryError: CUDA out of memory. Tried to
+allocate 2.00 GiB. GPU 0 has a total capacity of …``, or the older ``(GPU 0; 15.90 GiB total capacity; …)``)
+is put as ``CUDA out of memory on device 0 (tried to allocate 2.00 GiB; …)``. Pure functions of text: used by
+the job manager when a process exits non-zero.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ _CHAINED = (
 _EXCEPTION_LINE = re.compile(r"^(?P<name>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::\s?(?P<message>.*))?$")
 # A log record of the built-in formats: `… ERROR logger.name: message` (asctime and the rest before it).
 _ERROR_RECORD = re.compile(r"(?:^|\s)(?:ERROR|CRITICAL)\s+[\w.\-\[\]]+:\s(?P<message>.+)$")
+# PyTorch's out-of-memory message: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of
+# 79.15 GiB of which 3.75 MiB is free. …" (2.x), or "… Tried to allocate 2.00 MiB (GPU 0; 15.90 GiB total
+# capacity; 14.50 GiB already allocated; …)" (1.x).
+_CUDA_OOM = "CUDA out of memory"
+_OOM_ALLOCATE = re.compile(r"Tried to allocate (?P<size>[\d.]+ ?[KMGT]?i?B)", re.IGNORECASE)
+_OOM_DEVICE = re.compile(r"GPU (?P<device>\d+)")
+_OOM_CAPACITY = re.compile(
+    r"total capacity of (?P<total>[\d.]+ ?[KMGT]?i?B) of which (?P<free>[\d.]+ ?[KMGT]?i?B) is free"
+    r"|(?P<total_old>[\d.]+ ?[KMGT]?i?B) total capacity"
+)
 # A bridge error's body inside a message: {"error": "connector_error", "detail": "..."}.
 _BRIDGE_BODY = re.compile(r"HTTP \d{3}: (?P<body>\{.*\})\s*$")
 
@@ -80,7 +93,25 @@ def root_cause(lines: Iterable[str]) -> str:
         record = _ERROR_RECORD.search(line)
         if record is not None:
             found = _shortened(record["message"])
-    return found[:MAX_CAUSE]
+    return _out_of_memory(found)[:MAX_CAUSE]
+
+
+def _out_of_memory(cause: str) -> str:
+    """``cause`` as ``CUDA out of memory on device N (tried to allocate X; total capacity Y, Z free)`` when it
+    is PyTorch's CUDA out-of-memory error (what PyTorch's message tells of it), else ``cause`` itself."""
+    if _CUDA_OOM not in cause:
+        return cause
+    device = _OOM_DEVICE.search(cause)
+    facts = []
+    if (allocate := _OOM_ALLOCATE.search(cause)) is not None:
+        facts.append(f"tried to allocate {allocate['size']}")
+    if (capacity := _OOM_CAPACITY.search(cause)) is not None:
+        if capacity["total"]:
+            facts.append(f"total capacity {capacity['total']}, {capacity['free']} free")
+        else:
+            facts.append(f"total capacity {capacity['total_old']}")
+    where = f" on device {device['device']}" if device is not None else ""
+    return f"{_CUDA_OOM}{where}" + (f" ({'; '.join(facts)})" if facts else "")
 
 
 def _exception_text(name: str, message: str | None) -> str:

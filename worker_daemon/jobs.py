@@ -7,7 +7,8 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
    :class:`~worker_daemon.bridge.remote.RemoteBackend`;
 2. starts the process in its own session (so signals reach a launcher's children too, e.g. ``accelerate
    launch``'s), in the daemon's working directory, with ``SOCKET_PATH``, ``WORK_DIR``, ``JOB_JSON`` and
-   ``HYPHA_SLOWDOWN`` (the config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported, over the
+   ``HYPHA_SLOWDOWN`` (the config's ``slowdown`` factor, ``1.0`` unless slowed on purpose) exported, and on a
+   worker that lists its devices ``CUDA_VISIBLE_DEVICES`` (the lease's device indices, ``""`` for none), over the
    daemon's environment (less its credentials) and the executor's ``env`` table (which may not name these):
 
    * runtime ``process``: ``cmd`` + ``args``, with ``{SOCKET_PATH}``, ``{WORK_DIR}`` and ``{JOB_JSON}``
@@ -59,7 +60,7 @@ from worker_daemon import protocol, telemetry
 from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.bridge.authorisation import DEFAULT_GRACE as DEFAULT_AUTH_GRACE
 from worker_daemon.bridge.remote import RemoteBackend
-from worker_daemon.config import ExecutorConfig, WorkerConfig, http_base_url
+from worker_daemon.config import DEVICE_VARIABLE, ExecutorConfig, WorkerConfig, http_base_url
 from worker_daemon.failures import root_cause
 from worker_daemon.leases import LeaseBook
 from worker_daemon.link import ControlLink
@@ -589,6 +590,12 @@ class JobManager:
         environment.update(values)
         # The experiment knob (config ``slowdown``): the training executor sleeps (factor − 1) × each step.
         environment["HYPHA_SLOWDOWN"] = repr(self.config.slowdown)
+        if self.book.devices:
+            # A worker that lists its devices shows each task only its lease's (none: "" hides every GPU, so a
+            # CPU-only task cannot take a device another lease holds). Without a device list it is left alone.
+            lease = self.book.lease(task.lease_id)
+            devices = lease.devices if lease is not None else ()
+            environment[DEVICE_VARIABLE] = protocol.cuda_visible_devices(devices)
         executor = task.executor
         if executor.runtime == "process":
             assert executor.cmd is not None

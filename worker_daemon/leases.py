@@ -9,7 +9,8 @@ Two kinds of entries share the worker's capacity:
   by the daemon, or its local expiry when the control plane stops renewing it.
 
 Invariant: the resources of all entries together never exceed the capacity (component-wise), so the
-daemon never promises more than it has. Every entry has a local expiry on the book's clock
+daemon never promises more than it has; and no device index is held by two entries, so the leases of one
+daemon hold disjoint devices. Every entry has a local expiry on the book's clock
 (``time.monotonic`` by default; tests inject their own), and :meth:`LeaseBook.prune` removes the expired ones,
 so a lost control plane cannot leave zombie reservations behind.
 
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from worker_daemon.protocol import ZERO, Resources
+from worker_daemon.protocol import ZERO, Device, Resources
 
 Clock = Callable[[], float]
 
@@ -37,6 +38,7 @@ class Reservation:
     resources: Resources
     expires_at: float
     lease_id: uuid.UUID | None = None
+    devices: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class Lease:
     price: float
     expires_at: float
     advertisement_id: uuid.UUID | None = None
+    devices: tuple[int, ...] = ()
 
 
 class LeaseBook:
@@ -58,8 +61,11 @@ class LeaseBook:
     All durations are seconds on ``clock``; ``ttl`` arguments set ``expires_at = clock() + ttl``.
     """
 
-    def __init__(self, *, capacity: Resources, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, *, capacity: Resources, clock: Clock = time.monotonic, devices: Sequence[Device] = ()
+    ) -> None:
         self._capacity = capacity
+        self._devices = tuple(devices)
         self._clock = clock
         self._reservations: dict[uuid.UUID, Reservation] = {}
         self._leases: dict[uuid.UUID, Lease] = {}
@@ -69,6 +75,29 @@ class LeaseBook:
     @property
     def capacity(self) -> Resources:
         return self._capacity
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """All the worker's devices."""
+        return self._devices
+
+    def held_devices(self) -> set[int]:
+        """The device indices some reservation or lease holds."""
+        return {
+            index
+            for entry in (*self._reservations.values(), *self._leases.values())
+            for index in entry.devices
+        }
+
+    def free_devices(self) -> list[Device]:
+        """The devices no reservation or lease holds."""
+        held = self.held_devices()
+        return [device for device in self._devices if device.index not in held]
+
+    def devices_free(self, indices: Iterable[int]) -> bool:
+        """Whether every one of ``indices`` is one of the worker's devices and free now."""
+        free = {device.index for device in self.free_devices()}
+        return all(index in free for index in indices)
 
     @property
     def reservations(self) -> list[Reservation]:
@@ -107,20 +136,32 @@ class LeaseBook:
     # --- reservations --------------------------------------------------------------------------------------
 
     def reserve(
-        self, *, advertisement_id: uuid.UUID, attempt: int, resources: Resources, ttl: float
+        self,
+        *,
+        advertisement_id: uuid.UUID,
+        attempt: int,
+        resources: Resources,
+        ttl: float,
+        devices: Sequence[int] = (),
     ) -> Reservation | None:
-        """Hold ``resources`` for an offer on ``advertisement_id`` for ``ttl`` seconds.
+        """Hold ``resources`` and the device indices ``devices`` for an offer on ``advertisement_id`` for
+        ``ttl`` seconds.
 
-        Returns ``None`` and changes nothing when they do not fit in the free capacity or when a
-        reservation for this advertisement is still pending (its offer has not been answered yet).
+        Returns ``None`` and changes nothing when they do not fit in the free capacity, a device is not free,
+        or a reservation for this advertisement is still pending (its offer has not been answered yet).
         """
-        if advertisement_id in self._reservations or not self.fits(resources):
+        if (
+            advertisement_id in self._reservations
+            or not self.fits(resources)
+            or not self.devices_free(devices)
+        ):
             return None
         reservation = Reservation(
             advertisement_id=advertisement_id,
             attempt=attempt,
             resources=resources,
             expires_at=self._clock() + ttl,
+            devices=tuple(sorted(devices)),
         )
         self._reservations[advertisement_id] = reservation
         return reservation
@@ -159,6 +200,7 @@ class LeaseBook:
         price: float,
         ttl: float,
         advertisement_id: uuid.UUID | None = None,
+        devices: Sequence[int] = (),
     ) -> Lease | None:
         """Turn the reservation for ``advertisement_id`` (or the one holding ``lease_id``) into an ACTIVE
         lease of ``resources`` expiring in ``ttl`` seconds.
@@ -166,7 +208,8 @@ class LeaseBook:
         Without a reservation (it expired locally, or this is a lease adopted after a reconnect) the
         resources are taken from the free capacity. Returns ``None`` when they do not fit; the reservation,
         whose offer is settled either way, is then removed and nothing else changes. Activating a lease that
-        is already active only refreshes its expiry.
+        is already active only refreshes its expiry. ``devices`` (the lease's device indices, as granted) must
+        be free once the reservation is removed, like the resources.
         """
         existing = self._leases.get(lease_id)
         if existing is not None:
@@ -175,7 +218,7 @@ class LeaseBook:
         reservation = self._find_reservation(advertisement_id=advertisement_id, lease_id=lease_id)
         if reservation is not None:
             del self._reservations[reservation.advertisement_id]
-        if not self.fits(resources):
+        if not self.fits(resources) or not self.devices_free(devices):
             return None
         lease = Lease(
             lease_id=lease_id,
@@ -185,6 +228,7 @@ class LeaseBook:
             price=price,
             expires_at=self._clock() + ttl,
             advertisement_id=advertisement_id,
+            devices=tuple(sorted(devices)),
         )
         self._leases[lease_id] = lease
         return lease

@@ -71,6 +71,8 @@ WARM_IMPORTS: dict[str, tuple[str, ...]] = {
         "worker_daemon.executors.data",
         "worker_daemon.executors.pseudo_gradient",
         "worker_daemon.executors.exceptions",
+        "worker_daemon.executors.setup",
+        "worker_daemon.executors.rounds",
     ),
     "parameter-server": (
         "torch",

@@ -31,6 +31,9 @@ SPEC_PATH_OF_FIELD = {
     "outer_learning_rate": ("outer_optimizer", "learning_rate"),
     "outer_momentum": ("outer_optimizer", "momentum"),
     "seed": ("seed",),
+    "weight_decay": ("inner_optimizer", "weight_decay"),
+    **{key: ("training", key) for key in ("max_grad_norm", "gradient_accumulation_steps", "mixed_precision")},
+    **{key: ("training", key) for key in ("gradient_checkpointing", "dataloader_workers")},
     **{
         f"{prefix}_{key}": (role, group, key)
         for role, prefix in (("trainer", "trainer"), ("parameter_server", "ps"))

@@ -54,6 +54,13 @@ FIELD_OF_PATH = {
     "rounds.mix": "mix",
     "batch_size": "batch_size",
     "num_trainers": "num_trainers",
+    "inner_optimizer.weight_decay": "weight_decay",
+    "training": "gradient_accumulation_steps",
+    "training.max_grad_norm": "max_grad_norm",
+    "training.gradient_accumulation_steps": "gradient_accumulation_steps",
+    "training.mixed_precision": "mixed_precision",
+    "training.gradient_checkpointing": "gradient_checkpointing",
+    "training.dataloader_workers": "dataloader_workers",
     "evaluation": "holdout",
     "evaluation.holdout": "holdout",
     "evaluation.batch_size": "eval_batch_size",
@@ -198,6 +205,34 @@ class DiLoCoJobForm(_SpecForm):
     inner_learning_rate = _number("Inner learning rate", 3e-3, "AdamW on the trainers")
     outer_learning_rate = _number("Outer learning rate", 0.7, "Nesterov on the parameter server")
     outer_momentum = _number("Outer momentum", 0.9)
+    # Advanced: the training knobs (docs/configuration.md, "Training knobs"); empty numbers are left out.
+    weight_decay = _number(
+        "Weight decay", None, "AdamW's decoupled weight decay (empty: 0.01)", required=False
+    )
+    max_grad_norm = _number(
+        "Gradient clipping", None, "max global L2 norm of the gradients (empty: no clipping)", required=False
+    )
+    gradient_accumulation_steps = _number(
+        "Gradient accumulation",
+        1,
+        "micro-batches per step (1–1024; must divide the batch size)",
+        integer=True,
+    )
+    mixed_precision = forms.ChoiceField(
+        label="Mixed precision",
+        choices=[("no", "no (float32)"), ("bf16", "bf16 (CPU or GPU)"), ("fp16", "fp16 (CUDA GPU only)")],
+        initial="no",
+        help_text="autocast the forward pass; fp16 needs trainers with a GPU",
+    )
+    gradient_checkpointing = forms.BooleanField(
+        label="Gradient checkpointing", required=False, help_text="less memory, more compute"
+    )
+    dataloader_workers = _number(
+        "Data-loader workers",
+        0,
+        "processes preparing batches (only 0, in-process, is supported yet)",
+        integer=True,
+    )
     holdout = _number(
         "Held-out slices",
         2,
@@ -241,6 +276,17 @@ class DiLoCoJobForm(_SpecForm):
                 "inner_learning_rate",
                 "outer_learning_rate",
                 "outer_momentum",
+            ),
+        ),
+        (
+            "Advanced training",
+            (
+                "weight_decay",
+                "max_grad_norm",
+                "gradient_accumulation_steps",
+                "mixed_precision",
+                "gradient_checkpointing",
+                "dataloader_workers",
             ),
         ),
         (
@@ -307,6 +353,16 @@ class DiLoCoJobForm(_SpecForm):
         for key in ("encoding_block_size", "fragments", "mix"):
             if data.get(key) is not None:
                 spec["rounds"][key] = data[key]
+        if data.get("weight_decay") is not None:
+            spec["inner_optimizer"]["weight_decay"] = data["weight_decay"]
+        spec["training"] = {
+            "gradient_accumulation_steps": data["gradient_accumulation_steps"],
+            "mixed_precision": data["mixed_precision"],
+            "gradient_checkpointing": data["gradient_checkpointing"],
+            "dataloader_workers": data["dataloader_workers"],
+        }
+        if data.get("max_grad_norm") is not None:
+            spec["training"]["max_grad_norm"] = data["max_grad_norm"]
         if data.get("holdout"):
             spec["evaluation"] = {"holdout": data["holdout"], "batch_size": data["eval_batch_size"]}
         return _without_unread(spec)

@@ -17,6 +17,7 @@ the rest for ever, keeping those workers from every other job. Two rules stop th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from django.utils import timezone
@@ -50,6 +51,7 @@ def fleet_warnings(
                 executors={requirement.executor.key()},
                 bid=requirement.bid,
                 reachable=requirement.reachable,
+                devices=targeting.DeviceRequest(count=requirement.devices, memory=requirement.device_memory),
             )
         }
         fit = len(fitting[requirement.role])
@@ -75,8 +77,16 @@ def fleet_warnings(
 
 
 def submission_warnings(job: Job) -> list[str]:
-    """:func:`fleet_warnings` for ``job`` and the workers connected now (two queries)."""
-    return fleet_warnings([job.requirement(role) for role in ROLES], market.connected_candidates())
+    """:func:`fleet_warnings` for ``job`` and the workers connected now (two queries). An elastic pool is
+    warned about only when the fleet cannot serve its ``min`` trainers: it starts with those."""
+    requirements = [job.requirement(role) for role in ROLES]
+    requirements = [
+        dataclasses.replace(requirement, count=job.min_trainers)
+        if requirement.role == TRAINER
+        else requirement
+        for requirement in requirements
+    ]
+    return fleet_warnings(requirements, market.connected_candidates())
 
 
 def due_for_timeout(*, limit: int = 100) -> list:
@@ -108,7 +118,11 @@ def timeout_reason(job: Job) -> str:
         role: job.leases.filter(role=role, status=Lease.Status.ACTIVE).count()
         for role in (TRAINER, PARAMETER_SERVER)
     }
-    trainers = f"{have[TRAINER]} of {job.num_trainers} {ROLE_LABELS[TRAINER][job.num_trainers != 1]}"
+    # An elastic pool needed its min to start.
+    needed = job.min_trainers
+    trainers = f"{have[TRAINER]} of {needed} {ROLE_LABELS[TRAINER][needed != 1]}"
+    if needed < job.num_trainers:
+        trainers += f" (the pool's min; target {job.num_trainers})"
     held = (
         f"{trainers} and the parameter server leased"
         if have[PARAMETER_SERVER]

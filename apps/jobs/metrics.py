@@ -26,6 +26,7 @@ from typing import Any
 
 from django.conf import settings
 
+from apps.jobs import throughput
 from apps.jobs.models import MetricSeries, Task
 
 #: step (uint32), time (float64), count (uint32), loss, loss_min, loss_max, lr, samples/s, tokens/s (float32).
@@ -335,6 +336,7 @@ def job_metrics(job, *, trainer: str | None = None, max_points: int | None = Non
             "bytes_out": round_.bytes_out,
             "samples": round_.samples,
             "duration": round_.duration,
+            "throughput": throughput.of_round(round_.trainer_metrics),
         }
         for round_ in job.rounds.order_by("number")
     ]

@@ -48,6 +48,9 @@ class RoleRequirement:
     max_price: float
     #: How its advert weighs reachable workers: "any", "prefer" or "require" (``apps.market.targeting``).
     reachable: str = "any"
+    #: Devices (GPUs) per worker, each of at least ``device_memory`` GB; 0: no device requirement.
+    devices: int = 0
+    device_memory: float = 0.0
 
 
 class Job(models.Model):
@@ -119,6 +122,13 @@ class Job(models.Model):
     def is_final(self) -> bool:
         return self.status in self.FINAL
 
+    @property
+    def min_trainers(self) -> int:
+        """The trainers the job starts training with (its pool's ``min``, stored in ``spec["trainers"]``);
+        ``num_trainers`` is the target it grows toward. Without a pool both are ``num_trainers``."""
+        pool = (self.spec or {}).get("trainers") or {}
+        return min(int(pool.get("min") or self.num_trainers), self.num_trainers)
+
     def requirement(self, role: str) -> RoleRequirement:
         entry = self.requirements[role]
         return RoleRequirement(
@@ -130,6 +140,9 @@ class Job(models.Model):
             max_price=float(entry["max"]),
             # A job stored before the key existed prefers, as a new one does by default.
             reachable=entry.get("reachable", "prefer") if role == PARAMETER_SERVER else "any",
+            # Jobs stored before devices existed ask for none.
+            devices=int(entry["resources"].get("devices") or 0),
+            device_memory=float(entry["resources"].get("device_memory") or 0.0),
         )
 
     def transition(self, to: str, *, reason: str) -> None:

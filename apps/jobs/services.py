@@ -153,6 +153,8 @@ def allocate(job_id) -> None:
                     bid=requirement.bid,
                     max_price=requirement.max_price,
                     reachable=requirement.reachable,
+                    devices=requirement.devices,
+                    device_memory=requirement.device_memory,
                 )
         refresh_status(job)
 
@@ -166,10 +168,21 @@ def refresh_status(job: Job) -> None:
         f"{have} of {want} {ROLE_LABELS[role][1] if want != 1 else ROLE_LABELS[role][0]}"
         for role, (have, want) in counts.items()
     )
-    if all(have >= want for have, want in counts.values()):
+    # An elastic pool (docs/training.md, "Elastic pools") starts at its min trainers; the advert keeps asking
+    # for the rest (allocate() counts toward the target) and a newcomer is dispatched like a replacement.
+    enough = all(
+        have >= (job.min_trainers if role == TRAINER else want) for role, (have, want) in counts.items()
+    )
+    if enough:
         total = sum(want for _, want in counts.values())
         target = Job.Status.RUNNING if job.status == Job.Status.RUNNING else Job.Status.ALLOCATED
-        reason = f"{target.upper()}: all {total} leases active ({summary})"
+        if all(have >= want for have, want in counts.values()):
+            reason = f"{target.upper()}: all {total} leases active ({summary})"
+        else:
+            reason = (
+                f"{target.upper()}: {summary} leased, at least the {job.min_trainers} trainers the job "
+                "starts with; advertising for the rest"
+            )
     else:
         target = Job.Status.ALLOCATING
         reason = f"ALLOCATING: {summary} leased"
@@ -612,6 +625,7 @@ def _lease_info(lease: Lease, now) -> protocol.LeaseInfo:
         role=lease.role,
         status=lease.status,
         resources=lease.resources,
+        devices=lease.devices,
         price=lease.price,
         expires_in=max(0.0, (lease.expires_at - now).total_seconds()),
     )

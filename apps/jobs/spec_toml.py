@@ -22,6 +22,7 @@ from apps.jobs.spec import (
     TRAINER_EXECUTOR,
     DiLoCoSpec,
     ResourcesSpec,
+    TrainingSpec,
     field_errors,
 )
 from hypha_site.parsers import document_depth, toml_nesting
@@ -190,6 +191,9 @@ class _TomlTranslation:
             # Ours, not Hypha's: held-out slices whose loss the parameter server reports every round.
             self.rename["evaluation"] = self.path("evaluation")
             data["evaluation"] = evaluation
+        training = self.subtable(table, "training", ())
+        if training is not None:
+            self.training(training, data)
         resources = self.subtable(table, "resources", ())
         if resources is not None:
             self.resources(resources, data)
@@ -286,7 +290,8 @@ class _TomlTranslation:
         keys = (name,)
         self.rename[name] = self.path(name)
         result: dict[str, Any] = {}
-        for key in ("learning_rate", "betas", "epsilon", "momentum"):
+        # ``weight_decay``: ours (AdamW's decoupled weight decay; the inner optimizer only).
+        for key in ("learning_rate", "betas", "epsilon", "momentum", "weight_decay"):
             spellings = (key.replace("_", "-"), key) if "_" in key else (key,)
             value = self.take(table, keys, spellings, f"{name}.{key}")
             if value is not None:
@@ -330,11 +335,23 @@ class _TomlTranslation:
             value["type"] = value["type"].removesuffix("-with-warmup")
         return value
 
+    def training(self, table: dict, data: dict) -> None:
+        """Ours, not Hypha's: the ``[….training]`` knobs (docs/configuration.md, "Training knobs"), in snake or
+        kebab case."""
+        self.rename["training"] = self.path("training")
+        data["training"] = {}
+        for key in TrainingSpec.model_fields:
+            value = self.take(table, ("training",), (key, key.replace("_", "-")), f"training.{key}")
+            if value is not None:
+                data["training"][key] = value
+        self.unknown(table, ("training",))
+
     def resources(self, table: dict, data: dict) -> None:
         keys = ("resources",)
         count = self.take(table, keys, ("num_workers",), "num_trainers")
         if count is not None:
             data["num_trainers"] = count
+        self.pools(table, data)
         for toml_role, role in (("worker", "trainer"), ("parameter_server", "parameter_server")):
             block: dict[str, Any] = {}
             value = table.pop(toml_role, None)
@@ -354,6 +371,33 @@ class _TomlTranslation:
             if block:
                 data[role] = block
         self.unknown(table, keys)
+
+    def pools(self, table: dict, data: dict) -> None:
+        """Hypha's ``worker_pool`` (``min``, ``target``, ``grace_ms``) as the spec's ``trainers`` pool; its
+        ``parameter_server_pool`` is accepted with one parameter server (``min = target = 1``) only."""
+        keys = ("resources", "worker_pool")
+        pool = self.subtable(table, "worker_pool", ("resources",))
+        if pool is not None:
+            trainers: dict[str, Any] = {}
+            for key in ("min", "target"):
+                if key in pool:
+                    self.rename[f"trainers.{key}"] = self.path(*keys, key)
+                    trainers[key] = pool.pop(key)
+            if "grace_ms" in pool:
+                self.rename["trainers.grace"] = self.path(*keys, "grace_ms")
+                grace = pool.pop("grace_ms")
+                trainers["grace"] = grace / 1000 if isinstance(grace, int | float) else grace
+            self.unknown(pool, keys)
+            self.rename["trainers"] = self.path(*keys)
+            data["trainers"] = trainers
+        keys = ("resources", "parameter_server_pool")
+        server_pool = self.subtable(table, "parameter_server_pool", ("resources",))
+        if server_pool is not None:
+            for key in ("min", "target"):
+                if key in server_pool and server_pool.pop(key) != 1:
+                    self.error(self.path(*keys, key), "A job has exactly one parameter server: must be 1.")
+            server_pool.pop("grace_ms", None)
+            self.unknown(server_pool, keys)
 
     def requirement_list(self, entries: list, keys: tuple[str, ...], role: str) -> dict:
         """The docs' ``[[resources.worker]]`` arrays: ``{type = "GPU", min = 10.0}`` or ``{kind = <executor>}``."""

@@ -17,7 +17,9 @@ class LeaseEventInline(ReadOnlyTabularInline):
 
 @admin.register(Lease)
 class LeaseAdmin(ReadOnlyModelAdmin):
-    list_display = ["id", "job", "role", "worker", "status", "price", "expires_at", "renewals", "created_at"]
+    list_display = [
+        "id", "job", "role", "worker", "status", "devices", "price", "expires_at", "renewals", "created_at"
+    ]  # fmt: skip
     list_filter = ["status", "role"]
     search_fields = ["=id", "=job__id", "job__name", "worker__name"]
     list_select_related = ["job", "worker"]

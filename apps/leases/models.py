@@ -44,6 +44,9 @@ class Lease(ResourceColumns):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.TEMPORARY)
     status_reason = models.CharField(max_length=300, blank=True)
     price = models.FloatField()
+    devices = models.JSONField(
+        default=list, blank=True, help_text="Device indices (CUDA ordinals) the lease holds on its worker."
+    )
     expires_at = models.DateTimeField()
     renewals = models.PositiveIntegerField(default=0)
     renewal_requested_at = models.DateTimeField(null=True, blank=True)

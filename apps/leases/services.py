@@ -19,6 +19,7 @@ The gateway resumes a stopped clock too (:func:`live_leases`), since after a res
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -66,6 +67,28 @@ def live_usage(worker_id, *, now: datetime | None = None) -> Resources:
     return _resources(live_leases(worker_id, now=now).aggregate(**_USAGE))
 
 
+def held_devices(worker_id, *, now: datetime | None = None) -> set[int]:
+    """The device indices the worker's live leases hold."""
+    return {
+        index
+        for devices in live_leases(worker_id, now=now).values_list("devices", flat=True)
+        for index in devices
+    }
+
+
+def held_devices_by_worker(workers, *, now: datetime) -> dict:
+    """Worker id → the device indices its live leases hold, for the workers of the queryset ``workers`` that
+    hold any (one query; like :func:`live_usage_by_worker` it does not resume a stopped lease clock)."""
+    held: dict = {}
+    rows = Lease.objects.filter(status__in=Lease.LIVE, expires_at__gt=now, worker__in=workers).values_list(
+        "worker_id", "devices"
+    )
+    for worker_id, devices in rows:
+        if devices:
+            held.setdefault(worker_id, set()).update(devices)
+    return held
+
+
 def live_usage_by_worker(workers, *, now: datetime) -> dict:
     """Worker id → the resources held by its live leases, for the workers of the queryset ``workers`` that
     hold any (one query; unlike :func:`live_usage` it does not resume a stopped lease clock)."""
@@ -77,8 +100,13 @@ def live_usage_by_worker(workers, *, now: datetime) -> dict:
     return {row["worker_id"]: _resources(row) for row in rows}
 
 
-def reserve(*, worker_id, job, role: str, resources: Resources, price: float) -> Lease:
-    """Create a TEMPORARY lease for an open offer, if the worker has room; :class:`CapacityExceeded` if not."""
+def reserve(
+    *, worker_id, job, role: str, resources: Resources, price: float, devices: Sequence[int] = ()
+) -> Lease:
+    """Create a TEMPORARY lease for an open offer, if the worker has room; :class:`CapacityExceeded` if not.
+
+    ``devices`` (device indices of the worker) must be held by none of the worker's live leases: the leases of
+    one worker hold disjoint devices."""
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         now = timezone.now()
@@ -88,6 +116,10 @@ def reserve(*, worker_id, job, role: str, resources: Resources, price: float) ->
                 f"worker {worker.name} holds {in_use.model_dump()} of {worker.capacity.model_dump()}; "
                 f"{resources.model_dump()} more does not fit"
             )
+        held = held_devices(worker_id, now=now)
+        taken = sorted(held.intersection(devices))
+        if taken:
+            raise CapacityExceeded(f"device(s) {taken} of worker {worker.name} are held by another lease")
         lease = Lease.objects.create(
             worker=worker,
             job=job,
@@ -95,6 +127,7 @@ def reserve(*, worker_id, job, role: str, resources: Resources, price: float) ->
             status=Lease.Status.TEMPORARY,
             price=price,
             **resources.model_dump(),
+            devices=sorted(devices),
             expires_at=now + offer_ttl(),
         )
         LeaseEvent.objects.create(

@@ -46,6 +46,8 @@ class Advertisement(ResourceColumns):
     role = models.CharField(max_length=32)
     wanted = models.PositiveIntegerField(help_text="Workers still needed for the role.")
     executors = models.JSONField(default=list)
+    devices = models.PositiveIntegerField(default=0, help_text="Devices (GPUs) per worker; 0: none needed.")
+    device_memory = models.FloatField(default=0, help_text="GB of memory per device.")
     bid = models.FloatField(help_text="Public price per worker, broadcast to daemons.")
     max_price = models.FloatField(help_text="Private maximum; offers above it are declined.")
     reachable = models.CharField(

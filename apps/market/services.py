@@ -56,6 +56,8 @@ def advertisement_message(ad: Advertisement) -> protocol.Advertisement:
         job_id=ad.job_id,
         role=ad.role,
         resources=ad.resources,
+        devices=ad.devices,
+        device_memory=ad.device_memory,
         executors=ad.executor_descriptors,
         bid=ad.bid,
         wanted=ad.wanted,
@@ -73,9 +75,12 @@ def advertise(
     bid: float,
     max_price: float,
     reachable: str = Advertisement.Reachability.ANY,
+    devices: int = 0,
+    device_memory: float = 0.0,
 ) -> Advertisement:
     """Open an advertisement for ``wanted`` workers of ``role`` and send it to the daemons that could take it
-    (``reachable``: its reachability policy, :class:`Advertisement.Reachability`)."""
+    (``reachable``: its reachability policy, :class:`Advertisement.Reachability`; ``devices`` of
+    ``device_memory`` GB each per worker, 0: none)."""
     now = timezone.now()
     ad = Advertisement(
         job=job,
@@ -86,6 +91,8 @@ def advertise(
         bid=bid,
         max_price=max_price,
         reachable=reachable,
+        devices=devices,
+        device_memory=device_memory,
         window_closes_at=now + timedelta(seconds=settings.HYPHA_OFFER_WINDOW),
     )
     _choose_targets(ad, now=now)
@@ -109,6 +116,7 @@ def _choose_targets(ad: Advertisement, *, now, exclude: frozenset = frozenset())
         ),
         asked=ad.asked,
         reachable=ad.reachable,
+        devices=device_request(ad),
     )
     ad.targets = [str(worker_id) for worker_id in targets]
     ad.asked = targeting.count_asked(ad.asked, targets)
@@ -122,6 +130,7 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
     if worker_id is not None:
         workers = workers.filter(pk=worker_id)
     used = lease_services.live_usage_by_worker(workers, now=now)
+    held = lease_services.held_devices_by_worker(workers, now=now)
     return [
         targeting.Candidate(
             worker_id=worker.pk,
@@ -132,6 +141,8 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
             strategy=worker.strategy,
             benchmark_score=worker.benchmark_score,
             reachable=worker.reachable,
+            devices=tuple(worker.device_list()),
+            held_devices=frozenset(held.get(worker.pk, ())),
         )
         for worker in workers.only(*_CANDIDATE_FIELDS)
     ]
@@ -139,7 +150,7 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
 
 #: What the market reads of a worker: its declared resources, the operator's caps, its terms and benchmark.
 _CAPACITY_FIELDS = ("cpu", "memory", "storage", "gpu", *Worker.CAP_FIELDS.values(), "benchmark_score")
-_CANDIDATE_FIELDS = ("id", *_CAPACITY_FIELDS, "executors", "price_floor", "strategy", "reachable")
+_CANDIDATE_FIELDS = ("id", *_CAPACITY_FIELDS, "executors", "price_floor", "strategy", "reachable", "devices")
 
 
 def fleet_yardstick() -> targeting.Yardstick | None:
@@ -177,8 +188,13 @@ def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
             executors=ad.executor_keys(),
             bid=ad.bid,
             reachable=ad.reachable,
+            devices=device_request(ad),
         )
     ]
+
+
+def device_request(ad: Advertisement) -> targeting.DeviceRequest:
+    return targeting.DeviceRequest(count=ad.devices, memory=ad.device_memory)
 
 
 def set_wanted(ad: Advertisement, wanted: int) -> None:
@@ -220,6 +236,11 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             )
         if not ad.resources.fits_within(message.resources):
             raise OfferRefused("offered resources are below the advertised minimum")
+        unfit = protocol.devices_fit(
+            worker.device_list(), message.devices, count=ad.devices, memory=ad.device_memory
+        )
+        if unfit is not None:
+            raise OfferRefused(f"offered devices do not meet the advertisement: {unfit}")
         if not message.resources.fits_within(worker.resources):
             raise OfferRefused("offered resources exceed the worker's declared capacity")
         # The operator's cap: the worker is held (and ranked) for no more than it, whatever it offered.
@@ -254,6 +275,7 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
                     role=ad.role,
                     resources=offered,
                     price=message.price,
+                    devices=message.devices,
                 )
                 offer = Offer.objects.create(**fields, lease=lease, expires_at=lease.expires_at)
         except CapacityExceeded as error:
@@ -367,6 +389,7 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
                     job_id=ad.job_id,
                     role=ad.role,
                     resources=offer.lease.resources,
+                    devices=offer.lease.devices,
                     price=offer.lease.price,
                     expires_in=(offer.lease.expires_at - granted_at).total_seconds(),
                 ),

@@ -12,7 +12,10 @@ capacity first:
    every executor configured, ``bid >= floor``, the advert's resources within its capacity) and the rule
    the market checks when the offer arrives (``apps.market.services.record_offer``): what it would offer —
    its whole capacity under strategy ``whole``, the advert's resources under ``flexible`` — is free, i.e. not
-   held by its live leases, TEMPORARY ones (open offers elsewhere) included.
+   held by its live leases, TEMPORARY ones (open offers elsewhere) included. An advert asking for ``devices``
+   also needs that many of the worker's devices of ``device_memory`` GB free (held by none of its live
+   leases); a ``whole`` daemon then offers only those devices' share of its capacity
+   (:func:`worker_daemon.protocol.device_share`), so it can hold several leases on disjoint devices.
 2. **Rank**: first the daemons asked least often by the advert's earlier attempts — so an attempt that
    closed short asks others next instead of the same few again (the best-ranked daemons may be the ones
    that never win: their asking price above the job's maximum, or busy elsewhere by the time the advert
@@ -68,7 +71,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from worker_daemon.protocol import Resources
+from worker_daemon.protocol import Device, Resources, choose_devices, device_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,23 @@ class Candidate:
     benchmark_score: float | None = None
     #: What its daemon declared: "true", "false" or "auto" (``apps.workers.models.Reachable``).
     reachable: str = "auto"
+    #: Its devices (GPUs) as its daemon declared them, and the indices its live leases hold.
+    devices: tuple[Device, ...] = ()
+    held_devices: frozenset[int] = frozenset()
+
+    def free_devices(self) -> list[Device]:
+        return [device for device in self.devices if device.index not in self.held_devices]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRequest:
+    """What an advert asks in devices: ``count`` per worker of at least ``memory`` GB each (0: none)."""
+
+    count: int = 0
+    memory: float = 0.0
+
+
+NO_DEVICES = DeviceRequest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +170,18 @@ def reachability_rank(score: float, declared: str, policy: str) -> tuple[float, 
     return rank_key(score * factor), _TIERS.get(declared, 1)
 
 
-def offered_resources(candidate: Candidate, *, resources: Resources) -> Resources:
-    """What the worker's daemon would offer on an advert for ``resources`` (``worker_daemon.arbiter.offer_terms``)."""
-    return candidate.capacity if candidate.strategy == "whole" else resources
+def offered_resources(
+    candidate: Candidate, *, resources: Resources, devices: DeviceRequest = NO_DEVICES
+) -> Resources:
+    """What the worker's daemon would offer on an advert for ``resources`` (``worker_daemon.arbiter.offer_terms``;
+    under ``whole`` with devices, their share of its capacity, at least ``resources``)."""
+    if candidate.strategy != "whole":
+        return resources
+    chosen = choose_devices(candidate.free_devices(), count=devices.count, memory=devices.memory)
+    if devices.count > 0 and chosen and candidate.devices:
+        share = device_share(candidate.capacity, devices=candidate.devices, chosen=chosen)
+        return resources + (share - resources)  # the component-wise maximum, as the daemon offers
+    return candidate.capacity
 
 
 def could_offer(
@@ -162,12 +191,17 @@ def could_offer(
     executors: Iterable[tuple[str, str]],
     bid: float,
     reachable: str = ANY,
+    devices: DeviceRequest = NO_DEVICES,
 ) -> bool:
     """Whether the worker's daemon would offer on the advert, and the market would take the offer (under the
-    advert's reachability policy ``reachable``)."""
-    if not could_serve(candidate, resources=resources, executors=executors, bid=bid, reachable=reachable):
+    advert's reachability policy ``reachable``; ``devices`` free on it)."""
+    if not could_serve(
+        candidate, resources=resources, executors=executors, bid=bid, reachable=reachable, devices=devices
+    ):
         return False
-    return offered_resources(candidate, resources=resources).fits_within(candidate.free)
+    if choose_devices(candidate.free_devices(), count=devices.count, memory=devices.memory) is None:
+        return False
+    return offered_resources(candidate, resources=resources, devices=devices).fits_within(candidate.free)
 
 
 def could_serve(
@@ -177,6 +211,7 @@ def could_serve(
     executors: Iterable[tuple[str, str]],
     bid: float,
     reachable: str = ANY,
+    devices: DeviceRequest = NO_DEVICES,
 ) -> bool:
     """Whether the worker fits the role at all — :func:`could_offer` once its leases end: the executors, the
     reachability policy, ``bid`` at least its floor and ``resources`` within its capacity (what it holds now
@@ -185,15 +220,23 @@ def could_serve(
         return False
     if reachable == REQUIRE and not is_reachable(candidate.reachable):
         return False
+    if choose_devices(candidate.devices, count=devices.count, memory=devices.memory) is None:
+        return False
     return bid >= candidate.price_floor and resources.fits_within(candidate.capacity)
 
 
 def best_score(
-    candidate: Candidate, *, resources: Resources, bid: float, stick: Yardstick | None = None
+    candidate: Candidate,
+    *,
+    resources: Resources,
+    bid: float,
+    stick: Yardstick | None = None,
+    devices: DeviceRequest = NO_DEVICES,
 ) -> float:
     """The lowest price per weighted capacity the worker can offer, its capacity counted as far as its
     benchmark supports it at the fleet's rate ``stick`` (lower wins the market)."""
-    weighted = offered_resources(candidate, resources=resources).weighted() * share_of(candidate, stick)
+    offered = offered_resources(candidate, resources=resources, devices=devices)
+    weighted = offered.weighted() * share_of(candidate, stick)
     return bid / weighted if weighted > 0 else math.inf
 
 
@@ -218,6 +261,7 @@ def choose_targets(
     asked: Mapping[str, int] | None = None,
     rng: random.Random | None = None,
     reachable: str = ANY,
+    devices: DeviceRequest = NO_DEVICES,
 ) -> list[uuid.UUID]:
     """The workers to send an advert attempt to, best rank first (see the module docstring).
 
@@ -234,7 +278,7 @@ def choose_targets(
             (
                 asked.get(str(candidate.worker_id), 0),
                 *reachability_rank(
-                    best_score(candidate, resources=resources, bid=bid, stick=stick),
+                    best_score(candidate, resources=resources, bid=bid, stick=stick, devices=devices),
                     candidate.reachable,
                     reachable,
                 ),
@@ -243,7 +287,14 @@ def choose_targets(
                 candidate,
             )
             for candidate in candidates
-            if could_offer(candidate, resources=resources, executors=executors, bid=bid, reachable=reachable)
+            if could_offer(
+                candidate,
+                resources=resources,
+                executors=executors,
+                bid=bid,
+                reachable=reachable,
+                devices=devices,
+            )
         ),
         key=lambda item: item[:5],
     )

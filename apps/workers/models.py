@@ -12,7 +12,7 @@ from django.core.validators import MinValueValidator
 from django.db import models, transaction
 from django.utils import timezone
 
-from worker_daemon.protocol import BenchmarkResult, ExecutorDescriptor, Resources
+from worker_daemon.protocol import BenchmarkResult, Device, ExecutorDescriptor, Resources
 
 TOKEN_PREFIX = "hw_"
 
@@ -81,6 +81,11 @@ class Worker(ResourceColumns):
     token_hint = models.CharField(max_length=16, editable=False, help_text="First characters of the token.")
     token_revoked_at = models.DateTimeField(null=True, blank=True)
     executors = models.JSONField(default=list, blank=True, help_text='[{"class": "train", "name": "…"}, …]')
+    devices = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='Its devices (GPUs), as its daemon declares them: [{"index": 0, "memory": 24, "name": "…"}, …]',
+    )
     price_floor = models.FloatField(default=0)
     strategy = models.CharField(max_length=16, default="whole")
     reachable = models.CharField(
@@ -174,6 +179,7 @@ class Worker(ResourceColumns):
         strategy: str,
         info: dict,
         reachable: bool | str = "auto",
+        devices: list[Device] | None = None,
     ) -> None:
         """Record a (re)connection; the newest connection wins the worker."""
         now = timezone.now()
@@ -183,6 +189,7 @@ class Worker(ResourceColumns):
         self.last_seen_at = now
         self.set_resources(resources)
         self.executors = [descriptor.model_dump(by_alias=True) for descriptor in executors]
+        self.devices = [device.model_dump() for device in devices or []]
         self.price_floor = price_floor
         self.strategy = strategy
         self.reachable = Reachable.of(reachable)
@@ -198,6 +205,7 @@ class Worker(ResourceColumns):
                 "storage",
                 "gpu",
                 "executors",
+                "devices",
                 "price_floor",
                 "strategy",
                 "reachable",
@@ -241,6 +249,10 @@ class Worker(ResourceColumns):
 
     def executor_keys(self) -> set[tuple[str, str]]:
         return {(item.get("class", ""), item.get("name", "")) for item in self.executors}
+
+    def device_list(self) -> list[Device]:
+        """Its devices as its daemon declared them (none for an older daemon or a ``gpu = N`` config)."""
+        return [Device.model_validate(device) for device in self.devices]
 
 
 USER_TOKEN_PREFIX = "hu_"

@@ -92,6 +92,7 @@ def record_connection(*, worker: Worker, channel_name: str, hello: protocol.Hell
             strategy=hello.strategy,
             info=info,
             reachable=hello.reachable,
+            devices=hello.devices,
         )
         if hello.benchmark is not None:
             worker.record_benchmark(hello.benchmark)

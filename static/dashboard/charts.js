@@ -1,6 +1,6 @@
 /* The job page's run charts (docs/dashboard.md, "Per-step metrics and the run charts"), drawn with the vendored
  * Chart.js from GET /api/jobs/<id>/metrics/: training loss per step (each trainer and their mean), learning rate
- * per step, samples/s and tokens/s over time, bytes per round.
+ * per step, samples/s and tokens/s over time, bytes per round, and each trainer's samples/s and tokens/s per round.
  *
  * Controls: EMA smoothing (TensorBoard's debiased exponential moving average; the raw mean stays as a faint line),
  * a log-scale toggle for the loss and lr axes, and an x-range zoom: drag across a chart to zoom it to that range,
@@ -130,6 +130,48 @@
     });
   }
 
+  // Samples/s (solid, left axis) and tokens/s (dashed, right axis) of each trainer in each round, from the rounds'
+  // `throughput` (apps/jobs/throughput.py): what the trainers reported with each round's metrics.
+  function roundThroughputChart(canvas) {
+    var chart = lineChart(canvas, "round", "samples/s");
+    chart.options.scales.y1 = { type: "linear", position: "right", title: { display: true, text: "tokens/s" },
+      grid: { drawOnChartArea: false } };
+    chart.options.elements.point.radius = 2;
+    return chart;
+  }
+
+  function roundThroughputDatasets(rounds, trainers) {
+    var names = {};
+    trainers.forEach(function (trainer) { names[String(trainer.worker_id)] = trainer.worker; });
+    var workers = [];
+    rounds.forEach(function (round) {
+      Object.keys((round.throughput && round.throughput.trainers) || {}).forEach(function (worker) {
+        if (workers.indexOf(worker) < 0) { workers.push(worker); }
+      });
+    });
+    var datasets = [];
+    workers.forEach(function (worker, index) {
+      var color = PALETTE[index % PALETTE.length];
+      var label = "trainer " + (names[worker] || worker.slice(0, 8));
+      function series(field) {
+        return rounds.map(function (round) {
+          var facts = ((round.throughput && round.throughput.trainers) || {})[worker] || {};
+          return { x: round.number, y: facts[field] === undefined ? null : facts[field] };
+        });
+      }
+      var samples = series("samples_per_second");
+      var tokens = series("tokens_per_second");
+      if (samples.some(function (point) { return point.y !== null; })) {
+        datasets.push({ label: label + " samples/s", borderColor: color, backgroundColor: color, yAxisID: "y", data: samples });
+      }
+      if (tokens.some(function (point) { return point.y !== null; })) {
+        datasets.push({ label: label + " tokens/s", borderColor: color, backgroundColor: color, borderDash: [5, 4],
+          yAxisID: "y1", data: tokens });
+      }
+    });
+    return datasets;
+  }
+
   // Replace a chart's datasets, keeping the objects of those with the same label (Chart.js keeps their state:
   // hidden by a legend click stays hidden).
   function setDatasets(chart, datasets) {
@@ -155,7 +197,8 @@
       lr: lineChart(document.getElementById("lr-chart"), "step", "learning rate"),
       samples: lineChart(document.getElementById("samples-chart"), "seconds since the first step", "samples/s"),
       tokens: lineChart(document.getElementById("tokens-chart"), "seconds since the first step", "tokens/s"),
-      bytes: barChart(document.getElementById("bytes-chart"))
+      bytes: barChart(document.getElementById("bytes-chart")),
+      throughput: roundThroughputChart(document.getElementById("round-throughput-chart"))
     };
     window.hyphaRunCharts = charts;
     var metrics = null;
@@ -210,7 +253,9 @@
       [charts.loss, charts.lr].forEach(function (chart) {
         chart.options.scales.y.type = log ? "logarithmic" : "linear";
       });
-      Object.keys(charts).forEach(function (key) { if (key !== "bytes") { charts[key].update("none"); } });
+      Object.keys(charts).forEach(function (key) {
+        if (key !== "bytes" && key !== "throughput") { charts[key].update("none"); }
+      });
 
       var rounds = metrics.rounds || [];
       charts.bytes.data.labels = rounds.map(function (round) { return round.number; });
@@ -219,6 +264,8 @@
         { label: "bytes out (results)", backgroundColor: "#1a7f4b", data: rounds.map(function (round) { return round.bytes_out; }) }
       ]);
       charts.bytes.update("none");
+      setDatasets(charts.throughput, roundThroughputDatasets(rounds, trainers));
+      charts.throughput.update("none");
 
       // For tests and readers of the page: how many stored points each chart drew from.
       card.dataset.trainers = String(trainers.length);

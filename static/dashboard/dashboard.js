@@ -223,10 +223,11 @@
       document.querySelectorAll("#leases .role").forEach(function (roleBox) {
         var rows = (state.leases || []).filter(function (lease) { return lease.role === roleBox.dataset.role; })
           .map(function (lease) {
-            return row([workerLink(lease.worker, lease.worker_id), badge(lease.status, "lease"), price(lease.price),
-              num(lease.renewals), when(lease.expires_at)]);
+            var devices = (lease.devices || []).join(",") || "\u2014";
+            return row([workerLink(lease.worker, lease.worker_id), badge(lease.status, "lease"), devices,
+              price(lease.price), num(lease.renewals), when(lease.expires_at)]);
           });
-        replaceRows(roleBox.querySelector("tbody"), rows, "None yet.", 5);
+        replaceRows(roleBox.querySelector("tbody"), rows, "None yet.", 6);
       });
     }
 

@@ -106,7 +106,12 @@ def job_with_metrics(settings):
             mean_loss=4.2 - number,
             bytes_in=4096 * number,
             bytes_out=2048 * number,
-        )
+            # what rig-a reported with the round's metrics: its throughput (the round-throughput chart)
+            trainer_metrics={
+                str(first.lease.worker_id): {"samples_per_second": 100.0 * number, "tokens": 1000.0 * number,
+                                             "train_seconds": 1.0}
+            },
+        )  # fmt: skip
     return job, first
 
 
@@ -144,7 +149,14 @@ def _drive(page, base: str, job: Job, first: Task) -> None:
     # Every chart is drawn from the API's data: 150 steps per trainer, stored in at most 100 points each.
     card = page.locator("#run-charts")
     expect(card).to_have_attribute("data-loaded", "1")
-    for canvas in ("step-loss-chart", "lr-chart", "samples-chart", "tokens-chart", "bytes-chart"):
+    for canvas in (
+        "step-loss-chart",
+        "lr-chart",
+        "samples-chart",
+        "tokens-chart",
+        "bytes-chart",
+        "round-throughput-chart",
+    ):
         expect(page.locator(f"#{canvas}")).to_be_visible()
     stored = _off_the_loop(lambda: len(metrics.stored_points(MetricSeries.objects.get(task=first))))
     assert 50 <= stored <= 100
@@ -156,6 +168,13 @@ def _drive(page, base: str, job: Job, first: Task) -> None:
     assert page.evaluate("window.hyphaRunCharts.samples.data.datasets[0].data[0].y") == pytest.approx(160.0)
     assert page.evaluate("window.hyphaRunCharts.tokens.data.datasets[0].data[0].y") == pytest.approx(20480.0)
     assert page.evaluate("window.hyphaRunCharts.bytes.data.datasets[0].data") == [4096, 8192, 12288]
+    throughput = page.evaluate(
+        "window.hyphaRunCharts.throughput.data.datasets.map(d => [d.label, d.yAxisID, d.data.map(p => p.y)])"
+    )
+    assert throughput == [
+        ["trainer rig-a samples/s", "y", [100.0, 200.0, 300.0]],
+        ["trainer rig-a tokens/s", "y1", [1000.0, 2000.0, 3000.0]],
+    ]
     expect(page.locator("#run-charts-empty")).to_be_hidden()
 
     # Smoothing: the mean's smoothed line moves with the slider; the raw mean does not.

@@ -17,6 +17,7 @@ PUBLIC_KEYS = {
     "name",
     "status",
     "resources",
+    "devices",
     "executors",
     "price_floor",
     "reachable",

@@ -122,6 +122,31 @@ def test_the_state_of_a_job_after_a_round_is_in_the_exposition(running_job, onli
 
 
 @pytest.mark.django_db
+def test_a_running_jobs_throughput_is_a_gauge_labelled_by_the_job(running_job, online_rigs, client):
+    # given: both trainers report round 1 (tokens/s of one derived from tokens over train time), and one
+    # reports round 2 before the round closes
+    rig_a, rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    one = {"loss": 2.5, "samples_per_second": 40.0, "tokens_per_second": 5120.0}
+    status(rig_a, task_of(running_job, rig_a), {"metrics": {"round": 1, "metrics": one}})
+    other = {"loss": 2.5, "samples_per_second": 10.0, "tokens": 1536.0, "train_seconds": 1.2}
+    status(rig_b, task_of(running_job, rig_b), {"metrics": {"round": 1, "metrics": other}})
+    report = {"round": 1, "participants": [str(rig_a.pk), str(rig_b.pk)]}
+    assert status(rig_c, task_of(running_job, rig_c), {"round": report}) == {"type": "Ok"}
+    status(rig_a, task_of(running_job, rig_a), {"metrics": {"round": 2, "metrics": one}})
+
+    # when
+    text = client.get("/metrics").content.decode()
+
+    # then: the closed round's sums (the open round has heard from one trainer only)
+    job = str(running_job.pk)
+    assert samples(text, "hypha_job_samples_per_second", "hypha_job_tokens_per_second") == {
+        ("hypha_job_samples_per_second", ("job", job)): 50.0,
+        ("hypha_job_tokens_per_second", ("job", job)): 6400.0,
+    }
+
+
+@pytest.mark.django_db
 def test_an_empty_control_plane_exposes_zeros(client):
     text = client.get("/metrics").content.decode()
     state = samples(text, *STATE)

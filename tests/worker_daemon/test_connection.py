@@ -62,6 +62,7 @@ async def test_daemon_says_hello_with_its_token(control_plane, daemons, worker_c
         "protocol_version": 1,
         "daemon_version": daemon_version(),
         "resources": CAPACITY_FRAME,
+        "devices": [],
         "executors": [
             {"class": "train", "name": "diloco-transformer"},
             {"class": "aggregate", "name": "parameter-server"},
@@ -96,6 +97,7 @@ async def test_offers_on_a_fitting_advert_only(control_plane, daemons, worker_co
         "attempt": 0,
         "price": 150.0,
         "resources": CAPACITY_FRAME,
+        "devices": [],
         "benchmark_score": None,
     }
     await connection.expect_silence()

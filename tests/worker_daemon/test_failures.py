@@ -223,3 +223,51 @@ async def test_the_job_manager_reports_the_childs_failure_not_the_launchers(shor
     # then
     assert (exited.exit_code, exited.cancelled, exited.reason) == (1, False, ROOT)
     assert exited.log_tail.splitlines()[-1].startswith("subprocess.CalledProcessError")
+
+
+#: A trainer that runs out of CUDA memory, as PyTorch 2.x says it (raised on CPU: the exception is the same).
+OOM_CHILD = textwrap.dedent(
+    """
+    import torch
+    raise torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.15 GiB of which "
+        "1.02 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
+        "allocated memory 76.50 GiB is allocated by PyTorch, and 1.10 GiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+    """
+)
+
+
+def test_a_cuda_out_of_memory_error_under_a_launcher_gives_the_device_and_the_allocation(tmp_path):
+    pytest.importorskip("torch")
+    child, launcher = tmp_path / "child.py", tmp_path / "launcher.py"
+    child.write_text(OOM_CHILD)
+    launcher.write_text(LAUNCHER)
+
+    # when
+    code, lines = output_of(sys.executable, str(launcher), str(child))
+
+    # then
+    assert code == 1
+    assert any(line.startswith("torch.OutOfMemoryError: CUDA out of memory.") for line in lines)
+    assert root_cause(lines) == (
+        "CUDA out of memory on device 1 (tried to allocate 2.00 GiB; total capacity 79.15 GiB, 1.02 GiB free)"
+    )
+
+
+def test_an_older_pytorchs_out_of_memory_message_and_a_logged_one_are_put_the_same_way():
+    old = [
+        "Traceback (most recent call last):",
+        '  File "train.py", line 3, in <module>',
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.90 GiB total "
+        "capacity; 14.50 GiB already allocated; 3.75 MiB free; 14.60 GiB reserved in total by PyTorch)",
+    ]
+    logged = ["2026-01-01 00:00:00 ERROR worker_daemon.executors.training: CUDA out of memory."]
+
+    assert (
+        root_cause(old)
+        == "CUDA out of memory on device 0 (tried to allocate 20.00 MiB; total capacity 15.90 GiB)"
+    )
+    assert root_cause(logged) == "CUDA out of memory"

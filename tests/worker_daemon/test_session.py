@@ -43,6 +43,7 @@ def test_hello_claims_only_active_leases(session, make):
         "protocol_version": protocol.PROTOCOL_VERSION,
         "daemon_version": "9.9",
         "resources": CAPACITY_FRAME,
+        "devices": [],
         "executors": [
             {"class": "train", "name": "diloco-transformer"},
             {"class": "aggregate", "name": "parameter-server"},

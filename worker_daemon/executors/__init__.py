@@ -2,7 +2,8 @@
 
 * ``training``         the DiLoCo trainer: ``python -m worker_daemon.executors.training --socket … --work-dir …``
                        (the ``trainer`` runtime, forked warm; or under ``accelerate launch`` as a ``process``
-                       executor); talks only to the job bridge.
+                       executor); talks only to the job bridge. Its parts: ``setup`` (model, preprocessor,
+                       data loader, optimizer, LR schedule) and ``rounds`` (inner loop, outer step).
 * ``bridge_client``    a client of the job bridge's documented endpoints (HTTP over the Unix socket).
 * ``overlap``          eager updates: round r's communication overlapped with round r+1's steps.
 * ``streaming``        Streaming DiLoCo: one fragment of the model synced a round, mixed in when it arrives.

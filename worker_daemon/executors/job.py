@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     field_validator,
@@ -123,6 +124,21 @@ class OptimizerSpec(_Shape):
     learning_rate: Annotated[float, Field(alias="learning-rate", gt=0)]
     betas: tuple[float, float] | None = None
     epsilon: Annotated[float, Field(gt=0)] | None = None
+    #: Ours, not Hypha's: AdamW's decoupled weight decay; absent: AdamW's default (0.01).
+    weight_decay: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        default=None, alias="weight-decay"
+    )
+
+
+class TrainingKnobs(_Shape):
+    """Ours, not Hypha's (its executors ignore it): how the inner steps run (docs/configuration.md, "Training
+    knobs"); the key absent means these defaults. Applied by :mod:`worker_daemon.executors.knobs`."""
+
+    max_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: StrictBool = False
+    dataloader_workers: Annotated[StrictInt, Field(ge=0, le=32)] = 0
 
 
 class PreprocessorSpec(_Shape):
@@ -207,6 +223,17 @@ class TrainConfig(_Shape):
     encoding_block_size: Annotated[int, Field(ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)] = DEFAULT_BLOCK_SIZE
     #: Ours, not Hypha's: only eager and streaming jobs carry it (docs/training.md, "Overlap: …").
     overlap: OverlapSpec | None = None
+    #: Ours, not Hypha's: the training knobs (docs/configuration.md, "Training knobs").
+    training: TrainingKnobs = Field(default_factory=TrainingKnobs)
+
+    @model_validator(mode="after")
+    def _batches_split_into_micro_batches(self) -> TrainConfig:
+        steps = self.training.gradient_accumulation_steps
+        if self.batch_size % steps:
+            raise ValueError(
+                f"training.gradient_accumulation_steps ({steps}) must divide batch_size ({self.batch_size})"
+            )
+        return self
 
     @field_validator("encoding")
     @classmethod

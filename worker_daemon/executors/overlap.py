@@ -356,6 +356,7 @@ class OverlappedRounds:
                     round_number=lambda: self.round_number,
                     slowdown=slowdown,
                     between_steps=self.poll,
+                    max_grad_norm=self.config.training.max_grad_norm,
                 )
                 self.finish_round(stats)
         except JobFinished as finished:

@@ -7,6 +7,7 @@ from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from apps.datasets import services as dataset_services
+from apps.jobs import throughput
 from apps.jobs.models import (
     DEFAULT_EXECUTORS,
     PARAMETER_SERVER,
@@ -28,7 +29,7 @@ from hypha_site.api import (
     ResourcesSerializer,
     StrictSerializer,
 )
-from worker_daemon.protocol import PRICE_MEANING
+from worker_daemon.protocol import MAX_DEVICE_MEMORY, MAX_DEVICES, PRICE_MEANING
 
 DEFAULT_RESOURCES = {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0}
 ALLOCATION_TIMEOUT_HELP = (
@@ -51,6 +52,15 @@ class ResourcesInputSerializer(StrictSerializer):
     memory = NumberField(min_value=0, default=DEFAULT_RESOURCES["memory"], help_text="memory, GB")
     storage = NumberField(min_value=0, default=DEFAULT_RESOURCES["storage"], help_text="storage, GB")
     gpu = NumberField(min_value=0, default=DEFAULT_RESOURCES["gpu"], help_text="GPU memory, GB of VRAM")
+    devices = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_DEVICES,
+        required=False,
+        help_text="devices (GPUs) each worker gives the role alone; absent or 0: no device requirement",
+    )
+    device_memory = NumberField(
+        min_value=0, max_value=MAX_DEVICE_MEMORY, required=False, help_text="GB of memory per device"
+    )
 
 
 @extend_schema_serializer(component_name="Price")
@@ -232,10 +242,15 @@ class JobLeaseSerializer(serializers.ModelSerializer):
         read_only=True, help_text="the worker's id: its entry is GET /api/workers/{worker_id}/"
     )
     status = EnumField(Lease.Status, read_only=True)
+    devices = serializers.ListField(
+        child=serializers.IntegerField(),
+        read_only=True,
+        help_text="the device indices (CUDA ordinals) the lease holds on its worker; its tasks see only these",
+    )
 
     class Meta:
         model = Lease
-        fields = ["id", "role", "worker", "worker_id", "status", "expires_at", "renewals", "price"]
+        fields = ["id", "role", "worker", "worker_id", "status", "devices", "expires_at", "renewals", "price"]
         read_only_fields = fields
         extra_kwargs = {"price": {"help_text": f"the agreed price, {PRICE_MEANING}"}}
 
@@ -291,6 +306,35 @@ class JobSerializer(serializers.ModelSerializer):
         return submitted_role(job, PARAMETER_SERVER)
 
 
+class ThroughputSerializer(serializers.Serializer):
+    """Throughput and device facts (see docs/observability.md): rates per second of train time; each is null
+    when no trainer reported it."""
+
+    samples_per_second = serializers.FloatField(allow_null=True, help_text="samples per second")
+    tokens_per_second = serializers.FloatField(
+        allow_null=True, help_text="tokens per second (token models only)"
+    )
+    peak_memory_bytes = serializers.FloatField(
+        allow_null=True, help_text="peak CUDA memory allocated, bytes (CUDA only)"
+    )
+    mfu = serializers.FloatField(
+        allow_null=True,
+        help_text="model FLOPs utilisation, 6 × parameters × tokens/s ÷ the device's peak FLOPS (0..1); null "
+        "when the device's peak is unknown",
+    )
+
+
+class RoundThroughputSerializer(ThroughputSerializer):
+    """A round's throughput: rates summed over its trainers, the highest peak memory, the mean MFU; and each
+    trainer's own (by worker id)."""
+
+    trainers = serializers.DictField(
+        child=serializers.DictField(child=serializers.FloatField()),
+        help_text="by worker id: the samples_per_second, tokens_per_second, peak_memory_bytes and mfu it "
+        "reported (those it has)",
+    )
+
+
 class RoundSerializer(serializers.ModelSerializer):
     """One outer round: what the parameter server averaged, the global model's eval loss, and the trainers'
     reported metrics (by worker id)."""
@@ -314,6 +358,7 @@ class RoundSerializer(serializers.ModelSerializer):
             "eval_loss",
             "eval_error",
             "trainer_metrics",
+            "throughput",
             "created_at",
             "closed_at",
             "reported",
@@ -331,6 +376,14 @@ class RoundSerializer(serializers.ModelSerializer):
                 "help_text": "seconds from the round's first update to its close; null until `reported`"
             },
         }
+
+    throughput = serializers.SerializerMethodField(
+        help_text="the trainers' samples/s, tokens/s, peak device memory and MFU in this round"
+    )
+
+    @extend_schema_field(RoundThroughputSerializer)
+    def get_throughput(self, round_: Round) -> dict:
+        return throughput.of_round(round_.trainer_metrics)
 
     reported = serializers.BooleanField(
         read_only=True,
@@ -422,6 +475,10 @@ class JobDetailSerializer(JobSerializer):
     events = JobEventSerializer(many=True, read_only=True)
     tasks = TaskSerializer(many=True, read_only=True)
     rounds = RoundSerializer(many=True, read_only=True)
+    throughput = serializers.SerializerMethodField(
+        help_text="the job's throughput: the latest round's samples/s and tokens/s (summed over its trainers), "
+        "the highest peak device memory and the mean MFU over its rounds"
+    )
     data = serializers.SerializerMethodField(help_text="slices of the current epoch by state")
     model_files = serializers.DictField(
         read_only=True, help_text="the final model's files: {name: {size, sha256}}; download at …/model"
@@ -433,6 +490,7 @@ class JobDetailSerializer(JobSerializer):
             "transfer_problems",
             "tasks",
             "rounds",
+            "throughput",
             "data",
             "model_files",
             "events",
@@ -442,6 +500,10 @@ class JobDetailSerializer(JobSerializer):
     @extend_schema_field(JobTransferProblemSerializer(many=True))
     def get_transfer_problems(self, job: Job) -> list[dict]:
         return JobTransferProblemSerializer(transfer_problems.of_job(job), many=True).data
+
+    @extend_schema_field(ThroughputSerializer)
+    def get_throughput(self, job: Job) -> dict:
+        return throughput.of_job(job.rounds.all())
 
     @extend_schema_field(DataProgressSerializer)
     def get_data(self, job: Job) -> dict:
@@ -523,6 +585,7 @@ class RoundMetricsSerializer(serializers.Serializer):
     bytes_out = serializers.IntegerField()
     samples = serializers.IntegerField()
     duration = serializers.FloatField(allow_null=True)
+    throughput = RoundThroughputSerializer(help_text="the trainers' samples/s, tokens/s, peak memory and MFU")
 
 
 class JobMetricsSerializer(serializers.Serializer):

@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from apps.jobs import metrics, observers, sync
+from apps.jobs import metrics, observers, sync, throughput
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
 from apps.jobs.spec import OVERLAPS_TRAINING_AHEAD
 from apps.jobs.training import transfers
@@ -508,7 +508,7 @@ def _record_trainer_metrics(task: Task, body: Any) -> None:
             number,
         )
     finite = {str(name)[:64]: _finite(value) for name, value in list(metrics.items())[:32]}
-    clean = {name: value for name, value in finite.items() if value is not None}
+    clean = throughput.cleaned({name: value for name, value in finite.items() if value is not None})
     round_ = locked_round(task.job, number)
     round_.trainer_metrics = {**round_.trainer_metrics, str(task.lease.worker_id): clean}
     losses = [entry["loss"] for entry in round_.trainer_metrics.values() if "loss" in entry]

@@ -26,6 +26,11 @@ class LeaseSerializer(serializers.ModelSerializer):
     worker = serializers.CharField(source="worker.name", read_only=True, help_text="the worker's name")
     status = EnumField(Lease.Status, read_only=True)
     resources = ResourcesSerializer(source="*", read_only=True)
+    devices = serializers.ListField(
+        child=serializers.IntegerField(),
+        read_only=True,
+        help_text="the device indices (CUDA ordinals) the lease holds on its worker; its tasks see only these",
+    )
 
     class Meta:
         model = Lease
@@ -38,6 +43,7 @@ class LeaseSerializer(serializers.ModelSerializer):
             "status_reason",
             "price",
             "resources",
+            "devices",
             "expires_at",
             "renewals",
             "created_at",

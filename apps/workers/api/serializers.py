@@ -35,12 +35,25 @@ class WorkerLeaseSerializer(serializers.ModelSerializer):
 
     status = EnumField(Lease.Status, read_only=True)
     resources = ResourcesSerializer(source="*", read_only=True)
+    devices = serializers.ListField(
+        child=serializers.IntegerField(),
+        read_only=True,
+        help_text="the device indices (CUDA ordinals) the lease holds on its worker; its tasks see only these",
+    )
 
     class Meta:
         model = Lease
-        fields = ["id", "job", "role", "status", "price", "resources", "expires_at", "renewals"]
+        fields = ["id", "job", "role", "status", "price", "resources", "devices", "expires_at", "renewals"]
         read_only_fields = fields
         extra_kwargs = {"price": {"help_text": f"the agreed price, {PRICE_MEANING}"}}
+
+
+class DeviceSerializer(serializers.Serializer):
+    """One device (GPU) of a worker, as its daemon declares it."""
+
+    index = serializers.IntegerField(read_only=True, help_text="its CUDA ordinal on the worker")
+    memory = serializers.FloatField(read_only=True, help_text="its memory, GB")
+    name = serializers.CharField(read_only=True, help_text="its name, as configured (may be empty)")
 
 
 class PublicWorkerSerializer(serializers.ModelSerializer):
@@ -54,6 +67,11 @@ class PublicWorkerSerializer(serializers.ModelSerializer):
 
     status = EnumField(Worker.Status, read_only=True, help_text="online while its daemon is connected")
     resources = ResourcesSerializer(source="*", read_only=True, help_text="capacity its daemon last reported")
+    devices = DeviceSerializer(
+        many=True,
+        read_only=True,
+        help_text="its devices (GPUs) as its daemon last reported them; empty when it lists none",
+    )
     executors = ExecutorSerializer(many=True, read_only=True)
     price_floor = serializers.FloatField(
         read_only=True,
@@ -86,6 +104,7 @@ class PublicWorkerSerializer(serializers.ModelSerializer):
             "name",
             "status",
             "resources",
+            "devices",
             "executors",
             "price_floor",
             "reachable",
@@ -139,6 +158,7 @@ class WorkerSerializer(PublicWorkerSerializer):
             "name",
             "owner",
             "resources",
+            "devices",
             "executors",
             "price_floor",
             "strategy",

@@ -49,7 +49,14 @@ def test_a_json_spec_creates_a_job_with_its_requirements_and_spec(alice):
     job = Job.objects.get(pk=response.json()["id"])
     assert (job.name, job.num_trainers, job.owner) == ("tiny-gpt", 3, alice.user)
     assert job.requirements["trainer"] == {
-        "resources": {"cpu": 2.0, "memory": 4.0, "storage": 1.0, "gpu": 0.0},
+        "resources": {
+            "cpu": 2.0,
+            "memory": 4.0,
+            "storage": 1.0,
+            "gpu": 0.0,
+            "devices": 0,
+            "device_memory": 0.0,
+        },
         "executor": {"class": "train", "name": "diloco-transformer"},
         "bid": 90.0,
         "max": 120.0,

@@ -184,13 +184,27 @@ def test_the_originals_default_scheduler_toml_parses_to_its_values():
     assert spec.num_trainers == 2
     assert to_requirements(spec) == {
         "trainer": {
-            "resources": {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 10.0},
+            "resources": {
+                "cpu": 1.0,
+                "memory": 1.0,
+                "storage": 0.0,
+                "gpu": 10.0,
+                "devices": 0,
+                "device_memory": 0.0,
+            },
             "executor": {"class": "train", "name": "diloco-transformer"},
             "bid": 100.0,
             "max": 100.0,
         },
         "parameter_server": {
-            "resources": {"cpu": 1.0, "memory": 1.0, "storage": 0.0, "gpu": 0.0},
+            "resources": {
+                "cpu": 1.0,
+                "memory": 1.0,
+                "storage": 0.0,
+                "gpu": 0.0,
+                "devices": 0,
+                "device_memory": 0.0,
+            },
             "executor": {"class": "aggregate", "name": "parameter-server"},
             "bid": 100.0,
             "max": 100.0,
@@ -292,12 +306,21 @@ max = 160.0
     assert spec.outer_optimizer.learning_rate == 0.7
     assert (spec.rounds.inner_steps, spec.rounds.avg_samples_between_updates) == (500, None)
     assert spec.num_trainers == 4
-    assert spec.trainer.resources.model_dump() == {"cpu": 2.0, "memory": 1.0, "storage": 0.0, "gpu": 10.0}
+    assert spec.trainer.resources.model_dump() == {
+        "cpu": 2.0,
+        "memory": 1.0,
+        "storage": 0.0,
+        "gpu": 10.0,
+        "devices": 0,
+        "device_memory": 0.0,
+    }
     assert spec.parameter_server.resources.model_dump() == {
         "cpu": 1.0,
         "memory": 16.0,
         "storage": 0.0,
         "gpu": 0.0,
+        "devices": 0,
+        "device_memory": 0.0,
     }
     assert spec.trainer.price.model_dump() == {"bid": 110.0, "max": 160.0}
     assert spec.parameter_server.price.model_dump() == {"bid": 100.0, "max": 100.0}

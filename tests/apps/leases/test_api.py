@@ -27,6 +27,7 @@ def test_a_lease_shows_its_history(alice, leased_job):
         "status_reason": "",
         "price": 90.0,
         "resources": {"cpu": 1.0, "memory": 4.0, "storage": 0.0, "gpu": 8.0},
+        "devices": [],
         "expires_at": iso(lease.expires_at),
         "renewals": 0,
         "created_at": iso(lease.created_at),

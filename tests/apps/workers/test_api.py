@@ -24,6 +24,7 @@ def worker_body(worker: Worker, *, leases: list) -> dict:
             "storage": worker.storage,
             "gpu": worker.gpu,
         },
+        "devices": worker.devices,
         "executors": worker.executors,
         "price_floor": worker.price_floor,
         "strategy": worker.strategy,
@@ -159,6 +160,7 @@ def test_a_worker_shows_what_its_daemon_reported_and_its_live_leases(bob, leased
                 "status": "active",
                 "price": 90.0,
                 "resources": {"cpu": 1.0, "memory": 4.0, "storage": 0.0, "gpu": 8.0},
+                "devices": [],
                 "expires_at": iso(lease.expires_at),
                 "renewals": 0,
             }

@@ -504,6 +504,7 @@ async def test_three_daemons_allocate_a_job_over_the_gateway(gateway, job_owner,
             "job_id": str(job.pk),
             "role": TRAINER,
             "resources": CAPACITY.model_dump(),
+            "devices": [],
             "price": price,
         }
         assert least <= expires_in <= 10.0

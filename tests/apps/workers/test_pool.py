@@ -22,6 +22,7 @@ PUBLIC_KEYS = {
     "name",
     "status",
     "resources",
+    "devices",
     "executors",
     "price_floor",
     "reachable",
@@ -108,6 +109,7 @@ def test_a_user_who_owns_no_worker_sees_the_pools_public_facts(alice, bob, bench
         "name": "bobs-gpu",
         "status": "online",
         "resources": {"cpu": 8.0, "memory": 32.0, "storage": 100.0, "gpu": 24.0},
+        "devices": [],
         "executors": [
             {"class": "train", "name": "diloco-transformer"},
             {"class": "aggregate", "name": "parameter-server"},
@@ -148,6 +150,7 @@ def test_a_worker_that_serves_your_job_shows_your_leases_and_never_another_users
             "status": "active",
             "price": 90.0,
             "resources": {"cpu": 1.0, "memory": 4.0, "storage": 0.0, "gpu": 8.0},
+            "devices": [],
             "expires_at": iso(alices.expires_at),
             "renewals": 0,
         }

@@ -156,6 +156,13 @@ async def test_two_rounds_against_the_real_bridge(tiny_model: TinyModel, short_d
         assert m["metrics"]["samples_per_second"] > 0
         round_step_times = [status["step_time"] for status in statuses[number * 3 : number * 3 + 3]]
         assert m["metrics"]["train_seconds"] == pytest.approx(sum(round_step_times), rel=1e-9)
+        # throughput (issue 17): the round's tokens and tokens/s of train time; on CPU no peak device memory,
+        # and no MFU (a CPU's peak FLOPS is unknown)
+        assert m["metrics"]["tokens"] == 3.0 * BATCH_SIZE * SEQUENCE_LENGTH
+        assert m["metrics"]["tokens_per_second"] == pytest.approx(
+            m["metrics"]["tokens"] / m["metrics"]["train_seconds"], rel=1e-9
+        )
+        assert "peak_memory_bytes" not in m["metrics"] and "mfu" not in m["metrics"]
 
     assert "round 1: 3 steps" in run.stdout
     assert "round 2: 3 steps" in run.stdout

@@ -33,7 +33,7 @@ from .conftest import (
 #: A spare's imports on 2 shared cores: 5-15 s.
 WARM_TIMEOUT = 180.0
 #: What differs between two correct runs: the clock.
-TIMING_KEYS = {"step_time", "samples_per_second", "train_seconds"}
+TIMING_KEYS = {"step_time", "samples_per_second", "tokens_per_second", "train_seconds"}
 
 
 async def run_in_a_warm_spare(*, work_dir: Path, job: dict) -> ExecutorRun:

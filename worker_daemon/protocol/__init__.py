@@ -43,13 +43,15 @@ Versioning: :data:`PROTOCOL_VERSION` is sent in :class:`Hello`. The control plan
 :data:`SUPPORTED_VERSIONS` and closes with :data:`CloseCode.UNSUPPORTED_VERSION` otherwise. Unknown fields are
 ignored (forward compatible); unknown message types get an :class:`Error` frame.
 
-This module must stay importable without Django: the daemon runs on GPU hosts without it.
+This package must stay importable without Django: the daemon runs on GPU hosts without it. It is split by
+concern — the messages here, devices as resources in :mod:`worker_daemon.protocol.devices`, transfer tokens and
+the public-address rule in :mod:`worker_daemon.protocol.tokens` — and every public name is importable from
+``worker_daemon.protocol``.
 """
 
 from __future__ import annotations
 
 import enum
-import ipaddress
 import typing
 import uuid
 from datetime import datetime
@@ -66,6 +68,19 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from worker_daemon.protocol.devices import (  # noqa: F401 (re-exported)
+    MAX_DEVICE_INDEX,
+    MAX_DEVICE_MEMORY,
+    MAX_DEVICES,
+    Device,
+    DeviceIndices,
+    DeviceList,
+    choose_devices,
+    cuda_visible_devices,
+    device_share,
+    devices_fit,
+)
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -216,6 +231,7 @@ class LeaseInfo(_Message):
     role: str
     status: Literal["temporary", "active"]
     resources: Resources
+    devices: DeviceIndices = Field(default_factory=list, description="The device indices the lease holds.")
     price: float = Field(default=0.0, ge=0)
     expires_in: float = Field(description="Seconds until the lease expires unless renewed.")
 
@@ -250,6 +266,9 @@ class Hello(_Message):
     protocol_version: int
     daemon_version: str = Field(default="", max_length=64)
     resources: DeclaredResources
+    devices: DeviceList = Field(
+        default_factory=list, description="The worker's devices (GPUs); none from older daemons."
+    )
     executors: list[ExecutorDescriptor] = Field(max_length=64)
     price_floor: float = Field(default=0.0, ge=0)
     strategy: Literal["whole", "flexible"] = "whole"
@@ -270,6 +289,9 @@ class Offer(_Message):
     attempt: int = Field(ge=0)
     price: float = Field(ge=0)
     resources: DeclaredResources
+    devices: DeviceIndices = Field(
+        default_factory=list, description="The device indices offered: as many as the advertisement asks."
+    )
     benchmark_score: float | None = Field(
         default=None, gt=0, le=MAX_BENCHMARK_SCORE, description="The worker's benchmark score, if known."
     )
@@ -419,6 +441,8 @@ class Advertisement(_Message):
     job_id: uuid.UUID
     role: str
     resources: Resources = Field(description="Minimum resources per worker for this role.")
+    devices: int = Field(default=0, ge=0, le=MAX_DEVICES, description="Devices per worker (0: none needed).")
+    device_memory: float = Field(default=0.0, ge=0, le=MAX_DEVICE_MEMORY, description="GB per device.")
     executors: list[ExecutorDescriptor] = Field(description="Every one of these must be offered.")
     bid: float
     wanted: int = Field(description="How many workers the role still needs.")
@@ -469,6 +493,7 @@ class LeaseGranted(_Message):
     job_id: uuid.UUID
     role: str
     resources: Resources
+    devices: DeviceIndices = Field(default_factory=list, description="The device indices the lease holds.")
     price: float
     expires_in: float
 
@@ -655,134 +680,15 @@ def parse_server_message(text: str | bytes) -> ServerMessage:
     return _parse(text, _server_adapter, SERVER_MESSAGE_TYPES)
 
 
-# --- transfer tokens ---------------------------------------------------------------------------------------
-#
-# Bulk bytes (weights, pseudo-gradients, the final model) go straight to the parameter server or the control
-# plane over HTTP, never over this websocket. Each transfer carries ``Authorization: Bearer <token>``, where
-# the token is ``base64url(JSON claims) "." base64url(HMAC-SHA256(job key, first part))``. The job key is
-# derived by the control plane from its secret and the job id; the control plane hands it to the job's
-# parameter server in ``dispatch_job.transfer_key`` so that the parameter server can verify the trainers'
-# tokens without asking anyone. Claims: ``job`` (uuid), ``peer`` (worker id), ``lease`` (uuid), ``role``
-# (``trainer`` or ``parameter_server``) and ``exp`` (unix seconds).
-
-
-class TransferTokenError(ValueError):
-    """A transfer token that is malformed, wrongly signed, expired, or for another job."""
-
-
-def _b64encode(raw: bytes) -> str:
-    import base64
-
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
-
-
-def _b64decode(text: str) -> bytes:
-    import base64
-
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def sign_transfer_token(key: str, claims: dict[str, Any]) -> str:
-    """A token carrying ``claims`` (JSON-serialisable), signed with the job key ``key``."""
-    import hashlib
-    import hmac
-    import json
-
-    body = _b64encode(json.dumps(claims, sort_keys=True, separators=(",", ":")).encode())
-    signature = hmac.new(key.encode(), body.encode(), hashlib.sha256).digest()
-    return f"{body}.{_b64encode(signature)}"
-
-
-#: The longest transfer token read: the control plane's are about 350 characters.
-_MAX_TRANSFER_TOKEN_CHARS = 4096
-
-
-def verify_transfer_token(key: str, token: str, *, job_id: str, now: float | None = None) -> dict[str, Any]:
-    """The claims of ``token`` if it is signed with ``key``, names job ``job_id`` and has not expired;
-    :class:`TransferTokenError` saying why otherwise.
-
-    The returned claims are well formed (callers use them in lookups without further checks): a flat object
-    whose ``job``, ``peer`` and ``role`` are strings, ``lease`` (optional) a UUID string, ``exp`` a number,
-    and no string holds NUL or a lone surrogate. The signature is checked before the claims are parsed, so
-    nobody without the key gets the parser to read anything; a key holder (the job's parameter server) whose
-    claims have another shape gets "malformed transfer token", never an exception of another kind."""
-    import binascii
-    import hashlib
-    import hmac
-    import time
-
-    from worker_daemon import bounded_json
-
-    body, separator, signature = token.partition(".")
-    if (
-        not separator
-        or not body
-        or not signature
-        or len(token) > _MAX_TRANSFER_TOKEN_CHARS
-        or not token.isascii()
-    ):
-        raise TransferTokenError("malformed transfer token")
-    try:
-        given = _b64decode(signature)
-    except (binascii.Error, ValueError):
-        raise TransferTokenError("malformed transfer token") from None
-    expected = hmac.new(key.encode(), body.encode(), hashlib.sha256).digest()
-    if not hmac.compare_digest(expected, given):
-        raise TransferTokenError("transfer token signature does not match")
-    try:
-        claims = bounded_json.loads(_b64decode(body), max_depth=1)
-    except (binascii.Error, ValueError):  # TooDeep, JSONDecodeError, UnicodeDecodeError
-        raise TransferTokenError("malformed transfer token") from None
-    if not _well_formed_claims(claims):
-        raise TransferTokenError("malformed transfer token")
-    if claims["job"] != str(job_id):
-        raise TransferTokenError(f"transfer token is for another job, not {job_id}")
-    if claims["exp"] < (time.time() if now is None else now):
-        raise TransferTokenError("transfer token expired")
-    return claims
-
-
-def _well_formed_claims(claims: Any) -> bool:
-    from worker_daemon import bounded_json
-
-    if not isinstance(claims, dict) or next(bounded_json.hostile_strings(claims), None) is not None:
-        return False
-    if not all(isinstance(claims.get(name), str) for name in ("job", "peer", "role")):
-        return False
-    expires = claims.get("exp")
-    if isinstance(expires, bool) or not isinstance(expires, int | float):
-        return False
-    lease = claims.get("lease")
-    if lease is None:
-        return True
-    if not isinstance(lease, str):
-        return False
-    try:
-        uuid.UUID(lease)
-    except ValueError:
-        return False
-    return True
-
-
 def encode(message: _Message) -> str:
     """Serialise a message to its JSON frame (field aliases such as ``class`` applied)."""
     return message.model_dump_json(by_alias=True)
 
 
-# --- addresses a worker may be told to fetch from ------------------------------------------------------------
-
-
-def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """True for an address on the public internet: none of loopback, private, link-local, multicast, reserved or
-    unspecified (an IPv4-mapped IPv6 address is judged as its IPv4 address). The one rule of the control plane's
-    check of a model URL at submission and of the parameter server's when it downloads (SSRF)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return not (
-        address.is_private
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_reserved
-        or address.is_unspecified
-    )
+# Split by concern; every public name stays importable from ``worker_daemon.protocol``.
+from worker_daemon.protocol.tokens import (  # noqa: E402, F401
+    TransferTokenError,
+    is_public_address,
+    sign_transfer_token,
+    verify_transfer_token,
+)

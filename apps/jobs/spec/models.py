@@ -1,17 +1,5 @@
-"""The DiLoCo job specification: what a user submits, validated, and what it becomes.
-
-A :class:`DiLoCoSpec` comes from a JSON body (:func:`parse_json`) or from Hypha's scheduler TOML
-(:func:`parse_toml`, reading ``[scheduler.job]`` with the keys the original reads plus the unambiguous spellings
-of its docs). Both report every mistake at once as one :class:`SpecError`, each with a dotted field path.
-
-A valid spec becomes:
-
-* :func:`to_requirements` — the ``Job.requirements`` JSON (per role: resources, executor, bid, max);
-* :func:`to_train_job_json` / :func:`to_aggregate_job_json` — the job envelope handed to executors, in exactly
-  the shape of Hypha's ``{JOB_JSON}`` (reference §2): key order, kebab/snake case, lowercase reference tags.
-
-The module needs neither Django nor a database; it imports only pydantic and the standard library.
-"""
+"""The DiLoCo job specification's models: every field a user submits, with its bounds and checks (see the
+package docstring)."""
 
 from __future__ import annotations
 
@@ -22,14 +10,12 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from apps.jobs.exceptions import SpecError
 from hypha_tensors.formats import (
     DEFAULT_BLOCK_SIZE,
     ENCODINGS,
@@ -39,6 +25,7 @@ from hypha_tensors.formats import (
     MIN_BLOCK_SIZE,
 )
 from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
+from worker_daemon.protocol import MAX_DEVICE_MEMORY, MAX_DEVICES
 
 MAX_TRAINERS = 256
 #: Rounds between two full-weight uploads of the checkpoint copy (``rounds.checkpoint_every``).
@@ -131,6 +118,12 @@ DEFAULT_STREAMING_MIX = 0.5
 
 #: The schedule types of the spec → the ``scheduler`` variant tag of the train job JSON.
 SCHEDULE_TAGS = {"cosine": "cosine-with-warmup", "linear": "linear-with-warmup", "wsd": "wsd"}
+
+#: Training knobs (``training``): their bounds, and the mixed precisions (accelerate's names).
+MAX_WEIGHT_DECAY = 10.0
+MAX_ACCUMULATION_STEPS = 1024
+MAX_DATALOADER_WORKERS = 32
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
 # --- the specification ------------------------------------------------------------------------------------
@@ -275,6 +268,12 @@ class InnerOptimizerSpec(_Spec):
     learning_rate: Float = Field(gt=0)
     betas: tuple[Annotated[Float, Field(ge=0, lt=1)], Annotated[Float, Field(ge=0, lt=1)]] | None = None
     epsilon: Float | None = Field(default=None, gt=0)
+    weight_decay: Float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_WEIGHT_DECAY,
+        description="AdamW's decoupled weight decay; absent: AdamW's default (0.01), as Hypha's executor.",
+    )
     schedule: Schedule | None = None
 
 
@@ -427,13 +426,64 @@ class EvaluationSpec(_Spec):
         return self
 
 
+class TrainingSpec(_Spec):
+    """Ours, not Hypha's: how each trainer runs its inner steps (docs/configuration.md, "Training knobs"), applied
+    the way accelerate documents them. The defaults are what a job without this table gets."""
+
+    max_grad_norm: Float | None = Field(
+        default=None,
+        gt=0,
+        description="Clip the gradients' global L2 norm to this before each optimizer step; null: no clipping.",
+    )
+    gradient_accumulation_steps: Integer = Field(
+        default=1,
+        ge=1,
+        le=MAX_ACCUMULATION_STEPS,
+        description="Micro-batches of batch_size / k samples each whose gradients add up to one step's "
+        "(batch_size must be a multiple of it).",
+    )
+    mixed_precision: Literal[MIXED_PRECISIONS] = Field(
+        default="no",
+        description="Autocast the forward pass: no, bf16 (CPU or a CUDA GPU that supports it) or fp16 (a CUDA "
+        "GPU only; the job must ask for trainer.resources.gpu).",
+    )
+    gradient_checkpointing: Annotated[bool, Strict()] = Field(
+        default=False, description="Recompute activations in the backward pass (less memory, more compute)."
+    )
+    dataloader_workers: Integer = Field(
+        default=0,
+        ge=0,
+        le=MAX_DATALOADER_WORKERS,
+        description="Processes that prepare batches (0: in-process); only 0 is supported yet.",
+    )
+
+    @field_validator("dataloader_workers")
+    @classmethod
+    def _in_process_data_only(cls, value: int) -> int:
+        # A trainer's samples come through the bridge, whose client lives in the trainer's process
+        # (worker_daemon/executors/data.py): worker processes could not read them. Refused, not ignored.
+        if value > 0:
+            raise PydanticCustomError(
+                "training",
+                "Not supported yet: a trainer reads its data through the bridge in its own process; give 0.",
+            )
+        return value
+
+    @property
+    def is_default(self) -> bool:
+        return self == TrainingSpec()
+
+
 class ResourcesSpec(_Spec):
-    """Minimum resources per worker: CPU cores, memory GB, storage GB, GPU GB of VRAM."""
+    """Minimum resources per worker: CPU cores, memory GB, storage GB, GPU GB of VRAM; and ``devices`` (GPUs,
+    each of at least ``device_memory`` GB) the worker gives this role alone (0: no device requirement)."""
 
     cpu: Float = Field(default=1.0, ge=0)
     memory: Float = Field(default=1.0, ge=0)
     storage: Float = Field(default=0.0, ge=0)
     gpu: Float = Field(default=0.0, ge=0)
+    devices: Integer = Field(default=0, ge=0, le=MAX_DEVICES)
+    device_memory: Float = Field(default=0.0, ge=0, le=MAX_DEVICE_MEMORY)
 
 
 class PriceSpec(_Spec):
@@ -469,6 +519,27 @@ class ParameterServerSpec(RoleSpec):
     reachable: Literal["prefer", "require", "any"] = "prefer"
 
 
+class TrainerPoolSpec(_Spec):
+    """An elastic trainer pool (Hypha's ``worker_pool``): training starts once ``min`` trainers hold leases,
+    grows toward ``target`` as fitting offers arrive (a newcomer joins at a round boundary), and goes on while
+    at least ``min`` remain (docs/training.md, "Elastic pools"). ``grace`` (seconds) is accepted for Hypha's
+    ``grace_ms`` and stored; pausing below ``min`` is not implemented yet (the job trains on with fewer)."""
+
+    min: Integer = Field(ge=1, le=MAX_TRAINERS)
+    target: Integer = Field(ge=1, le=MAX_TRAINERS)
+    grace: Float = Field(default=0.0, ge=0, le=86_400)
+
+    @model_validator(mode="after")
+    def _min_within_target(self) -> TrainerPoolSpec:
+        if self.min > self.target:
+            raise PydanticCustomError(
+                "trainer_pool",
+                "min ({min}) must be at most target ({target}).",
+                {"min": self.min, "target": self.target},
+            )
+        return self
+
+
 class DiLoCoSpec(_Spec):
     """A DiLoCo training job: the model, data, both optimizers, the rounds, and what each role needs and pays.
 
@@ -483,9 +554,15 @@ class DiLoCoSpec(_Spec):
     rounds: RoundsSpec
     batch_size: Integer = Field(default=1, ge=1, le=1_000_000)
     num_trainers: Integer = Field(default=2, ge=1, le=MAX_TRAINERS)
+    trainers: TrainerPoolSpec | None = Field(
+        default=None,
+        description="An elastic pool {min, target, grace}; absent: min = target = num_trainers. Given, "
+        "num_trainers is its target.",
+    )
     trainer: RoleSpec = Field(default_factory=RoleSpec)
     parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
     evaluation: EvaluationSpec | None = None
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
     seed: Integer = Field(default=0, ge=0, le=2**31 - 1, description="Seeds a model built from a config.")
     allocation_timeout: Float = Field(
         default=DEFAULT_ALLOCATION_TIMEOUT,
@@ -495,274 +572,63 @@ class DiLoCoSpec(_Spec):
         "allocated by then gives back the leases it holds and fails (docs/architecture.md, Job lifecycle).",
     )
 
+    @field_validator("training")
+    @classmethod
+    def _training_fits_the_job(cls, value: TrainingSpec, info: ValidationInfo) -> TrainingSpec:
+        steps, batch_size = value.gradient_accumulation_steps, info.data.get("batch_size")
+        if batch_size is not None and batch_size % steps:
+            raise PydanticCustomError(
+                "training",
+                "gradient_accumulation_steps ({steps}) must divide batch_size ({batch_size}).",
+                {"steps": steps, "batch_size": batch_size},
+            )
+        rounds = info.data.get("rounds")
+        if rounds is not None and rounds.max_batch_size is not None and rounds.max_batch_size < steps:
+            raise PydanticCustomError(
+                "training",
+                "gradient_accumulation_steps ({steps}) exceeds rounds.max_batch_size ({limit}).",
+                {"steps": steps, "limit": rounds.max_batch_size},
+            )
+        trainer = info.data.get("trainer")
+        resources = trainer.resources if trainer is not None else None
+        no_gpu = resources is not None and not resources.gpu and not resources.devices
+        if value.mixed_precision == "fp16" and no_gpu:
+            raise PydanticCustomError(
+                "training",
+                "mixed_precision fp16 needs a CUDA GPU: ask for one (trainer.resources.gpu or devices above 0), "
+                "or use bf16.",
+            )
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pool_sets_trainers(cls, data: Any) -> Any:
+        # num_trainers is what the job stores and advertises toward: the pool's target (the spec is frozen, so
+        # it is filled in before validation; both given must agree, checked after).
+        if isinstance(data, dict) and isinstance(data.get("trainers"), dict) and "num_trainers" not in data:
+            target = data["trainers"].get("target")
+            # A bad target is reported once, at trainers.target.
+            if isinstance(target, int) and not isinstance(target, bool) and 1 <= target <= MAX_TRAINERS:
+                data = {**data, "num_trainers": target}
+        return data
+
+    @model_validator(mode="after")
+    def _pool_agrees(self) -> DiLoCoSpec:
+        if self.trainers is not None and self.num_trainers != self.trainers.target:
+            raise PydanticCustomError(
+                "trainer_pool",
+                "num_trainers ({count}) differs from trainers.target ({target}); give one.",
+                {"count": self.num_trainers, "target": self.trainers.target},
+            )
+        return self
+
+    @property
+    def min_trainers(self) -> int:
+        """The trainers the job starts with and needs to go on: the pool's ``min``, else ``num_trainers``."""
+        return self.trainers.min if self.trainers is not None else self.num_trainers
+
 
 # --- parsing ----------------------------------------------------------------------------------------------
 
 # A discriminated union puts its tag into the error location (``model.source.huggingface.filenames``); these
 # are the fields whose next location element is such a tag and is dropped from the reported path.
-_TAGGED_FIELDS = {"source", "schedule"}
-
-
-def _field_path(location: tuple[str | int, ...]) -> str:
-    parts: list[str] = []
-    skip_next = False
-    for element in location:
-        if skip_next:
-            skip_next = False
-            continue
-        parts.append(str(element))
-        skip_next = element in _TAGGED_FIELDS
-    return ".".join(parts)
-
-
-def field_errors(error: ValidationError, rename: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """Every error of ``error`` as ``{"field", "message"}``; ``rename`` maps spec paths to source paths."""
-    found = []
-    for line in error.errors(include_url=False):
-        path = _field_path(tuple(line["loc"]))
-        if rename:
-            path = _renamed(path, rename)
-        message = line["msg"]
-        if line["type"] == "extra_forbidden":
-            message = "Unknown key."
-        found.append({"field": path, "message": message})
-    return found
-
-
-def _renamed(path: str, rename: dict[str, str]) -> str:
-    parts = path.split(".") if path else []
-    for length in range(len(parts), -1, -1):
-        prefix = ".".join(parts[:length])
-        if prefix in rename:
-            return ".".join(filter(None, [rename[prefix], *parts[length:]]))
-    return path
-
-
-def parse_json(data: dict) -> DiLoCoSpec:
-    """Validate a JSON specification (the shape of :class:`DiLoCoSpec`); raise :class:`SpecError` with all errors."""
-    if not isinstance(data, dict):
-        raise SpecError([{"field": "", "message": "A specification must be a JSON object."}])
-    try:
-        return DiLoCoSpec.model_validate(data)
-    except ValidationError as error:
-        raise SpecError(field_errors(error)) from None
-
-
-# --- what a spec becomes ----------------------------------------------------------------------------------
-
-
-def to_requirements(spec: DiLoCoSpec) -> dict:
-    """The ``Job.requirements`` JSON: per role its minimum resources, executor, public bid and private max."""
-    return {
-        "trainer": _requirement(spec.trainer, TRAINER_EXECUTOR),
-        "parameter_server": {
-            **_requirement(spec.parameter_server, PARAMETER_SERVER_EXECUTOR),
-            "reachable": spec.parameter_server.reachable,
-        },
-    }
-
-
-def _requirement(role: RoleSpec, executor: dict[str, str]) -> dict:
-    return {
-        "resources": role.resources.model_dump(),
-        "executor": dict(executor),
-        "bid": role.price.bid,
-        "max": role.price.max,
-    }
-
-
-def source_reference(source: HuggingFaceSource | UrlSource | UploadSource | ConfigSource) -> dict:
-    """The bridge Fetch reference of a model or preprocessor source (reference §1.2).
-
-    Uploads and configs have no Hypha reference of their own: the caller must pass one (e.g. a ``uri`` to the
-    control plane's file endpoint), so they raise :class:`ValueError` here.
-    """
-    if isinstance(source, HuggingFaceSource):
-        # Hypha writes ``null`` for the default revision; the bridge reads null as "main".
-        return {
-            "type": "huggingface",
-            "repository": source.repository,
-            "revision": None if source.revision == "main" else source.revision,
-            "filenames": list(source.filenames),
-            "token": source.token,
-        }
-    if isinstance(source, UrlSource):
-        return {"type": "uri", "value": source.url}
-    raise ValueError(f"a {source.type!r} source needs a reference from the caller")
-
-
-def _schedule_json(schedule: WarmupSchedule | WarmupStableDecaySchedule) -> dict:
-    if isinstance(schedule, WarmupSchedule):
-        return {
-            "type": SCHEDULE_TAGS[schedule.type],
-            "warmup_steps": schedule.warmup_steps,
-            "training_steps": schedule.training_steps,
-        }
-    # Rust emits ``decay_steps`` but Hypha's Python executor reads ``decay_step`` (§9 item 12); both are
-    # written so either executor works (unknown keys are ignored by both).
-    return {
-        "type": "wsd",
-        "warmup_steps": schedule.warmup_steps,
-        "decay_steps": schedule.decay_steps,
-        "decay_step": schedule.decay_steps,
-    }
-
-
-def to_train_job_json(
-    spec: DiLoCoSpec,
-    *,
-    job_id: str,
-    data_reference: dict,
-    updates_reference: dict,
-    results_reference: dict,
-    batch_size: int | None = None,
-    model_reference: dict | None = None,
-    preprocessor_reference: dict | None = None,
-) -> dict:
-    """The ``{JOB_JSON}`` envelope of a trainer (reference §2.1–2.2), in the original's key order.
-
-    ``data_reference`` is a Fetch (``scheduler``), ``updates_reference`` a Send and ``results_reference`` a
-    Receive (``peers``, strategy All); they are inserted as given. ``batch_size`` is the one dispatch allocated
-    to this trainer (§6.5), ``spec.batch_size`` when omitted. ``model_reference``/``preprocessor_reference``
-    override the reference built from the source; they are required for ``upload`` and ``config`` sources.
-    """
-    size = spec.batch_size if batch_size is None else batch_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"batch_size must be a positive integer, not {size!r}")
-    optimizer = spec.inner_optimizer
-    config: dict[str, Any] = {
-        "model": {
-            "task": spec.model.type,
-            "artifact": model_reference
-            if model_reference is not None
-            else source_reference(spec.model.source),
-            "input-names": list(spec.model.input_names),
-        },
-        "data": data_reference,
-        "updates": updates_reference,
-        "results": results_reference,
-        "optimizer": {
-            "learning-rate": optimizer.learning_rate,
-            "betas": list(optimizer.betas) if optimizer.betas is not None else None,
-            "epsilon": optimizer.epsilon,
-        },
-        "batch_size": size,
-        # Ours, for lossy encodings only (Hypha's executors ignore it: they can take part in float32 jobs only).
-        **spec.rounds.encoding_json(),
-        # Ours, for eager jobs only (Hypha's executors ignore it and wait for each round's result).
-        **_overlap_json(spec),
-    }
-    if spec.preprocessor is not None:
-        artifact = preprocessor_reference
-        if artifact is None:
-            artifact = source_reference(spec.preprocessor.source)
-        config["preprocessor"] = {
-            "task": spec.preprocessor.type,
-            "artifact": artifact,
-            "input-names": list(spec.preprocessor.input_names),
-        }
-    if optimizer.schedule is not None:
-        config["scheduler"] = _schedule_json(optimizer.schedule)
-    return _envelope(job_id, "train", TRAINER_EXECUTOR["name"], config)
-
-
-def _overlap_json(spec: DiLoCoSpec) -> dict[str, Any]:
-    """A trainer's ``overlap`` key: the mode and the outer optimizer an eager trainer's proxy of the
-    parameter server's step needs; nothing for ``none``, so that a default job's JSON stays exactly Hypha's."""
-    if spec.rounds.overlap == OVERLAP_NONE:
-        return {}
-    if spec.rounds.overlap == OVERLAP_STREAMING:
-        return {
-            "overlap": {
-                "mode": OVERLAP_STREAMING,
-                "fragments": spec.rounds.fragment_count,
-                "mix": spec.rounds.streaming_mix,
-            }
-        }
-    return {
-        "overlap": {
-            "mode": spec.rounds.overlap,
-            "outer_learning_rate": spec.outer_optimizer.learning_rate,
-            "outer_momentum": spec.outer_optimizer.momentum,
-        }
-    }
-
-
-def to_aggregate_job_json(
-    spec: DiLoCoSpec,
-    *,
-    job_id: str,
-    updates_reference: dict,
-    results_reference: dict,
-    model_source: dict | None = None,
-    evaluation: dict | None = None,
-) -> dict:
-    """The parameter server's envelope (reference §2.3): receive ``updates``, send ``results``, Nesterov.
-
-    Our parameter server also builds the initial model and evaluates it (docs/training.md), so the envelope
-    carries ``model`` (task, source, input names, seed), ``rounds`` and ``eval`` as well; Hypha's keys come
-    first and keep their shape. ``model_source`` defaults to the spec's source (a ``config`` source as is).
-    """
-    source = spec.model.source
-    if model_source is None:
-        model_source = (
-            {"type": "config", "config": dict(source.config)}
-            if isinstance(source, ConfigSource)
-            else source_reference(source)
-        )
-    config = {
-        "updates": updates_reference,
-        "results": results_reference,
-        "optimizer": {
-            "learning-rate": spec.outer_optimizer.learning_rate,
-            "momentum": spec.outer_optimizer.momentum,
-        },
-        "model": {
-            "task": spec.model.type,
-            "source": model_source,
-            "input-names": list(spec.model.input_names),
-            "seed": spec.seed,
-        },
-        "rounds": {
-            "update_rounds": spec.rounds.update_rounds,
-            "round_timeout": spec.rounds.round_timeout,
-            "weighted": spec.rounds.weighted,
-            **spec.rounds.encoding_json(),
-            # Ours, for streaming jobs only: round r steps fragment (r − 1) mod fragments alone.
-            **(
-                {"overlap": OVERLAP_STREAMING, "fragments": spec.rounds.fragment_count}
-                if spec.rounds.overlap == OVERLAP_STREAMING
-                else {}
-            ),
-            # Ours (only when not the parameter server's default, so that a default job's JSON stays Hypha's).
-            **(
-                {"checkpoint_every": spec.rounds.checkpoint_every}
-                if spec.rounds.checkpoint_every != DEFAULT_CHECKPOINT_EVERY
-                else {}
-            ),
-        },
-        "eval": evaluation,
-    }
-    return _envelope(job_id, "aggregate", PARAMETER_SERVER_EXECUTOR["name"], config)
-
-
-def _envelope(job_id: str, executor_class: str, name: str, config: dict) -> dict:
-    return {
-        "job_id": str(job_id),
-        "executor": {"class": executor_class, "descriptor": {"name": name}, "config": config},
-    }
-
-
-# Hypha's scheduler TOML is translated in its own module; it builds on the models above.
-from apps.jobs.spec_toml import parse_toml  # noqa: E402
-
-__all__ = [
-    "DiLoCoSpec",
-    "SpecError",
-    "parse_json",
-    "parse_toml",
-    "source_reference",
-    "to_aggregate_job_json",
-    "to_requirements",
-    "to_train_job_json",
-]
