@@ -232,7 +232,10 @@ async def test_without_readers_the_rounds_reuse_their_memory_and_update_the_mome
     # the accumulator (→ u), the weights, the momentum and one spare: four sets, none allocated after round 2
     assert rounds.pool.sets == 4
     assert allocated[1:] == [4] * 6
-    assert len(set(weights_memory[1:])) == 2  # θ alternates between two sets
+    # θ takes a free set of the pool's four: two alternate, or a third when a step's worker thread has not yet
+    # dropped its reference as the next round looks (reuse goes by reference counts; CI hit it under load); never
+    # a new one (allocated above)
+    assert len(set(weights_memory[1:])) in (2, 3)
     assert len(set(momentum_memory)) == 1  # updated in place after round 1
 
 
