@@ -232,8 +232,15 @@ def record_step_report(task: Task, body: dict, *, first_step: int, last_step: in
     series, _ = MetricSeries.objects.get_or_create(
         task=task, defaults={"job_id": task.job_id, "worker_id": str(task.lease.worker_id)}
     )
-    body, tail = unpack(series.points), unpack(series.tail)
-    last = (tail or body)[-1][0] if (tail or body) else 0
+    # The body is unpacked only when it is rewritten: per report, its length and last step are all it takes.
+    body_blob, tail = bytes(series.points or b""), unpack(series.tail)
+    body_length = len(body_blob) // POINT.size
+    if tail:
+        last = tail[-1][0]
+    elif body_length:
+        last = POINT.unpack_from(body_blob, (body_length - 1) * POINT.size)[0]
+    else:
+        last = 0
     # New points go to the tail (merged there while its last bucket has room), and only the tail is written
     # (at most TAIL_POINTS points): the body is rewritten when the tail is full, or when the series passed its
     # bound and is merged pairwise as a whole.
@@ -242,13 +249,13 @@ def record_step_report(task: Task, body: dict, *, first_step: int, last_step: in
     )
     steps = max(series.steps, last_step)
     update = MetricSeries.objects.filter(pk=series.pk).update
-    if len(body) + len(tail) > settings.HYPHA_METRICS_MAX_POINTS:
+    if body_length + len(tail) > settings.HYPHA_METRICS_MAX_POINTS:
         points, stride = bounded(
-            body + tail, stride=series.stride, max_points=settings.HYPHA_METRICS_MAX_POINTS
+            unpack(body_blob) + tail, stride=series.stride, max_points=settings.HYPHA_METRICS_MAX_POINTS
         )
         update(points=pack(points), tail=b"", stride=stride, steps=steps)
     elif len(tail) >= TAIL_POINTS:
-        update(points=pack(body + tail), tail=b"", steps=steps)
+        update(points=body_blob[: body_length * POINT.size] + pack(tail), tail=b"", steps=steps)
     else:
         update(tail=pack(tail), steps=steps)
 
