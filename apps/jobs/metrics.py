@@ -126,12 +126,6 @@ def halve(points: list[Point]) -> list[Point]:
     return merged
 
 
-def downsample(points: list[Point], max_points: int) -> list[Point]:
-    while len(points) > max(1, max_points):
-        points = halve(points)
-    return points
-
-
 def append(points: list[Point], new: Iterable[Point], *, stride: int, max_points: int) -> tuple[list, int]:
     """``points`` with ``new`` appended (each merged into the last point while that covers fewer than
     ``stride`` steps), halved as often as needed to hold at most ``max_points``; and the new stride."""
@@ -317,9 +311,7 @@ def job_metrics(job, *, trainer: str | None = None, max_points: int | None = Non
         points = stored_points(row)
         stride = row.stride
         if max_points is not None:
-            while len(points) > max_points:
-                points = halve(points)
-                stride *= 2
+            points, stride = bounded(points, stride=stride, max_points=max_points)
         shown.append((points, stride))
         worker = row.task.lease.worker if row.task.lease_id else None
         trainers.append(

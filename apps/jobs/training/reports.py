@@ -47,17 +47,18 @@ def record_exit(worker, message: protocol.JobExited) -> Task | None:
         status = Task.Status.EXITED
     else:
         status = Task.Status.FAILED
+    tail = _storable(message.log_tail)
     ended = task.finish(
         status,
         exit_code=message.exit_code,
         signal=message.signal,
         reason=message.reason[:2000],
-        log_tail=_storable(message.log_tail),
+        log_tail=tail,
     )
     if ended and message.log_tail and not task_logs.has_log(task.job_id, task.pk):
         # It ended before any of its output was forwarded (or its daemon forwards none): its last lines are
         # all of its log there is.
-        _keep_log(task, _storable(message.log_tail).splitlines())
+        _keep_log(task, tail.splitlines())
     if ended:  # the page's task and trainer tables show the end at once, also while the job runs on
         observers.job_changed(task.job)
     return task if ended else None
