@@ -207,13 +207,24 @@ _THROUGHPUT_ROUNDS = 3
 def _fill_job_throughput(job_samples: GaugeMetricFamily, job_tokens: GaugeMetricFamily) -> None:
     """Per running job (at most :data:`MAX_JOB_SERIES`), the rates of ``apps.jobs.throughput.of_job`` over its
     latest rounds; a job whose trainers reported none has no series."""
+    from django.db.models import Prefetch
+
     from apps.jobs import throughput
     from apps.jobs.models import Job, Round
 
-    running = Job.objects.filter(status=Job.Status.RUNNING).order_by("-created_at")[:MAX_JOB_SERIES]
-    for job_id in running.values_list("pk", flat=True):
-        latest = Round.objects.filter(job_id=job_id).order_by("-number").only("closed", "trainer_metrics")
-        found = throughput.of_job(reversed(list(latest[:_THROUGHPUT_ROUNDS])))
+    # One query for the jobs and one for their latest rounds, however many jobs run (not one per job).
+    latest = Round.objects.order_by("-number").only("job_id", "closed", "trainer_metrics")[
+        :_THROUGHPUT_ROUNDS
+    ]
+    running = (
+        Job.objects.filter(status=Job.Status.RUNNING)
+        .order_by("-created_at")
+        .only("pk")
+        .prefetch_related(Prefetch("rounds", queryset=latest, to_attr="latest_rounds"))[:MAX_JOB_SERIES]
+    )
+    for job in running:
+        job_id = job.pk
+        found = throughput.of_job(reversed(job.latest_rounds))
         if found["samples_per_second"] is not None:
             job_samples.add_metric([str(job_id)], found["samples_per_second"])
         if found["tokens_per_second"] is not None:
