@@ -97,9 +97,11 @@ ENV_KEYS = ("work_dir",)
 
 WEBSOCKET_PATH = "/ws/worker/"
 
+#: The worker's own credentials: they never reach a task (the daemon drops them from every task's environment).
+PRIVATE_ENVIRONMENT = ("HYPHA_WORKER_TOKEN", "HYPHA_WORKER_TOKEN_FILE", "HYPHA_TOKEN", "HYPHA_TOKEN_FILE")
 #: Variables an ``[[executors]]`` ``env`` table may not set: what the daemon sets for each task (the bridge's
 #: socket, the work dir, the job, the slowdown knob, the parameter server's control-plane URL and transfer
-#: credentials) and the worker's own credentials, which never reach a task (``jobs.PRIVATE_ENVIRONMENT``).
+#: credentials) and the worker's own credentials (:data:`PRIVATE_ENVIRONMENT`).
 RESERVED_ENVIRONMENT = (
     "SOCKET_PATH",
     "WORK_DIR",
@@ -109,10 +111,7 @@ RESERVED_ENVIRONMENT = (
     "HYPHA_TRANSFER_KEY",
     "HYPHA_TRANSFER_TOKEN",
     "HYPHA_TRANSFER_TOKEN_FILE",
-    "HYPHA_WORKER_TOKEN",
-    "HYPHA_WORKER_TOKEN_FILE",
-    "HYPHA_TOKEN",
-    "HYPHA_TOKEN_FILE",
+    *PRIVATE_ENVIRONMENT,
 )
 #: What a task with leased devices is told about them (per lease; see ``WorkerConfig.devices``).
 DEVICE_VARIABLE = "CUDA_VISIBLE_DEVICES"

@@ -60,7 +60,13 @@ from worker_daemon import protocol, telemetry
 from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.bridge.authorisation import DEFAULT_GRACE as DEFAULT_AUTH_GRACE
 from worker_daemon.bridge.remote import RemoteBackend
-from worker_daemon.config import DEVICE_VARIABLE, ExecutorConfig, WorkerConfig, http_base_url
+from worker_daemon.config import (
+    DEVICE_VARIABLE,
+    PRIVATE_ENVIRONMENT,
+    ExecutorConfig,
+    WorkerConfig,
+    http_base_url,
+)
 from worker_daemon.failures import root_cause
 from worker_daemon.leases import LeaseBook
 from worker_daemon.link import ControlLink
@@ -94,7 +100,6 @@ MAX_SOCKET_PATH = 107
 #: How long to wait for the output of a process that has exited (its children may hold the pipes).
 OUTPUT_DRAIN_TIMEOUT = 2.0
 #: Environment variables of the daemon that its tasks must not inherit: the worker's own credentials.
-PRIVATE_ENVIRONMENT = ("HYPHA_WORKER_TOKEN", "HYPHA_WORKER_TOKEN_FILE", "HYPHA_TOKEN", "HYPHA_TOKEN_FILE")
 SHUTDOWN_REASON = "daemon shutting down"
 
 #: What runtime ``trainer`` runs: the built-in DiLoCo trainer.

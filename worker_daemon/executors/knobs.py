@@ -89,6 +89,8 @@ def micro_batches(inputs: dict[str, torch.Tensor], count: int) -> list[dict[str,
     size = int(next(iter(inputs.values())).shape[0])
     if size % count:
         raise JobConfigError(f"gradient_accumulation_steps ({count}) must divide the batch ({size} samples)")
+    if count == 1:
+        return [inputs]  # the default: no split on every step
     parts = {name: tensor.split(size // count) for name, tensor in inputs.items()}
     return [{name: parts[name][index] for name in inputs} for index in range(count)]
 
@@ -120,4 +122,4 @@ def train_step(
                 lr_schedule.step()
             optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
-    return torch.stack(losses).mean()
+    return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
