@@ -59,6 +59,7 @@ if str(REPO_ROOT) not in sys.path:  # run as `python bench/model_scale.py`: the 
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.harness import load_average, machine_details  # noqa: E402
+from bench.transfers import _tail, trainer_peer, write_pseudo_gradient  # noqa: E402
 from tests.e2e.isolation import stop_with_parent  # noqa: E402
 
 JOB_ID = "3f6b2d0e-7a41-4c55-9e3d-1b2a3c4d5e6f"
@@ -80,10 +81,6 @@ SIZES: dict[str, dict[str, int]] = {
     "124M": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024},
 }
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*round (\d+): the global weights' digest")
-
-
-def trainer_peer(index: int) -> str:
-    return f"00000000-0000-4000-8000-{index:012d}"
 
 
 def transfer_token(peer: str, role: str) -> str:
@@ -132,23 +129,6 @@ async def sample_rss(pid: int, samples: list[tuple[float, int]], interval: float
     while True:
         samples.append((time.time(), proc_status_bytes(pid, "VmRSS")))
         await asyncio.sleep(interval)
-
-
-def write_pseudo_gradient(model_path: Path, target: Path) -> int:
-    """A valid update for ``model_path``: every floating-point tensor, same shape and dtype, small values."""
-    import torch
-
-    from hypha_tensors import weights as weights_io
-
-    weights = weights_io.load(model_path)
-    generator = torch.Generator().manual_seed(7)
-    update = {
-        name: (torch.randn(tensor.shape, generator=generator) * 1e-3).to(tensor.dtype)
-        for name, tensor in weights.items()
-        if tensor.dtype.is_floating_point
-    }
-    weights_io.save(target, update)
-    return target.stat().st_size
 
 
 def parameter_count(model_path: Path) -> int:
@@ -366,13 +346,6 @@ def _digest_times(log_path: Path) -> dict[int, float]:
     return found
 
 
-def _tail(path: Path, characters: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-characters:]
-    except OSError as error:
-        return f"<cannot read {path}: {error}>"
-
-
 def goal_bytes(model_bytes: int) -> int:
     return GOAL_FACTOR * model_bytes + GOAL_EXTRA
 
@@ -458,7 +431,7 @@ async def run(arguments: argparse.Namespace) -> list[dict[str, Any]]:
             except Exception as error:  # the other sizes still run; the report leaves this one out
                 print(f"size {name} failed: {error}", file=sys.stderr, flush=True)
                 continue
-            result["load"] = " / ".join(f"{load:.2f}" for load in os.getloadavg())
+            result["load"] = load_average()
             results.append(result)
     finally:
         shutil.rmtree(root, ignore_errors=True)
