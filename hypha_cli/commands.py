@@ -237,9 +237,10 @@ def show(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport
             f"{output.price_text(lease.get('price'))})",
             markup=False,
         )
+    total = output.rounds_total(job)
     for round_ in output.closed_rounds(job):
-        console.print(output.round_line(round_, output.rounds_total(job)), markup=False)
-        if (line := output.throughput_line(round_, output.rounds_total(job))) is not None:
+        console.print(output.round_line(round_, total), markup=False)
+        if (line := output.throughput_line(round_, total)) is not None:
             console.print(line, markup=False)
     for line in output.trainer_throughput_lines(job):
         console.print(line, markup=False)

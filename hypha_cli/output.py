@@ -331,11 +331,15 @@ def trainer_throughput_lines(job: dict[str, Any]) -> list[str]:
     for round_ in reversed(job.get("rounds") or []):
         trainers = (round_.get("throughput") or {}).get("trainers") or {}
         if trainers:
-            return [
-                f"trainer {names.get(worker) or worker} (round {round_.get('number')}): {throughput_text(facts)}"
+            texts = [
+                (worker, throughput_text(facts))
                 for worker, facts in sorted(
                     trainers.items(), key=lambda item: str(names.get(item[0]) or item[0])
                 )
-                if throughput_text(facts)
+            ]
+            return [
+                f"trainer {names.get(worker) or worker} (round {round_.get('number')}): {text}"
+                for worker, text in texts
+                if text
             ]
     return []
