@@ -26,10 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.browser import launch, log_in  # noqa: E402
 from bench.cluster import SMALL_GPT2, diloco_spec, prepare_stdlib_text, training_cluster  # noqa: E402
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 USER, PASSWORD = "ada", "screenshots-password-1"
 
 
@@ -75,7 +74,7 @@ def main() -> int:
         except _Enough:
             pass
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            browser = launch(playwright)
             try:
                 _shoot(browser, cluster.plane.base_url, finished, running, options)
             finally:
@@ -132,11 +131,7 @@ def _shoot(browser, base: str, finished: str, running: str, options) -> None:
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     page.set_default_timeout(30_000)
-    page.goto(f"{base}/login/")
-    page.fill("#id_username", USER)
-    page.fill("#id_password", PASSWORD)
-    page.click("#login-form button[type=submit]")
-    page.wait_for_url(f"{base}/")
+    log_in(page, base, USER, PASSWORD)
 
     # The overview: the job list (filter, page, compare boxes ticked) and the pool.
     page.locator(".compare-pick").first.wait_for()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import launch, require_browser
 from tests.e2e.conftest import only_in_mode, services_mode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,30 +28,12 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.cluster import SMALL_GPT2  # noqa: E402
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO_ROOT / "test-artifacts"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 PASSWORD = "a-browser-test-password"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install -r requirements/test.txt)"
-)
-if not CHROMIUM.exists():
-    pytest.skip(
-        f"{CHROMIUM} is missing: scripts/test installs Debian's chromium with apt-get when it can "
-        "(apt-get install chromium chromium-driver)",
-        allow_module_level=True,
-    )
+sync_api = require_browser()
 
 
 @only_in_mode("services", "its live updates travel over channels_redis there, the path a deployment uses")
@@ -72,7 +55,7 @@ def test_a_user_submits_watches_and_cancels_a_job_in_the_browser(tmp_path: Path)
         cluster.plane.manage(
             "createsuperuser", "--noinput", "--username", "ada", "--email", "ada@example.com"
         )
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch(playwright)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
             page.set_default_timeout(30_000)

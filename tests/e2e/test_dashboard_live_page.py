@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import launch, log_in, require_browser
 from tests.e2e.conftest import only_in_mode, services_mode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -29,17 +30,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.cluster import SMALL_GPT2  # noqa: E402
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO_ROOT / "test-artifacts"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 PASSWORD = "a-live-page-test-password"
 
 #: What the two tabs must agree on: each element's text (and a few attributes) by CSS selector.
@@ -60,15 +51,7 @@ AGREEMENT_TIMEOUT = 60
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install -r requirements/test.txt)"
-)
-if not CHROMIUM.exists():
-    pytest.skip(
-        f"{CHROMIUM} is missing: scripts/test installs Debian's chromium with apt-get when it can "
-        "(apt-get install chromium chromium-driver)",
-        allow_module_level=True,
-    )
+sync_api = require_browser()
 
 # The page's content as the browser shows it: each compared element's text, plus the attributes that say what
 # is shown (the badge's state, the hidden cancel form and model link).
@@ -116,7 +99,7 @@ def test_the_live_page_of_a_finished_job_shows_what_a_fresh_load_shows(tmp_path:
         )
         cluster.wait_for_dataset("stdlib")
         cluster.wait_for_workers(3)
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch(playwright)
         try:
             context = browser.new_context(viewport={"width": 1400, "height": 1800})
             context.set_default_timeout(30_000)
@@ -138,11 +121,7 @@ def test_the_live_page_of_a_finished_job_shows_what_a_fresh_load_shows(tmp_path:
 def _follow_and_compare(live, context, cluster, spec: dict) -> None:
     expect = sync_api.expect
     base = cluster.plane.base_url
-    live.goto(f"{base}/login/")
-    live.fill("#id_username", "ada")
-    live.fill("#id_password", PASSWORD)
-    live.click("#login-form button[type=submit]")
-    live.wait_for_url(f"{base}/")
+    log_in(live, base, "ada", PASSWORD)
 
     # given: the job's page is open from (nearly) its submission, its socket open
     job_id = cluster.submit(spec, name="live-page-e2e")

@@ -21,8 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from tests.browser import launch, log_in  # noqa: E402
 from tests.e2e.conftest import services_mode  # noqa: E402
-from tests.e2e.test_dashboard_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, PASSWORD, sync_api  # noqa: E402
+from tests.e2e.test_dashboard_browser import ARTIFACTS, PASSWORD, sync_api  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -54,7 +55,7 @@ def test_clone_a_job_and_compare_two_runs_in_the_browser(tmp_path: Path) -> None
         cluster.plane.manage(
             "createsuperuser", "--noinput", "--username", "ada", "--email", "ada@example.com"
         )
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch(playwright)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1400})
             page.set_default_timeout(30_000)
@@ -73,10 +74,7 @@ def _drive(page, cluster) -> None:
     expect = sync_api.expect
     base = cluster.plane.base_url
 
-    page.goto(f"{base}/login/")
-    page.fill("#id_username", "ada")
-    page.fill("#id_password", PASSWORD)
-    page.click("#login-form button[type=submit]")
+    log_in(page, base, "ada", PASSWORD)
 
     # Submit a job through the form; no worker is connected, so it waits: the bar says it has not started.
     page.goto(f"{base}/jobs/new/")

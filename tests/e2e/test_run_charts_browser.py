@@ -22,10 +22,9 @@ from apps.jobs import metrics
 from apps.jobs.models import TRAINER, Job, MetricSeries, Round, Task
 from apps.leases.models import Lease
 from apps.workers import services as worker_services
+from tests.browser import launch, require_browser
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 PASSWORD = "a-browser-test-password"
 REQUIREMENTS = {
     role: {
@@ -42,11 +41,7 @@ REQUIREMENTS = {
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.django_db(transaction=True)]
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install -r requirements/test.txt)"
-)
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+sync_api = require_browser()
 
 
 def _trainer(job: Job, name: str) -> Task:
@@ -118,7 +113,7 @@ def job_with_metrics(settings):
 def test_the_job_page_draws_its_run_charts_from_the_stored_metrics(live_server, job_with_metrics) -> None:
     job, first = job_with_metrics
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch(playwright)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 2200})
             page.set_default_timeout(20_000)

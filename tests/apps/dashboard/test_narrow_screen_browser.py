@@ -8,24 +8,17 @@ Run it under ``flock /tmp/hypha-e2e.lock`` like the other browser tests.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from django.test import Client
 
 from tests.apps.dashboard.conftest import record_round
+from tests.browser import launch, require_browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 WIDTH = 390
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install -r requirements/test.txt)"
-)
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+sync_api = require_browser()
 
 
 def test_no_page_is_wider_than_a_390_px_screen(live_server, training_job, online_rigs, staff_user_client):
@@ -35,7 +28,7 @@ def test_no_page_is_wider_than_a_390_px_screen(live_server, training_job, online
     paths = ["/", f"/jobs/{training_job.pk}/", f"/workers/{online_rigs[0].pk}/", "/jobs/new/"]
 
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch(playwright)
         try:
             context = browser.new_context(viewport={"width": WIDTH, "height": 844})
             context.add_cookies([{"name": "sessionid", "value": session, "url": live_server.url}])

@@ -10,23 +10,15 @@ Run it under ``flock /tmp/hypha-e2e.lock`` like the other browser tests.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from django.test import Client
 
 from tests.apps.dashboard.conftest import record_round
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
+from tests.browser import launch, require_browser
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install -r requirements/test.txt)"
-)
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+sync_api = require_browser()
 
 #: The columns (``.columns > *``) whose content is wider than they are and is not scrolled inside them.
 SPILLING = """() => [...document.querySelectorAll('.columns > *')]
@@ -44,7 +36,7 @@ def test_no_table_spills_out_of_its_column_at_1280_px(
     paths = ["/", f"/jobs/{training_job.pk}/", f"/workers/{online_rigs[0].pk}/"]
 
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch(playwright)
         try:
             context = browser.new_context(viewport={"width": 1280, "height": 900})
             context.add_cookies([{"name": "sessionid", "value": session, "url": live_server.url}])
