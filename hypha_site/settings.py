@@ -466,6 +466,10 @@ HYPHA_UPLOAD_QUOTA_COUNT = env_int("HYPHA_UPLOAD_QUOTA_COUNT", 100, minimum=1, m
 #: Each task's full output kept on the control plane (HYPHA_DATA_DIR/logs/, apps/jobs/training/task_logs.py):
 #: past this many bytes its oldest output is dropped (rotated), and the log says so.
 HYPHA_TASK_LOG_MAX_BYTES = env_int("HYPHA_TASK_LOG_MAX_BYTES", 4 << 20, minimum=1024, maximum=64 << 20)
+#: Days a job's task logs are kept after it ended (0: for ever); the ``task-log-sweep`` clock deletes them.
+HYPHA_TASK_LOG_RETENTION_DAYS = env_float("HYPHA_TASK_LOG_RETENTION_DAYS", 30.0, minimum=0.0, maximum=36500.0)
+#: Seconds between two runs of that sweep.
+HYPHA_TASK_LOG_SWEEP_INTERVAL = env_float("HYPHA_TASK_LOG_SWEEP_INTERVAL", 3600.0, minimum=1.0, maximum=86400.0)
 #: Largest websocket frame accepted from a daemon (UTF-8 bytes); larger ones get a ``too_large`` error frame.
 HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
 #: Per-connection token bucket of the worker gateway: sustained frames per second and the burst above it.
@@ -577,6 +581,7 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"expires": HYPHA_TICK_EXPIRES},
     },
     "relay-sweep": {"task": "apps.relay.tasks.sweep_relay", "schedule": HYPHA_RELAY_SWEEP_INTERVAL},
+    "task-log-sweep": {"task": "apps.jobs.tasks.sweep_task_logs", "schedule": HYPHA_TASK_LOG_SWEEP_INTERVAL},
 }
 
 # --- observability (docs/observability.md) --------------------------------------------------------------

@@ -34,3 +34,11 @@ def post_to_status_bridge(address: str, posts: list[dict]) -> dict:
     """One trainer's metrics of a round to the AIM status bridge (services mode); never raises, never retries
     (a metric that missed the bridge is in the round's record all the same)."""
     return status_bridge.post(address, posts)
+
+
+@shared_task(name="apps.jobs.tasks.sweep_task_logs")
+def sweep_task_logs() -> int:
+    """Delete the task logs of jobs ended longer ago than ``HYPHA_TASK_LOG_RETENTION_DAYS``."""
+    from apps.jobs.training import task_logs
+
+    return task_logs.sweep()

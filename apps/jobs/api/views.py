@@ -467,8 +467,9 @@ class PlainTextRenderer(BaseRenderer):
     summary="Download a task's log",
     description="The task's full output as its daemon forwarded it, while it runs and after it ended. Kept "
     "up to `HYPHA_TASK_LOG_MAX_BYTES` (4 MiB by default): past that its oldest output is dropped and the "
-    "first line says how many bytes were; empty while the task has printed nothing. 404 for a job that is not "
-    "yours or a task not of that job.",
+    "first line says how many bytes were; empty while the task has printed nothing. Deleted "
+    "`HYPHA_TASK_LOG_RETENTION_DAYS` (30 by default) after the job ended: then one line says so. 404 for a "
+    "job that is not yours or a task not of that job.",
     parameters=[OpenApiParameter("format", exclude=True)],
     responses={
         (200, "text/plain"): OpenApiTypes.STR,
@@ -482,7 +483,9 @@ def job_task_log(request: Request, pk: str, task_id: str):
     task = Task.objects.filter(pk=task_id, job__in=jobs.filter(pk=pk)).first()
     if task is None:
         return Response({"detail": "No such task."}, status=status.HTTP_404_NOT_FOUND)
-    text = training.task_logs.read(task.job_id, task.pk) or ""
+    text = training.task_logs.read(task.job_id, task.pk)
+    if text is None:
+        text = training.task_logs.deleted_note(task.job.ended_at) or ""
     response = HttpResponse(text.encode("utf-8"), content_type="text/plain; charset=utf-8")
     response["Content-Disposition"] = f'inline; filename="task-{task.pk}.log"'
     response["X-Content-Type-Options"] = "nosniff"

@@ -5,17 +5,25 @@ Daemons send a running task's output lines in ``task_log`` frames (and its last 
 holds whatever a worker sends: when the file would pass half of it, it becomes ``<task>.log.1`` (the one before
 is dropped) and a new file starts, so the two hold at most the cap and always the newest output. What was
 dropped is counted in ``<task>.log.dropped`` and :func:`read` says so in its first line.
+
+:func:`sweep` (the ``task-log-sweep`` clock) deletes the logs of jobs that ended more than
+``HYPHA_TASK_LOG_RETENTION_DAYS`` ago (0 keeps them for ever) and directories no job owns, so that a control
+plane that runs for months does not fill its disk; :func:`deleted_note` is what the log says then.
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import shutil
+import uuid
 from collections.abc import Iterable
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
+from django.utils import timezone
 
 logger = logging.getLogger(__name__)
 
@@ -122,3 +130,50 @@ def read(job_id, task_id) -> str | None:
     if dropped:
         text = DROPPED_NOTE.format(dropped=dropped, cap=settings.HYPHA_TASK_LOG_MAX_BYTES) + text
     return text
+
+
+def _retention() -> timedelta | None:
+    days = settings.HYPHA_TASK_LOG_RETENTION_DAYS
+    return timedelta(days=days) if days else None
+
+
+def sweep(now: datetime | None = None) -> int:
+    """Delete the log directories of jobs that ended more than the retention ago, and those of no job;
+    returns how many went. Nothing when the retention is 0."""
+    from apps.jobs.models import Job
+
+    retention = _retention()
+    root = Path(settings.HYPHA_DATA_DIR) / "logs"
+    if retention is None or not root.is_dir():
+        return 0
+    directories = {}
+    for path in root.iterdir():
+        try:
+            directories[uuid.UUID(path.name)] = path
+        except ValueError:
+            continue  # not ours
+    if not directories:
+        return 0
+    cutoff = (now or timezone.now()) - retention
+    known = dict(Job.objects.filter(pk__in=list(directories)).values_list("pk", "ended_at"))
+    gone = [
+        path
+        for job_id, path in directories.items()
+        if job_id not in known or (known[job_id] is not None and known[job_id] <= cutoff)
+    ]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    if gone:
+        logger.info("deleted the task logs of %d job(s) (retention %s)", len(gone), retention)
+    return len(gone)
+
+
+def deleted_note(ended_at: datetime | None, now: datetime | None = None) -> str | None:
+    """What a log deleted by :func:`sweep` reads as (``None`` while the job's logs are kept)."""
+    retention = _retention()
+    if retention is None or ended_at is None or ended_at > (now or timezone.now()) - retention:
+        return None
+    return (
+        f"[hypha: this log was deleted {retention.days} days after its job ended "
+        f"(HYPHA_TASK_LOG_RETENTION_DAYS = {settings.HYPHA_TASK_LOG_RETENTION_DAYS:g})]\n"
+    )

@@ -167,3 +167,51 @@ def test_a_frame_larger_than_half_the_cap_keeps_its_newest_whole_lines(running_j
     note, *rest = text.splitlines()
     assert note == "[hypha: the first 2000 bytes of this log were dropped (HYPHA_TASK_LOG_MAX_BYTES = 2048)]"
     assert rest == earlier + burst[-20:]
+
+
+@pytest.mark.django_db
+def test_logs_of_jobs_ended_longer_ago_than_the_retention_are_deleted_by_the_clock(
+    running_job, online_rigs, settings, job_owner, django_capture_on_commit_callbacks, tmp_path
+):
+    # given: a 30-day retention; the running job's trainer has output, and a second job of the owner ended
+    # 31 days ago with output of its own, and a directory of logs no job owns (a job row deleted by hand)
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.jobs import tasks
+    from apps.jobs.training import task_logs
+
+    settings.HYPHA_TASK_LOG_RETENTION_DAYS = 30
+    rig_a, _rig_b, rig_c = online_rigs
+    ready(running_job, rig_c)
+    kept_task = task_of(running_job, rig_a)
+    send(rig_a, kept_task, ["still running"])
+    old_task = task_of(running_job, rig_c)
+    send(rig_c, old_task, ["server output"])
+    job_services.cancel_job(running_job, reason="test")
+    running_job.refresh_from_db()
+    orphan = tmp_path / "logs" / "00000000-0000-4000-8000-000000000000"
+    orphan.mkdir(parents=True)
+    (orphan / "x.log").write_text("nobody's")
+    # when: the sweep runs 29 days after the job ended
+    Job.objects.filter(pk=running_job.pk).update(ended_at=timezone.now() - timedelta(days=29))
+    tasks.sweep_task_logs()
+    # then: the ended job's logs are still served, the orphan directory is gone
+    client = owner_client(running_job)
+    assert client.get(log_url(running_job, kept_task)).content == b"still running\n"
+    assert not orphan.exists()
+    # when: 31 days after
+    Job.objects.filter(pk=running_job.pk).update(ended_at=timezone.now() - timedelta(days=31))
+    tasks.sweep_task_logs()
+    # then: the files are gone and the log says why, not an empty 200 that looks like silence
+    assert not task_logs.log_directory(running_job.pk).exists()
+    response = client.get(log_url(running_job, kept_task))
+    assert response.status_code == 200
+    assert "deleted" in response.content.decode() and "HYPHA_TASK_LOG_RETENTION_DAYS" in response.content.decode()
+    # and: a retention of 0 keeps logs for ever
+    settings.HYPHA_TASK_LOG_RETENTION_DAYS = 0
+    task_logs.append(running_job.pk, kept_task.pk, ["kept"])
+    Job.objects.filter(pk=running_job.pk).update(ended_at=timezone.now() - timedelta(days=3650))
+    tasks.sweep_task_logs()
+    assert task_logs.read(running_job.pk, kept_task.pk) == "kept\n"
