@@ -91,7 +91,7 @@ async def test_start_is_idempotent_and_stop_forgets_the_runner(embedded):
     try:
         assert first is second is EmbeddedRunner.current()
         assert first.loop is asyncio.get_running_loop()
-        assert len(first._periodic) == 3  # the lease clock, the market clock and the relay sweep
+        assert len(first._periodic) == 4  # the lease and market clocks, the relay and task-log sweeps
     finally:
         EmbeddedRunner.stop()
     await asyncio.gather(*first._periodic, return_exceptions=True)
