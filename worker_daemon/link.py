@@ -13,6 +13,14 @@ websocket:
 
 The link holds no websocket: :meth:`ControlLink.connected` gives it an async ``send`` hook, and
 :meth:`ControlLink.disconnected` takes it away again.
+
+The outbox is bounded (:data:`MAX_QUEUED` frames) without losing what changes state at the control plane: while
+disconnected, a task's ``task_log`` frames waiting at its tail merge into one (up to :data:`LOG_MERGE_LINES`
+lines and :data:`LOG_MERGE_CHARS` characters), and when it is full the oldest ``task_log`` frame goes first
+(then the oldest ``transfer_problem``, a report a later one supersedes). ``job_started``, ``job_exited``, slice acks, requests and
+the rest are never dropped: with nothing droppable left the outbox grows past its bound (they are few: one per
+task event, and requests leave it when they time out). The dropped lines of a task are said in its log, in a
+line sent before its next ``task_log`` or its ``job_exited``.
 """
 
 from __future__ import annotations
@@ -32,9 +40,15 @@ SendHook = Callable[[protocol.DaemonMessage], Awaitable[None]]
 Request = protocol.StatusReport | protocol.FetchSlice
 Reply = protocol.StatusReply | protocol.SliceAssigned
 
-#: Frames kept while disconnected; beyond it the oldest are dropped (with a warning). A daemon that is offline
-#: this long has lost its leases anyway, and the control plane has failed their jobs.
+#: Frames kept while disconnected; beyond it the oldest log frames are dropped (with a warning), never a frame
+#: that changes state (see the module docstring).
 MAX_QUEUED = 10_000
+#: Bounds of a ``task_log`` frame merged from waiting ones: those of the job manager's own batches
+#: (``worker_daemon.jobs.LOG_BATCH_LINES`` / ``LOG_BATCH_CHARS``; the protocol takes 200 lines of 1000).
+LOG_MERGE_LINES = 100
+LOG_MERGE_CHARS = 32 * 1024
+#: Frames dropped to make room, in this order of preference: the oldest of the first type queued goes.
+DROPPABLE = (protocol.TaskLog, protocol.TransferProblem)
 
 
 class ControlLink:
@@ -48,6 +62,9 @@ class ControlLink:
         self._idle = asyncio.Event()
         self._idle.set()
         self._flusher: asyncio.Task[None] | None = None
+        #: Lines of ``task_log`` frames dropped for room, by task, not said in its log yet.
+        self._dropped_lines: dict[uuid.UUID, int] = {}
+        self._over_bound_warned = False
 
     @property
     def is_connected(self) -> bool:
@@ -107,13 +124,12 @@ class ControlLink:
     # --- used by tasks -------------------------------------------------------------------------------------
 
     def post(self, message: protocol.DaemonMessage) -> None:
-        """Queue ``message``; it is sent as soon as (and in the order that) a connection allows."""
-        if len(self._outbox) >= self._max_queued:
-            dropped = self._outbox.popleft()
-            logger.warning(
-                "outbox full (%d frames): dropping the oldest, a %s", self._max_queued, dropped.type
-            )
-        self._outbox.append(message)
+        """Queue ``message``; it is sent as soon as (and in the order that) a connection allows. A full outbox
+        drops its oldest log frame for it, never a frame that changes state (see the module docstring)."""
+        if not (isinstance(message, protocol.TaskLog) and self._merged(message)):
+            if len(self._outbox) >= self._max_queued:
+                self._make_room()
+            self._outbox.append(message)
         self._idle.clear()
         self._wake.set()
 
@@ -134,6 +150,55 @@ class ControlLink:
 
     # --- internals -----------------------------------------------------------------------------------------
 
+    def _merged(self, message: protocol.TaskLog) -> bool:
+        """While disconnected, append ``message``'s lines to the frame at the outbox's tail when that is the
+        same task's log and the two fit one frame; True if they did. (Connected, frames go out as posted.)"""
+        if self.is_connected or not self._outbox:
+            return False
+        tail = self._outbox[-1]
+        if not isinstance(tail, protocol.TaskLog) or tail.task_id != message.task_id:
+            return False
+        lines = [*tail.lines, *message.lines]
+        if len(lines) > LOG_MERGE_LINES or sum(map(len, lines)) > LOG_MERGE_CHARS:
+            return False
+        self._outbox[-1] = protocol.TaskLog(task_id=tail.task_id, lines=lines)
+        return True
+
+    def _make_room(self) -> None:
+        """Drop the oldest droppable frame (:data:`DROPPABLE`); with none queued, drop nothing."""
+        for kind in DROPPABLE:
+            for index, queued in enumerate(self._outbox):
+                if isinstance(queued, kind):
+                    del self._outbox[index]
+                    if isinstance(queued, protocol.TaskLog):
+                        self._dropped_lines[queued.task_id] = self._dropped_lines.get(
+                            queued.task_id, 0
+                        ) + len(queued.lines)
+                    return
+        if not self._over_bound_warned:
+            self._over_bound_warned = True
+            logger.warning(
+                "outbox full (%d frames) of frames that change state at the control plane: keeping them all",
+                self._max_queued,
+            )
+
+    def _with_drops_said(self, message: protocol.DaemonMessage) -> protocol.DaemonMessage:
+        """The frame to send for ``message`` (the head of the outbox, taken off it): a task's dropped log lines
+        are said first, in its next ``task_log`` or just before its ``job_exited``."""
+        if not isinstance(message, protocol.TaskLog | protocol.JobExited):
+            return message
+        dropped = self._dropped_lines.pop(message.task_id, 0)
+        if not dropped:
+            return message
+        notice = (
+            f"[hypha: {dropped} lines of output were not forwarded (the control plane was unreachable and the "
+            "daemon's outbox was full)]"
+        )
+        if isinstance(message, protocol.TaskLog) and len(message.lines) < LOG_MERGE_LINES:
+            return protocol.TaskLog(task_id=message.task_id, lines=[notice, *message.lines])
+        self._outbox.appendleft(message)  # the notice goes first, on its own
+        return protocol.TaskLog(task_id=message.task_id, lines=[notice])
+
     async def _flush_forever(self, send: SendHook) -> None:
         while True:
             if not self._outbox:
@@ -142,7 +207,7 @@ class ControlLink:
                 await self._wake.wait()
                 continue
             self._idle.clear()
-            message = self._outbox.popleft()
+            message = self._with_drops_said(self._outbox.popleft())
             try:
                 await send(message)
             except asyncio.CancelledError:
