@@ -18,6 +18,8 @@ SPEC_PATH_OF_FIELD = {
     "model_type": ("model", "type"),
     "dataset": ("dataset", "name"),
     "num_trainers": ("num_trainers",),
+    "trainers_min": ("trainers", "min"),
+    "trainers_grace": ("trainers", "grace"),
     "batch_size": ("batch_size",),
     "update_rounds": ("rounds", "update_rounds"),
     "inner_steps": ("rounds", "inner_steps"),

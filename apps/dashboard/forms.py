@@ -54,6 +54,10 @@ FIELD_OF_PATH = {
     "rounds.mix": "mix",
     "batch_size": "batch_size",
     "num_trainers": "num_trainers",
+    "trainers": "trainers_min",
+    "trainers.min": "trainers_min",
+    "trainers.target": "num_trainers",
+    "trainers.grace": "trainers_grace",
     "inner_optimizer.weight_decay": "weight_decay",
     "training": "gradient_accumulation_steps",
     "training.max_grad_norm": "max_grad_norm",
@@ -149,7 +153,23 @@ class DiLoCoJobForm(_SpecForm):
         help_text="batch keys the model takes, comma-separated",
     )
     dataset = forms.ChoiceField(label="Dataset", choices=(), help_text="registered by a data node")
-    num_trainers = _number("Trainers", 2, integer=True)
+    num_trainers = _number("Trainers", 2, "with a minimum below: the pool's target", integer=True)
+    # An elastic pool (docs/training.md, "Elastic pools"): empty, every trainer must be leased before training
+    # starts; the target is "Trainers" (one field: the spec refuses a target that differs from num_trainers).
+    trainers_min = _number(
+        "Minimum trainers",
+        None,
+        "elastic pool: training starts once this many trainers hold leases, grows toward the target and goes "
+        "on while at least this many remain (empty: no pool, all of them)",
+        integer=True,
+        required=False,
+    )
+    trainers_grace = _number(
+        "Grace",
+        None,
+        "elastic pool: seconds the pool may stay below its minimum (empty: 0; stored, not acted on yet)",
+        required=False,
+    )
     batch_size = _number("Batch size", 16, "per trainer", integer=True)
     update_rounds = _number("Rounds", 10, "outer rounds", integer=True)
     inner_steps = _number("Inner steps (H)", 50, "optimizer steps per trainer per round", integer=True)
@@ -264,6 +284,8 @@ class DiLoCoJobForm(_SpecForm):
             "Training",
             (
                 "num_trainers",
+                "trainers_min",
+                "trainers_grace",
                 "batch_size",
                 "update_rounds",
                 "inner_steps",
@@ -350,6 +372,14 @@ class DiLoCoJobForm(_SpecForm):
             "trainer": _role(data, "trainer"),
             "parameter_server": _role(data, "ps"),
         }
+        pool = {
+            key: data[f"trainers_{key}"]
+            for key in ("min", "grace")
+            if data.get(f"trainers_{key}") is not None
+        }
+        # Either given makes a pool, its target the trainers (a missing min is then said next to its field).
+        if pool:
+            spec["trainers"] = {**pool, "target": data["num_trainers"]}
         for key in ("encoding_block_size", "fragments", "mix"):
             if data.get(key) is not None:
                 spec["rounds"][key] = data[key]
