@@ -17,7 +17,7 @@ safetensors pseudo-gradient with the model's names, shapes and dtypes (``PUT /jo
 
 Measured per round, on this machine's clock (the server's log lines carry its wall-clock time, ms):
 
-* **receive** — the first upload's start → the last upload's answer (bodies in, loaded, checked, added).
+* **receive** — the first upload's start → the last upload's answer (bodies in, checked, added).
 * **aggregate** — the last upload's answer → the server's ``round N: the global weights' digest`` log line: the
   outer step (mean, Nesterov, θ + u), the local checkpoint, its upload to the stand-in control plane and the new
   global and result files.

@@ -116,7 +116,10 @@ def _main(arguments: argparse.Namespace) -> int:
         return EXIT_BAD_ARGUMENTS
 
     # Heavy imports (torch, transformers via the service) only now.
+    from parameter_server import memory
     from parameter_server.service import Settings
+
+    memory.configure_allocator()  # large blocks go back to the system when freed (parameter_server/memory.py)
 
     work_dir = Path(arguments.work_dir).resolve()
     try:

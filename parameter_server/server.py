@@ -46,8 +46,9 @@ import torch
 from aiohttp import web
 
 from hypha_tensors import weights as weights_io
-from hypha_tensors.encoding import DecodedView, EncodingError, check, group, wire_dtype
+from hypha_tensors.encoding import DecodedView, EncodedTensor, EncodingError, check, group, wire_dtype
 from hypha_tensors.formats import Encoding
+from hypha_tensors.spooled import SpooledFile, SpooledView
 from parameter_server.exceptions import RoundError, TensorRefused, UpdateRefused, WeightsFileError
 from parameter_server.rounds import RoundCoordinator
 from worker_daemon import telemetry
@@ -310,12 +311,13 @@ class ParameterServerApp:
         return path
 
     def _parse_update(self, path: Path, round_number: int | None = None) -> DecodedView:
-        """The update in ``path``, checked against the global weights, as a view that decodes a tensor at
-        every read (the round measures, then adds, one tensor at a time). ``_WrongEncoding`` when its
-        metadata names another encoding than the job's; ``WeightsFileError``, ``TensorRefused`` (names,
-        shapes, wire dtypes, NaN/Inf) or ``EncodingError`` (int8 scales) when it is unusable. With
-        ``round_number``, the names must be that round's (its fragment's, in a streaming job); without, the
-        whole model's."""
+        """The update in ``path``, checked against the global weights, as a view that reads and decodes a
+        tensor from the file at every read (the round measures, then adds, one tensor at a time: no update is
+        ever in memory whole; the caller closes ``view.file`` and deletes ``path`` once the round took it).
+        ``_WrongEncoding`` when its metadata names another encoding than the job's; ``WeightsFileError``,
+        ``TensorRefused`` (names, shapes, wire dtypes, NaN/Inf) or ``EncodingError`` (int8 scales) when it
+        is unusable. With ``round_number``, the names must be that round's (its fragment's, in a streaming
+        job); without, the whole model's."""
         try:
             encoding = Encoding.from_metadata(weights_io.read_metadata(path))
         except EncodingError as error:
@@ -324,24 +326,40 @@ class ParameterServerApp:
             raise _WrongEncoding(
                 f"the update is encoded as {encoding}; this job's updates are {self.encoding}"
             )
-        update = self.canonicalize(group(weights_io.load(path), self.encoding))
+        spooled = SpooledFile(path)
+        try:
+            return self._check_spooled(spooled, round_number)
+        except BaseException:
+            spooled.close()
+            raise
+
+    def _check_spooled(self, spooled: SpooledFile, round_number: int | None) -> SpooledView:
+        # NaN and Inf first, as weights_io.load refuses them (a slice at a time: nothing model-sized).
+        spooled.check_finite()
+        # Names only: each maps to the file's names of its values and scales, read when the round asks.
+        update = self.canonicalize(group({name: name for name in spooled.names}, self.encoding))
         for name in self.ignored_names & update.keys():
             del update[name]
-        # load() refused NaN and Inf already; what is left to check is the names, shapes and dtypes (on the
-        # wire), then each int8 tensor's scales. A streaming round takes its fragment's names only.
+        # What is left to check is the names, shapes and dtypes (on the wire, from the header), then each
+        # int8 tensor's scales. A streaming round takes its fragment's names only.
         reference = self.wire_signature
         if round_number is not None and self.coordinator.fragment_count > 1:
             self.coordinator.check_names(round_number, update)
             reference = {name: reference[name] for name in self.coordinator.round_names(round_number)}
         weights_io.validate(
-            {name: entry.values for name, entry in update.items()},
+            {name: spooled.meta(entry.values) for name, entry in update.items()},
             reference=reference,
             check_finite=False,
         )
         for name in sorted(update):
-            check(update[name], self.encoding, name=name)
-        return DecodedView(
-            update, self.encoding, dtypes={name: dtype for name, (_, dtype) in self.signature.items()}
+            values, scales = update[name]
+            entry = EncodedTensor(spooled.meta(values), None if scales is None else spooled.read(scales))
+            check(entry, self.encoding, name=name)
+        return SpooledView(
+            spooled,
+            update,
+            self.encoding,
+            dtypes={name: dtype for name, (_, dtype) in self.signature.items()},
         )
 
     async def _update(self, request: web.Request) -> web.Response:
@@ -387,6 +405,7 @@ class ParameterServerApp:
         self.coordinator.check_can_submit(peer, round_number)
         await self._check_samples(peer, round_number, samples)
         path = await self._receive_body(request, peer, round_number)
+        update: DecodedView | None = None
         try:
             try:
                 update = await asyncio.to_thread(self._parse_update, path, round_number)
@@ -401,9 +420,13 @@ class ParameterServerApp:
             except _WrongEncoding as error:
                 self.coordinator.record_refusal(peer, round_number, str(error))
                 raise _HTTPFailure(422, "wrong_encoding", str(error)) from None
+            # The round reads the update from the file, a tensor at a time (one update at a time: its lock).
+            await self.coordinator.submit(peer, round_number, update, samples)
         finally:
+            # Not closed here: a round's thread may still read it (a request cancelled while it was added);
+            # the file closes when the last reference goes, and its unlinked bytes stay readable until then.
+            del update
             path.unlink(missing_ok=True)
-        await self.coordinator.submit(peer, round_number, update, samples)
         telemetry.annotate(current, **{"hypha.samples": samples})
         return web.json_response({"round": round_number, "accepted": True})
 

@@ -43,7 +43,7 @@ import aiohttp
 
 from hypha_tensors import weights as weights_io
 from hypha_tensors.fragments import FragmentError, largest_share, partition
-from parameter_server import checkpoints
+from parameter_server import checkpoints, memory
 from parameter_server.evaluation import Evaluator
 from parameter_server.exceptions import (
     CheckpointError,
@@ -67,7 +67,7 @@ from parameter_server.reporting import (
     upload_checkpoint,
     upload_model,
 )
-from parameter_server.rounds import KEEP_RESULTS, RoundCoordinator, RoundResult
+from parameter_server.rounds import KEEP_RESULTS, SPARE_SETS, RoundCoordinator, RoundResult
 from parameter_server.server import GlobalModelFiles, ParameterServerApp, start_http, stop_http
 from worker_daemon.relay import RelayClient
 
@@ -278,6 +278,12 @@ class ParameterServer:
             count_samples=self._count_samples,
             encoding=self.job.encoding,
         )
+        # The round-0 weights are the coordinator's now (it replaces them after each round), and the model
+        # object serves the eval only: kept here, each would hold one model size all job (issue 17).
+        initial.weights = {}
+        if self.evaluator is None:
+            initial.model = None
+        memory.release()
         self._runner, port = await start_http(
             self.app.make_app(), host=self.settings.host, port=self.settings.port
         )
@@ -436,6 +442,16 @@ class ParameterServer:
                 if coordinator.failure in done:
                     raise ParameterServerError(f"a round could not be closed: {coordinator.failure.result()}")
                 reply = await self._report(getter.result())
+                del getter  # the round's result (u) goes back to the pool now, not at the next round's
+                # The pool keeps what the open round still needs (parameter_server/rounds: SPARE_SETS): less
+                # the momentum's set when it is updated in place (float32), less the accumulator's when the
+                # round has one already (its first update came before this report, while u was still held:
+                # it took a set of its own). Else one model size more stays resident all job.
+                spare = (
+                    SPARE_SETS - (0 if self.job.encoding.lossy else 1) - (1 if coordinator.received else 0)
+                )
+                coordinator.pool.trim(spare)
+                memory.release()  # what the round's reading and stepping left free in the C heaps
                 if reply is not None and reply.get("type") == "Done":
                     logger.info("the control plane says the job is done")
                     coordinator.finish()
