@@ -1,7 +1,8 @@
 """Streaming DiLoCo's fragments: which tensors sync in which round (docs/training.md, "Overlap: streaming").
 
 A job with ``rounds.overlap = "streaming"`` and ``fragments = F`` splits the model's tensors into F fragments;
-round r (numbered from 1) syncs fragment :func:`fragment_of_round` ``(r − 1) mod F`` only: trainers send the
+round r (numbered from 1) syncs fragment :func:`fragment_of_round` ``(r − 1) mod F`` only (the job's last
+round excepted: it syncs every fragment, :func:`syncs_everything`): trainers send the
 pseudo-gradient of its tensors, the parameter server averages them and steps them (their Nesterov momentum is
 stepped only in their rounds), and the result carries them alone. So at any moment at most one fragment of the
 model is in flight, and every tensor is synced once every F rounds.
@@ -49,6 +50,13 @@ def fragment_of_round(round_number: int, fragments: int) -> int:
     if fragments < 1:
         raise ValueError(f"a model has at least one fragment, not {fragments}")
     return (round_number - 1) % fragments
+
+
+def syncs_everything(round_number: int, rounds: int | None) -> bool:
+    """Whether round ``round_number`` of a streaming job of ``rounds`` rounds syncs every fragment: its last
+    round does (docs/training.md, "Overlap: streaming": the final model holds every trainer's last steps of
+    every tensor). ``rounds`` None (not known): no round does."""
+    return rounds is not None and round_number >= rounds
 
 
 def _block_of(name: str) -> tuple[str, int] | None:

@@ -57,7 +57,10 @@ Round rules (docs/training.md, step 7):
   tensors only, so at most 1/F of the model is in flight; the digest published with it is of the whole θ_r.
   Norm bounds are per fragment: an update is measured over f's tensors against the norms of f's last
   stepped round (or f's weights' norm). The error-feedback residual of the other fragments waits for their
-  rounds. Without fragments, F = 1: every round is fragment 0, every tensor.
+  rounds. The job's last round (``update_rounds``) syncs every fragment (fragment number F): its updates
+  carry every floating-point tensor, each stepped with its own momentum (``m ← g`` for one that had no round
+  yet), so the final model holds every trainer's last steps of every tensor. Without fragments, F = 1: every
+  round is fragment 0, every tensor.
 
 Modules: :mod:`~parameter_server.rounds.coordinator` (the rules above), :mod:`~parameter_server.rounds.step`
 (the outer step's arithmetic), :mod:`~parameter_server.rounds.records` (round results and state).

@@ -16,7 +16,7 @@ import torch
 
 from hypha_tensors.encoding import DecodedView, EncodingError
 from hypha_tensors.formats import SCALE_SUFFIX, Encoding
-from hypha_tensors.fragments import fragment_of_round
+from hypha_tensors.fragments import fragment_of_round, syncs_everything
 from parameter_server.buffers import BufferPool
 from parameter_server.exceptions import (
     RoundConflict,
@@ -78,7 +78,8 @@ class RoundCoordinator(StepArithmetic):
     :func:`hypha_tensors.fragments.partition` gives them (canonical names; others, such as aliases, are left
     out); every floating-point tensor must be in exactly one, and each must hold one (``ValueError``).
     Round r then takes the updates of fragment ``(r − 1) mod F``'s tensors only (:meth:`round_names`) and
-    steps them alone. None: one fragment, every floating-point tensor each round.
+    steps them alone; the job's last round (``update_rounds``) takes and steps every fragment's, each with its
+    own momentum. None: one fragment, every floating-point tensor each round.
     """
 
     def __init__(
@@ -208,15 +209,14 @@ class RoundCoordinator(StepArithmetic):
     def _new_round(self, number: int) -> OpenRound:
         # The control plane's latest word on who trains, else everyone the job started with.
         expected = self._told or self.expected
-        fragment = self.fragment_of(number)
         return OpenRound(
             number,
             self._clock(),
             mean=StreamingMean(self._pool.take),
             expected=expected,
             opened_expecting=expected,
-            fragment=fragment,
-            names=self._fragments[fragment],
+            fragment=self.round_fragment(number),
+            names=self.round_names(number),
         )
 
     def _check_round(self, round_number: int) -> None:
@@ -234,9 +234,23 @@ class RoundCoordinator(StepArithmetic):
         """The fragment round ``round_number`` (from 1) syncs: ``(round_number − 1) mod F``."""
         return fragment_of_round(round_number, len(self._fragments))
 
+    def syncs_everything(self, round_number: int) -> bool:
+        """Whether round ``round_number`` of a streaming job syncs every fragment: the job's last round does
+        (docs/training.md, "Overlap: streaming")."""
+        return self.streaming and syncs_everything(round_number, self.update_rounds)
+
+    def round_fragment(self, round_number: int) -> int:
+        """The fragment round ``round_number`` syncs (:meth:`fragment_of`), or F for every fragment (a
+        streaming job's last round)."""
+        if self.syncs_everything(round_number):
+            return len(self._fragments)
+        return self.fragment_of(round_number)
+
     def round_names(self, round_number: int) -> tuple[str, ...]:
         """The floating-point (canonical) names an update for round ``round_number`` carries, sorted: its
-        fragment's (every floating-point name without fragments)."""
+        fragment's (every floating-point name without fragments, and in a streaming job's last round)."""
+        if self.syncs_everything(round_number):
+            return tuple(self._floating)
         return self._fragments[self.fragment_of(round_number)]
 
     def check_names(self, round_number: int, names: Iterable[str]) -> None:
@@ -246,13 +260,18 @@ class RoundCoordinator(StepArithmetic):
         model's, or not floating point, are left to the signature check. Nothing to check without fragments."""
         if not self.streaming:
             return
-        fragment = self.fragment_of(round_number)
-        expected = self._fragments[fragment]
+        expected = self.round_names(round_number)
         given = set(names)
-        where = (
-            f"round {round_number} syncs fragment {fragment + 1} of {len(self._fragments)} "
-            f"({len(expected)} tensors)"
-        )
+        if self.syncs_everything(round_number):
+            where = (
+                f"round {round_number} syncs every fragment (the job's last round, {len(expected)} tensors)"
+            )
+        else:
+            fragment = self.fragment_of(round_number)
+            where = (
+                f"round {round_number} syncs fragment {fragment + 1} of {len(self._fragments)} "
+                f"({len(expected)} tensors)"
+            )
         missing = sorted(set(expected) - given)
         if missing:
             raise TensorRefused(missing[0], f"missing: {where}")
@@ -497,6 +516,8 @@ class RoundCoordinator(StepArithmetic):
                 if self._persist is not None:
                     await self._persist(result, step.weights, aliases(step.momentum))
                 if step.weights is not self.weights:
+                    if current.fragment >= len(self._fragments):  # every fragment stepped
+                        self._weights_norms.clear()
                     self._weights_norms.pop(current.fragment, None)  # the other fragments' are unchanged
                 self.weights, self._momentum = step.weights, step.momentum
                 self._weights_bound, self._momentum_bound = step.bounds

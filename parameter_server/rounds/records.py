@@ -40,7 +40,8 @@ class RoundResult:
     #: The result file's tensors in ``encoding`` (``update`` is what they decode to); None: ``update`` itself.
     encoded: StateDict | None = None
     encoding: Encoding = field(default_factory=Encoding)
-    #: The fragment the round synced (0 without fragments): ``update`` holds its tensors only.
+    #: The fragment the round synced (0 without fragments; F: every fragment, a streaming job's last round):
+    #: ``update`` holds its tensors only.
     fragment: int = 0
 
     def file_tensors(self) -> StateDict:

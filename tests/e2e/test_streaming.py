@@ -1,9 +1,10 @@
 """Streaming DiLoCo end to end (docs/training.md, "Overlap: streaming"): a DiLoCo job with
 ``rounds.overlap = "streaming"`` on real processes — control plane, data node, parameter server, two trainers.
 
-Round r syncs fragment (r − 1) mod F of the model only. The job must complete with every round's update from
-both trainers; each round's update bytes must be those of its fragment alone (computed here from the model the
-parameter server builds, with the same partition rule), not of the whole model; both trainers must have merged
+Round r syncs fragment (r − 1) mod F of the model only, the job's last round every fragment. The job must
+complete with every round's update from both trainers; each round's update bytes must be those of its fragment
+alone (computed here from the model the parameter server builds, with the same partition rule), not of the
+whole model, and the last round's those of the whole model; both trainers must have merged
 every round's result into exactly the parameter server's θ_r (each merge line carries the digest they checked,
 which must be the one the parameter server logged for that round), sending round r's fragment only after
 merging round r − 1's result, and exited 0 at the last ``"update-received"``.
@@ -87,11 +88,15 @@ def test_a_streaming_job_syncs_one_fragment_a_round_and_every_trainer_holds_the_
         trainers = [task for task in job["tasks"] if task["role"] == "trainer"]
         assert [(task["status"], task["exit_code"]) for task in trainers] == [("exited", 0)] * TRAINERS
 
-        # each round's updates carry its fragment alone: TRAINERS × its float32 bytes plus the files' headers
+        # each round's updates carry its fragment alone: TRAINERS × its float32 bytes plus the files' headers;
+        # the job's last round carries every fragment (the whole model)
         for round_ in rounds:
-            expected = TRAINERS * sizes[(round_["number"] - 1) % FRAGMENTS]
+            if round_["number"] == ROUNDS:
+                expected = TRAINERS * sum(sizes)
+            else:
+                expected = TRAINERS * sizes[(round_["number"] - 1) % FRAGMENTS]
+                assert round_["bytes_in"] < 0.8 * TRAINERS * sum(sizes), (round_, sizes)
             assert expected <= round_["bytes_in"] <= expected + TRAINERS * 64 * 1024, (round_, sizes)
-            assert round_["bytes_in"] < 0.8 * TRAINERS * sum(sizes), (round_, sizes)
 
         # the parameter server's digest of θ_r, and each trainer's merges: every round, each checked
         server = next(task for task in job["tasks"] if task["role"] == "parameter_server")

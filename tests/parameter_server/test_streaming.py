@@ -66,7 +66,7 @@ def toy_coordinator(count: int, **overrides) -> RoundCoordinator:
         "weights": toy_weights(),
         "momentum": None,
         "rounds_completed": 0,
-        "update_rounds": 2 * count,
+        "update_rounds": 2 * count + 1,  # the job's last round (every fragment) is tested on its own
         "round_timeout": 30.0,
         "weighted": True,
         "learning_rate": LR,
@@ -261,6 +261,58 @@ async def test_an_encoded_streaming_result_merges_into_the_full_weights_bit_for_
     assert set(rounds._residual) == set(floating_names(toy_weights()))
 
 
+@pytest.mark.parametrize("update_rounds", [4, 2])
+async def test_the_jobs_last_round_syncs_every_fragment_each_with_its_own_momentum(update_rounds):
+    # given: 3 fragments; the job's rounds before its last sync one fragment each (with 2 rounds, fragments
+    # 1 and 2 have no momentum yet when the last round comes)
+    count = 3
+    parts = toy_fragments(count)
+    rounds = toy_coordinator(count, expected=[ALICE, BOB], update_rounds=update_rounds)
+    everything = floating_names(toy_weights())
+    theta = {name: tensor.double() for name, tensor in toy_weights().items()}
+    momentum: dict[str, torch.Tensor] = {}
+
+    def step(names, a, b):
+        update = {}
+        for name in names:
+            g = (a[name].double() + b[name].double()) / 2
+            if name in TOY_BUFFERS:
+                update[name] = g
+            else:
+                momentum[name] = g if name not in momentum else MU * momentum[name] + g
+                update[name] = LR * (g + MU * momentum[name])
+            theta[name] = theta[name] + update[name]
+        return update
+
+    for round_number in range(1, update_rounds):
+        names = floating_names(parts[(round_number - 1) % count])
+        a, b = random_delta(names, 2 * round_number), random_delta(names, 2 * round_number + 1)
+        await rounds.submit(ALICE, round_number, a, samples=1)
+        await rounds.submit(BOB, round_number, b, samples=1)
+        await next_published(rounds)
+        step(names, a, b)
+
+    # when: the last round; a fragment alone is refused, saying the round syncs every fragment
+    last = update_rounds
+    assert rounds.round_names(last) == tuple(everything)
+    fragment = floating_names(parts[(last - 1) % count])
+    with pytest.raises(UpdateRefused, match=rf"missing: round {last} syncs every fragment \(the job's last"):
+        await rounds.submit(ALICE, last, random_delta(fragment, 99), samples=1)
+    a, b = random_delta(everything, 50), random_delta(everything, 51)
+    await rounds.submit(ALICE, last, a, samples=1)
+    await rounds.submit(BOB, last, b, samples=1)
+    result = await next_published(rounds)
+
+    # then: every tensor stepped, each from its own fragment's momentum (m ← g where it has none yet)
+    expected = step(everything, a, b)
+    assert (result.round_number, result.fragment, result.stepped) == (last, count, True)
+    assert sorted(result.update) == sorted(result.file_tensors()) == everything
+    assert_close(result.update, {name: u.float() for name, u in expected.items()})
+    assert_close(rounds.weights, {name: t.to(toy_weights()[name].dtype) for name, t in theta.items()})
+    assert_close(rounds.momentum, {name: m.float() for name, m in momentum.items()})
+    assert rounds.finished
+
+
 async def test_without_fragments_every_round_syncs_every_tensor():
     rounds = toy_coordinator(2, fragments=None, expected=[ALICE])
     everything = floating_names(toy_weights())
@@ -424,14 +476,23 @@ async def test_a_streaming_job_serves_the_fragment_and_the_full_digest_and_resum
         theta_2 = theta_1 | {name: theta_1[name] + u_2[name] for name in u_2}
         assert weights_io.digest(theta_2) == headers["X-Weights-Digest"]
 
-        # and round 3 syncs fragment 0 again, from round 1's momentum (m = g_1, restored from the checkpoint):
-        # m ← μ·g_1 + g_3, u = lr(g_3 + μm)
-        d_3 = small_delta(theta_0, parts[0], 3)
+        # and round 3, the job's last, syncs every fragment: fragment 0 alone is refused; the whole model is
+        # stepped, fragment 0 from round 1's momentum (m = g_1, restored from the checkpoint), fragment 1 from
+        # round 2's: m ← μ·g_f + g_3, u = lr(g_3 + μm)
+        status, body = await send(alice, 3, to_bytes(tmp_path, small_delta(theta_0, parts[0], 8)))
+        assert (
+            status == 422 and "missing: round 3 syncs every fragment (the job's last round" in body["detail"]
+        )
+        d_3 = small_delta(theta_0, [*parts[0], *parts[1]], 3)
         assert await alice.send(3, to_bytes(tmp_path, d_3), samples=1) == 200
         status, headers, data = await alice.get("rounds/3/result?wait=20")
         u_3 = from_bytes(tmp_path, data)
-        assert sorted(u_3) == parts[0]
-        expected_u_3 = {name: LR * (d_3[name] + MU * (MU * d_1[name] + d_3[name])) for name in parts[0]}
+        assert sorted(u_3) == sorted([*parts[0], *parts[1]])
+        expected_u_3 = {
+            name: LR * (d_3[name] + MU * (MU * d[name] + d_3[name]))
+            for d, part in ((d_1, parts[0]), (d_2, parts[1]))
+            for name in part
+        }
         assert_close(u_3, expected_u_3)
         theta_3 = theta_2 | {name: theta_2[name] + u_3[name] for name in u_3}
         assert weights_io.digest(theta_3) == headers["X-Weights-Digest"]
@@ -489,10 +550,18 @@ async def test_a_server_started_elsewhere_replays_fragment_results_from_the_cont
         assert headers["X-Round"] == "2"
         (tmp_path / "theta_2.safetensors").write_bytes(data)
         assert weights_io.publication(tmp_path / "theta_2.safetensors") == (2, digest_2)
-        # and round 3 steps fragment 0 from round 1's momentum
-        d_3 = small_delta(theta_0, parts[0], 3)
+        # and round 3 (the job's last: every fragment) steps fragment 0 from round 1's momentum and fragment 1
+        # from round 2's
+        d_3 = small_delta(theta_0, [*parts[0], *parts[1]], 3)
         assert await alice.send(3, to_bytes(tmp_path, d_3), samples=1) == 200
         u_3 = from_bytes(tmp_path, (await alice.get("rounds/3/result?wait=20"))[2])
-        assert sorted(u_3) == parts[0]
-        assert_close(u_3, {name: LR * (d_3[name] + MU * (MU * d_1[name] + d_3[name])) for name in parts[0]})
+        assert sorted(u_3) == sorted([*parts[0], *parts[1]])
+        assert_close(
+            u_3,
+            {
+                name: LR * (d_3[name] + MU * (MU * d[name] + d_3[name]))
+                for d, part in ((d_1, parts[0]), (d_2, parts[1]))
+                for name in part
+            },
+        )
         assert await asyncio.wait_for(resumed, 30) == 0

@@ -187,6 +187,8 @@ class OverlapSpec(_Shape):
     outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
     # Strict: a JSON true or 2.5 is not a fragment count.
     fragments: Annotated[StrictInt, Field(ge=MIN_FRAGMENTS, le=MAX_FRAGMENTS)] | None = None
+    #: Streaming: the job's rounds (its last one syncs every fragment); absent: every round one fragment.
+    rounds: Annotated[StrictInt, Field(ge=1)] | None = None
     mix: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
 
     @model_validator(mode="after")

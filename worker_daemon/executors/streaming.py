@@ -4,7 +4,9 @@
 For a job whose trainer JSON carries ``"overlap": {"mode": "streaming", "fragments": F, "mix": α}``. The model's
 tensors are split into F fragments once, at start, from the trainer's global weights (their names, sizes and
 tied groups: :func:`hypha_tensors.fragments.partition`, the very rule the parameter server applies to its
-canonical names and aliases); round r (numbered from 1) syncs fragment f = (r − 1) mod F only. Notation as in
+canonical names and aliases); round r (numbered from 1) syncs fragment f = (r − 1) mod F only, and the job's
+last round (the JSON's ``"rounds"``, when given) every fragment: below, f is then the whole model
+(:func:`round_fragment`). Notation as in
 docs/training.md: θ_{r−1} the trainer's digest-checked copy of the FULL global weights after round r − 1 (its
 ``global_previous``), θ_live its model, ·_f the tensors of fragment f (every name of each tied group in it).
 Trainer i:
@@ -37,12 +39,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hypha_tensors.fragments import FragmentError, fragment_of_round, partition_state
+from hypha_tensors.fragments import FragmentError, fragment_of_round, partition_state, syncs_everything
 from worker_daemon.executors.overlap import OverlappedRounds, PendingResult
 from worker_daemon.executors.pseudo_gradient import float_state, load_into, tied_groups
 
@@ -64,6 +66,16 @@ def fragments_of(global_previous: Mapping[str, torch.Tensor], count: int) -> lis
         return partition_state(global_previous, tied_groups(global_previous), count)
     except FragmentError as error:
         raise JobConfigError(f"the model cannot be split into {count} fragments: {error}") from error
+
+
+def round_fragment(
+    fragments: Sequence[frozenset[str]], round_number: int, rounds: int | None
+) -> frozenset[str]:
+    """The names round ``round_number`` syncs: fragment ``(r − 1) mod F``'s, or every fragment's in the job's
+    last round (``rounds``: the job's rounds, None when not known: fragments only)."""
+    if syncs_everything(round_number, rounds):
+        return frozenset().union(*fragments)
+    return fragments[fragment_of_round(round_number, len(fragments))]
 
 
 @torch.no_grad()
@@ -113,10 +125,17 @@ class StreamingRounds(OverlappedRounds):
         assert overlap.fragments is not None and overlap.mix is not None
         self.mix = overlap.mix
         self.fragments = fragments_of(self.global_previous, overlap.fragments)
+        #: The job's rounds (None: not said; then its last round syncs its fragment only, as the others).
+        self.rounds = overlap.rounds
 
     def fragment(self, round_number: int) -> frozenset[str]:
-        """The names round ``round_number`` syncs."""
-        return self.fragments[fragment_of_round(round_number, len(self.fragments))]
+        """The names round ``round_number`` syncs (every fragment's in the job's last round)."""
+        return round_fragment(self.fragments, round_number, self.rounds)
+
+    def describe(self, round_number: int) -> str:
+        if syncs_everything(round_number, self.rounds):
+            return f"all {len(self.fragments)} fragments (the job's last round)"
+        return f"fragment {fragment_of_round(round_number, len(self.fragments))} of {len(self.fragments)}"
 
     def announce(self) -> None:
         groups = tied_groups(self.global_previous)
@@ -125,11 +144,12 @@ class StreamingRounds(OverlappedRounds):
             for fragment in self.fragments
         ]
         logger.info(
-            "streaming: %d fragments of %s elements, mix %g (round r syncs fragment (r − 1) mod %d)",
+            "streaming: %d fragments of %s elements, mix %g (round r syncs fragment (r − 1) mod %d%s)",
             len(self.fragments),
             "/".join(str(size) for size in sizes),
             self.mix,
             len(self.fragments),
+            "" if self.rounds is None else f"; round {self.rounds}, the last, syncs them all",
         )
 
     def finish_round(self, stats: Any) -> None:
@@ -159,7 +179,7 @@ class StreamingRounds(OverlappedRounds):
         # start of the next round (bench/wan.py reads it).
         logger.info(
             "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sent in %.2f s; "
-            "round %d starts at once (streaming: fragment %d of %d in flight)",
+            "round %d starts at once (streaming: %s in flight)",
             sent,
             stats.steps,
             stats.mean_loss,
@@ -167,14 +187,15 @@ class StreamingRounds(OverlappedRounds):
             stats.samples_per_second,
             time.perf_counter() - ended,
             self.round_number,
-            fragment_of_round(sent, len(self.fragments)),
-            len(self.fragments),
+            self.describe(sent),
         )
 
     def apply(self, pending: PendingResult, merged: Merged) -> str:
         """(c): mix θ_r's fragment into the live model (or load the full weights fetched instead, whole)."""
         if merged.refetched_because is None:
             mix_into(self.model, merged.weights, self.fragment(pending.round_number), self.mix)
+            if syncs_everything(pending.round_number, self.rounds):
+                return f"all {len(self.fragments)} fragments mixed in"
             return f"fragment {fragment_of_round(pending.round_number, len(self.fragments))} mixed in"
         load_into(self.model, merged.weights)
         return "the full weights loaded whole"

@@ -206,6 +206,8 @@ def _overlap_json(spec: DiLoCoSpec) -> dict[str, Any]:
                 "mode": OVERLAP_STREAMING,
                 "fragments": spec.rounds.fragment_count,
                 "mix": spec.rounds.streaming_mix,
+                # The job's last round syncs every fragment (docs/training.md, "Overlap: streaming").
+                "rounds": spec.rounds.update_rounds,
             }
         }
     return {

@@ -307,7 +307,12 @@ def test_a_streaming_trainer_is_told_the_fragments_and_mix_and_the_server_the_fr
 
     # then
     trainer, server = dispatches(sent)["trainer"], dispatches(sent)["parameter_server"]
-    assert trainer.spec["executor"]["config"]["overlap"] == {"mode": "streaming", "fragments": 8, "mix": 0.25}
+    assert trainer.spec["executor"]["config"]["overlap"] == {
+        "mode": "streaming",
+        "fragments": 8,
+        "mix": 0.25,
+        "rounds": 2,  # the last syncs every fragment
+    }
     assert server.spec["executor"]["config"]["rounds"] == {
         "update_rounds": 2,
         "round_timeout": 30.0,
@@ -324,7 +329,12 @@ def test_a_streaming_job_without_its_options_sends_the_defaults(make_job, sent):
     make_job(eager_spec(overlap="streaming"))
 
     trainer, server = dispatches(sent)["trainer"], dispatches(sent)["parameter_server"]
-    assert trainer.spec["executor"]["config"]["overlap"] == {"mode": "streaming", "fragments": 4, "mix": 0.5}
+    assert trainer.spec["executor"]["config"]["overlap"] == {
+        "mode": "streaming",
+        "fragments": 4,
+        "mix": 0.5,
+        "rounds": 2,
+    }
     assert server.spec["executor"]["config"]["rounds"]["fragments"] == 4
 
 

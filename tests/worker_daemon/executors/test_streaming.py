@@ -36,10 +36,19 @@ FRAGMENTS = 2
 MIX = 0.5
 
 
-def streaming_job(*, fragments: int = FRAGMENTS, mix: float = MIX) -> dict[str, Any]:
+def streaming_job(
+    *, fragments: int = FRAGMENTS, mix: float = MIX, rounds: int | None = None
+) -> dict[str, Any]:
     job = train_job()
     job["executor"]["config"]["overlap"] = {"mode": "streaming", "fragments": fragments, "mix": mix}
+    if rounds is not None:
+        job["executor"]["config"]["overlap"]["rounds"] = rounds
     return job
+
+
+def synced(parts: list[frozenset[str]], round_number: int, last: int | None) -> frozenset[str]:
+    """The names round ``round_number`` syncs, written out: its fragment's, every name in the job's last."""
+    return frozenset().union(*parts) if round_number == last else parts[(round_number - 1) % FRAGMENTS]
 
 
 def parts_of(tiny_model: TinyModel) -> list[frozenset[str]]:
@@ -52,7 +61,7 @@ def float_state_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def streaming_rounds(
-    tiny_model: TinyModel,
+    tiny_model: TinyModel, last: int | None = None
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """θ_0 … θ_3 (full, canonical names) and u_1 … u_3 (round r's fragment only) with θ_r = θ_{r−1} + u_r
     on the fragment, θ_{r−1} elsewhere."""
@@ -60,7 +69,7 @@ def streaming_rounds(
     thetas = [canonical(tiny_model.state)]
     updates: list[dict[str, torch.Tensor]] = [{}]
     for round_number in (1, 2, 3):
-        fragment = parts[(round_number - 1) % FRAGMENTS]
+        fragment = synced(parts, round_number, last)
         full = canonical(make_update(tiny_model.state, seed=round_number))
         update = {name: value for name, value in full.items() if name in fragment}
         updates.append(update)
@@ -74,9 +83,15 @@ def result(thetas: list, updates: list, r: int) -> bytes:
 
 
 def make_backend(
-    tiny_model: TinyModel, directory: Path, *, release_at: int, answers: list, model_rounds: list[int]
+    tiny_model: TinyModel,
+    directory: Path,
+    *,
+    release_at: int,
+    answers: list,
+    model_rounds: list[int],
+    last: int | None = None,
 ) -> EagerBackend:
-    thetas, _ = streaming_rounds(tiny_model)
+    thetas, _ = streaming_rounds(tiny_model, last)
     return EagerBackend(
         release_at=release_at,
         done_after=2,
@@ -88,8 +103,8 @@ def make_backend(
     )
 
 
-def in_order(tiny_model: TinyModel) -> list[list[Announcement]]:
-    thetas, updates = streaming_rounds(tiny_model)
+def in_order(tiny_model: TinyModel, last: int | None = None) -> list[list[Announcement]]:
+    thetas, updates = streaming_rounds(tiny_model, last)
     return [[(1, result(thetas, updates, 1), None)], [(2, result(thetas, updates, 2), None)]]
 
 
@@ -99,6 +114,7 @@ def replay(
     merged: list[tuple[dict[str, torch.Tensor], int | None]],
     *,
     mix: float = MIX,
+    last: int | None = None,
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """The losses and pseudo-gradients of a correct streaming trainer that saw ``progress`` (the backend's
     record) and merged ``merged`` (θ, and the round whose fragment it mixes in; None: the full weights
@@ -124,7 +140,7 @@ def replay(
             optimizer.zero_grad()
             losses.append(loss.item())
         elif event == "update":
-            fragment = parts[(next(sent_rounds) - 1) % FRAGMENTS]
+            fragment = synced(parts, next(sent_rounds), last)
             deltas.append({name: live[name].detach() - theta[name] for name in live if name in fragment})
         elif event == "update-received":
             new_theta, round_number = next(merges)
@@ -132,14 +148,18 @@ def replay(
                 for name, tensor in live.items():
                     if round_number is None:
                         tensor.copy_(new_theta[name])
-                    elif name in parts[(round_number - 1) % FRAGMENTS]:
+                    elif name in synced(parts, round_number, last):
                         tensor.copy_(mix * tensor + (1 - mix) * new_theta[name])
             theta = new_theta
     return losses, deltas
 
 
 def assert_numbers(
-    backend: EagerBackend, tiny_model: TinyModel, expected_losses: list[float], expected_deltas: list[dict]
+    backend: EagerBackend,
+    tiny_model: TinyModel,
+    expected_losses: list[float],
+    expected_deltas: list[dict],
+    last: int | None = None,
 ) -> None:
     """Every loss; every file sent holds its round's fragment alone (the tied pair stored once, aliased) and
     the replay's delta."""
@@ -149,7 +169,7 @@ def assert_numbers(
     sent_rounds = [p["metrics"]["round"] for p in backend.progress if kind(p) == "metrics"]
     assert len(backend.sent) == len(expected_deltas) == len(sent_rounds)
     for sent, expected, round_number in zip(backend.sent, expected_deltas, sent_rounds, strict=True):
-        fragment = parts[(round_number - 1) % FRAGMENTS]
+        fragment = synced(parts, round_number, last)
         assert sorted(sent.tensors) == sorted(fragment), round_number
         # the trainer's file stores the tied pair once, under its smaller name, the other as an alias
         assert sorted(sent.stored_names) == sorted(
@@ -207,6 +227,42 @@ async def test_a_streaming_trainer_merges_mid_round_and_exits_on_done(
     assert "round 2 starts at once (streaming: fragment 0 of 2 in flight)" in run.stdout
     assert f"fragment 0 mixed in, weights {weights.digest(thetas[1])} (checked)" in run.stdout
     assert "done after 2 rounds" in run.stdout
+
+
+async def test_the_jobs_last_round_sends_and_merges_the_whole_model(
+    tiny_model: TinyModel, short_dir: Path, tmp_path: Path
+) -> None:
+    """A job of 2 rounds (the overlap says so): round 1 sends fragment 0, round 2, the last, every tensor;
+    its result (every tensor) is merged whole."""
+    # given
+    thetas, _ = streaming_rounds(tiny_model, last=2)
+    backend = make_backend(
+        tiny_model,
+        tmp_path / "served",
+        release_at=1,
+        answers=in_order(tiny_model, last=2),
+        model_rounds=[0],
+        last=2,
+    )
+
+    # when
+    async with running_bridge(short_dir, backend):
+        run = await run_executor(work_dir=short_dir, job=streaming_job(rounds=2))
+
+    # then
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [p["metrics"]["round"] for p in backend.progress if kind(p) == "metrics"] == [1, 2]
+    assert backend.served_rounds == [0]
+    parts = parts_of(tiny_model)
+    assert sorted(backend.sent[0].tensors) == sorted(parts[0])
+    assert sorted(backend.sent[1].tensors) == sorted(parts[0] | parts[1])
+    losses, deltas = replay(tiny_model, backend.progress, [(thetas[1], 1), (thetas[2], 2)], last=2)
+    assert_numbers(backend, tiny_model, losses, deltas, last=2)
+    assert "round 2, the last, syncs them all" in run.stdout
+    assert (
+        "round 3 starts at once (streaming: all 2 fragments (the job's last round) in flight)" in run.stdout
+    )
+    assert f"all 2 fragments mixed in, weights {weights.digest(thetas[2])} (checked)" in run.stdout
 
 
 @pytest.mark.parametrize("mix", [0.0, 0.5])

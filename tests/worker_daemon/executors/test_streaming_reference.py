@@ -7,6 +7,7 @@ implementation's side runs the executor's own functions (``streaming.fragments_o
 reference side is plain tensor formulas over the canonical names, with the fragments written out by hand:
 
     f = (r − 1) mod F;  trainer i sends Δ_i = θ_live,f − θ_{r−1,f}  (fragment f's names only)
+    the job's last round (r = ROUNDS): f = every fragment, the whole model
     θ_r,f = θ_{r−1,f} + s·mean_i Δ_i;  θ_r = θ_{r−1} elsewhere        (the stand-in server's step)
     after j_i steps of round r + 1:  θ_live,f ← α·θ_live,f + (1 − α)·θ_r,f  (fragment f only)
 
@@ -21,7 +22,7 @@ import torch
 
 from worker_daemon.executors.exceptions import JobConfigError, UpdateError
 from worker_daemon.executors.pseudo_gradient import compute_delta, float_state, merge, snapshot
-from worker_daemon.executors.streaming import fragments_of, mix_into
+from worker_daemon.executors.streaming import fragments_of, mix_into, round_fragment
 
 H = 3
 ROUNDS = 5
@@ -121,7 +122,7 @@ def run_implementation(fragments: int, mix: float) -> dict[str, list]:
         None  # u_r,f under the canonical names, as the server publishes it
     )
     for round_number in range(1, ROUNDS + 1):
-        fragment = parts[(round_number - 1) % fragments]
+        fragment = round_fragment(parts, round_number, ROUNDS)
         deltas = []
         for trainer, model in enumerate(models):
             if result is None:
@@ -129,7 +130,7 @@ def run_implementation(fragments: int, mix: float) -> dict[str, list]:
             else:
                 merge_at = MERGE_AFTER[trainer][round_number - 1]
                 train_module(model, trainer, round_number, range(merge_at))
-                previous_fragment = parts[(round_number - 2) % fragments]
+                previous_fragment = round_fragment(parts, round_number - 1, ROUNDS)
                 theta = merge(global_previous[trainer], result, previous_fragment)
                 mix_into(model, theta, previous_fragment, mix)
                 global_previous[trainer] = theta
@@ -145,7 +146,7 @@ def run_implementation(fragments: int, mix: float) -> dict[str, list]:
         record["thetas"].append(server_theta)
         # θ_{r−1} as each trainer holds it when it sends round r (round r − 1 merged just before)
         record["globals"].append([canonical(state) for state in global_previous])
-    last_fragment = parts[(ROUNDS - 1) % fragments]
+    last_fragment = round_fragment(parts, ROUNDS, ROUNDS)
     for trainer, model in enumerate(models):
         theta = merge(global_previous[trainer], result, last_fragment)
         mix_into(model, theta, last_fragment, mix)
@@ -174,8 +175,9 @@ def run_reference(fragments: int, mix: float, *, mix_everything: bool = False) -
             for name in CANONICAL
         }
 
+    everything = set(CANONICAL)
     for round_number in range(1, ROUNDS + 1):
-        names = parts[(round_number - 1) % fragments]
+        names = everything if round_number == ROUNDS else parts[(round_number - 1) % fragments]
         if new_theta is not None:
             theta = new_theta
         deltas = []
@@ -190,7 +192,9 @@ def run_reference(fragments: int, mix: float, *, mix_everything: bool = False) -
                 state = train_reference(state, trainer, round_number, range(merge_at, H))
             live[trainer] = state
             deltas.append({name: state[name] - theta[name] for name in names})
-        record["sent"].append([sorted(FRAGMENTS[fragments][(round_number - 1) % fragments]) for _ in (0, 1)])
+        part = FRAGMENTS[fragments][(round_number - 1) % fragments]
+        sent = set().union(*FRAGMENTS[fragments]) if round_number == ROUNDS else part
+        record["sent"].append([sorted(sent) for _ in (0, 1)])
         record["deltas"].append(deltas)
         record["globals"].append([dict(theta), dict(theta)])
         new_theta = {
@@ -198,7 +202,7 @@ def run_reference(fragments: int, mix: float, *, mix_everything: bool = False) -
             for name in CANONICAL
         }  # fmt: skip
         record["thetas"].append(new_theta)
-    last = parts[(ROUNDS - 1) % fragments]
+    last = everything
     record["live"] = [mixed(live[trainer], last) for trainer in (0, 1)]
     record["globals_after"] = [dict(new_theta), dict(new_theta)]
     return record
@@ -218,10 +222,15 @@ def test_streaming_trainers_follow_the_written_out_rule(fragments: int, mix: flo
     reference = run_reference(fragments, mix)
 
     # then: the partition, the names sent each round (the fragment's, both names of the tied pair, nothing
-    # else), every delta, θ_{r−1} at each send, every θ_r, and the weights after the last merge
+    # else; in the job's last round every fragment's), every delta, θ_{r−1} at each send, every θ_r, and the
+    # weights after the last merge
     assert [set(part) for part in implementation["parts"]] == FRAGMENTS[fragments]
     for round_index in range(ROUNDS):
-        expected_names = sorted(FRAGMENTS[fragments][round_index % fragments])
+        expected_names = sorted(
+            set().union(*FRAGMENTS[fragments])
+            if round_index == ROUNDS - 1
+            else FRAGMENTS[fragments][round_index % fragments]
+        )
         assert implementation["sent"][round_index] == [expected_names, expected_names], round_index + 1
         assert implementation["sent"][round_index] == reference["sent"][round_index]
         for trainer in (0, 1):
@@ -344,3 +353,13 @@ def test_a_fragments_delta_holds_its_names_only_and_keeps_the_pair_tied() -> Non
 def test_a_model_with_too_few_units_is_a_job_config_error() -> None:
     with pytest.raises(JobConfigError, match="cannot be split into 5 fragments"):
         fragments_of(snapshot(float_state(Toy())), 5)
+
+
+def test_round_fragment_is_the_rounds_fragment_and_everything_in_the_jobs_last_round() -> None:
+    parts = [frozenset({"a"}), frozenset({"b", "c"}), frozenset({"d"})]
+    assert [round_fragment(parts, r, 7) for r in range(1, 7)] == [*parts, *parts]
+    assert round_fragment(parts, 7, 7) == frozenset({"a", "b", "c", "d"})
+    # the job's length unknown (a control plane that does not say it): fragments only, as before
+    assert round_fragment(parts, 7, None) == parts[0]
+    # a job shorter than F rounds ends with everything too
+    assert round_fragment(parts, 2, 2) == frozenset({"a", "b", "c", "d"})
