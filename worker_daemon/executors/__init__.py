@@ -4,6 +4,8 @@
                        (the ``trainer`` runtime, forked warm; or under ``accelerate launch`` as a ``process``
                        executor); talks only to the job bridge. Its parts: ``setup`` (model, preprocessor,
                        data loader, optimizer, LR schedule) and ``rounds`` (inner loop, outer step).
+* ``ranks``            a trainer of several processes (``training.processes``): the launcher, the process group,
+                       rank 0 leading the others; ``several`` is one rank's DiLoCo loop.
 * ``bridge_client``    a client of the job bridge's documented endpoints (HTTP over the Unix socket).
 * ``overlap``          eager updates: round r's communication overlapped with round r+1's steps.
 * ``streaming``        Streaming DiLoCo: one fragment of the model synced a round, mixed in when it arrives.

@@ -139,6 +139,12 @@ class TrainingKnobs(_Shape):
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: StrictBool = False
     dataloader_workers: Annotated[StrictInt, Field(ge=0, le=32)] = 0
+    #: Processes of one trainer (DDP; docs/training.md, "One trainer, several processes"): 0 is one per CUDA
+    #: device the lease shows (one on a CPU); the job's batch is split between them.
+    processes: Annotated[StrictInt, Field(ge=0, le=64)] = 1
+    #: Seconds a process of a several-process trainer waits for a peer before it gives up (the process
+    #: group's timeout).
+    process_timeout: Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=False)] = 300.0
 
 
 class PreprocessorSpec(_Shape):
@@ -234,6 +240,12 @@ class TrainConfig(_Shape):
         if self.batch_size % steps:
             raise ValueError(
                 f"training.gradient_accumulation_steps ({steps}) must divide batch_size ({self.batch_size})"
+            )
+        processes = self.training.processes
+        if processes > 1 and self.batch_size % (processes * steps):
+            raise ValueError(
+                f"training.processes × gradient_accumulation_steps ({processes} × {steps}) must divide "
+                f"batch_size ({self.batch_size})"
             )
         return self
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from worker_daemon.executors.bridge_client import BridgeClient, ReceiveStream
     from worker_daemon.executors.consistency import Merged, Published
     from worker_daemon.executors.job import TrainConfig
+    from worker_daemon.executors.ranks import Ranks
 
 #: The trainer's logger: the daemon's failure reports (worker_daemon/failures.py) and tests match its name.
 logger = logging.getLogger("worker_daemon.executors.training")
@@ -76,25 +77,31 @@ def _loss_of(outputs: Any) -> torch.Tensor:
 def run_round(
     *,
     accelerator: Accelerator,
-    client: BridgeClient,
+    client: BridgeClient | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     lr_schedule: Any | None,
-    batches: Iterator[dict[str, torch.Tensor]],
+    batches: Iterator[dict[str, torch.Tensor]] | None,
     input_names: list[str],
     round_number: int | Callable[[], int],
     slowdown: float = 1.0,
     between_steps: Callable[[], None] | None = None,
     max_grad_norm: float | None = None,
+    ranks: Ranks | None = None,
 ) -> RoundStats:
     """The inner loop of one round: train and report each step until the scheduler's counter reaches 0.
 
     ``between_steps`` (an eager job's merge of the previous round, :mod:`~worker_daemon.executors.overlap`)
     runs before each step, outside its ``step_time``; it may renumber the round (``round_number`` is then a
     callable) but never touches the counter. Whatever it raises ends the loop. ``max_grad_norm``: the job's
-    clipping (:mod:`~worker_daemon.executors.knobs`; its accumulation is the accelerator's)."""
+    clipping (:mod:`~worker_daemon.executors.knobs`; its accumulation is the accelerator's).
+
+    ``ranks`` (a trainer of several processes, :mod:`~worker_daemon.executors.ranks`): every rank runs this
+    loop; rank 0 alone takes the batches (``client`` and ``batches`` may be None on the others) and talks to
+    the bridge, and hands each step's batch and the scheduler's decision to the others; each rank trains its
+    share of the batch, and the loss reported is the mean of the ranks'."""
     from worker_daemon.executors import knobs
-    from worker_daemon.executors.exceptions import DataError, DivergedError
+    from worker_daemon.executors.exceptions import DivergedError
     from worker_daemon.executors.throughput import RoundDevice
 
     number = round_number if callable(round_number) else lambda: round_number
@@ -108,11 +115,13 @@ def run_round(
         if between_steps is not None:
             between_steps()
         step_started = time.perf_counter()
-        try:
-            batch = next(batches)
-        except StopIteration:
-            raise DataError("the data stream ended") from None
-        inputs = {name: batch[name] for name in input_names}
+        if ranks is None:
+            batch = _next_batch(batches)
+            inputs = {name: batch[name] for name in input_names}
+        else:
+            # The whole batch, for the step's report; this rank trains on its share, on its device.
+            batch = ranks.lead(lambda: _next_batch(batches))
+            inputs = {name: tensor.to(accelerator.device) for name, tensor in ranks.share(batch).items()}
         # The lr this step uses, read before the schedule moves it.
         step_lr = float(optimizer.param_groups[0]["lr"])
         if stats.lr is None:
@@ -127,27 +136,33 @@ def run_round(
             loss_of=_loss_of,
             max_grad_norm=max_grad_norm,
         )
+        if ranks is not None:
+            loss = ranks.mean(loss)
         loss_value = float(loss.item())
         if slowdown > 1.0:
             time.sleep((slowdown - 1.0) * (time.perf_counter() - step_started))
         step_time = time.perf_counter() - step_started
         if not math.isfinite(loss_value):
             raise DivergedError(f"round {number()}, step {stats.steps + 1}: the loss is {loss_value}")
-        batch_size = int(inputs[input_names[0]].shape[0])
+        whole = batch[input_names[0]]
+        batch_size = int(whole.shape[0])
         stats.steps += 1
         stats.samples += batch_size
         stats.loss_sum += loss_value
         stats.train_seconds += step_time
         report = {"batch_size": batch_size, "loss": loss_value, "step_time": step_time, "lr": step_lr}
-        first_input = inputs[input_names[0]]
-        if first_input.dim() >= 2 and not first_input.is_floating_point():
-            report["tokens"] = int(first_input.numel())  # token ids: the job page's tokens/s
+        if whole.dim() >= 2 and not whole.is_floating_point():
+            report["tokens"] = int(whole.numel())  # token ids: the job page's tokens/s
             stats.tokens += report["tokens"]
-        reply = client.status({"status": report})
-        if reply["type"] == "ScheduleUpdate":
-            counter = int(reply.get("counter", 0))
-        else:
-            counter -= 1
+
+        def send_status(report: dict[str, Any] = report, counter: int = counter) -> tuple[str, int]:
+            assert client is not None
+            reply = client.status({"status": report})
+            if reply["type"] == "ScheduleUpdate":
+                return reply["type"], int(reply.get("counter", 0))
+            return reply["type"], counter - 1
+
+        reply_type, counter = send_status() if ranks is None else ranks.lead(send_status)
         logger.debug(
             "round %d step %d: loss %.4f, %d samples in %.3f s, reply %s, counter %d",
             number(),
@@ -155,15 +170,30 @@ def run_round(
             loss_value,
             batch_size,
             step_time,
-            reply["type"],
+            reply_type,
             counter,
         )
         if counter == 0:
             break
     stats.seconds = time.perf_counter() - started
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    stats.facts = device.facts(tokens=stats.tokens, seconds=stats.train_seconds, parameters=parameters)
+    stats.facts = device.facts(
+        tokens=stats.tokens,
+        seconds=stats.train_seconds,
+        parameters=parameters,
+        devices=1 if ranks is None else ranks.world_size,
+    )
     return stats
+
+
+def _next_batch(batches: Iterator[dict[str, torch.Tensor]] | None) -> dict[str, torch.Tensor]:
+    from worker_daemon.executors.exceptions import DataError
+
+    assert batches is not None
+    try:
+        return next(batches)
+    except StopIteration:
+        raise DataError("the data stream ended") from None
 
 
 def send_update(

@@ -29,15 +29,28 @@ def load_model(
     whatever dtype it was saved in: the master weights, AdamW's state and the pseudo-gradient are float32
     (transformers 5 keeps a checkpoint's dtype by default; a float16 model then diverges at its first AdamW
     step and a bfloat16 one rounds small steps away)."""
+    return load_model_from(
+        fetch_model(client=client, config=config, work_dir=work_dir),
+        config=config,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def fetch_model(*, client: BridgeClient, config: TrainConfig, work_dir: Path) -> Path:
+    """Fetch the model artifact (the reference verbatim); the directory to load it from."""
+    files = client.fetch(config.model.artifact)
+    configs = [file for file in files if Path(file.path).name == "config.json"]
+    return (work_dir / configs[0].path).parent if configs else work_dir / "artifacts"
+
+
+def load_model_from(directory: Path, *, config: TrainConfig, trust_remote_code: bool) -> torch.nn.Module:
+    """The model in ``directory`` (fetched by :func:`fetch_model`), as :func:`load_model` loads it."""
     import torch
     import transformers
 
     from worker_daemon.executors.exceptions import JobConfigError
     from worker_daemon.executors.job import MODEL_CLASSES, set_loss_type
 
-    files = client.fetch(config.model.artifact)
-    configs = [file for file in files if Path(file.path).name == "config.json"]
-    directory = (work_dir / configs[0].path).parent if configs else work_dir / "artifacts"
     names = MODEL_CLASSES[config.model.task]
     auto_class = next((getattr(transformers, name) for name in names if hasattr(transformers, name)), None)
     if auto_class is None:
@@ -47,7 +60,7 @@ def load_model(
             directory, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError, KeyError) as error:
-        raise JobConfigError(f"cannot load the model from {[f.path for f in files]}: {error}") from error
+        raise JobConfigError(f"cannot load the model from {directory}: {error}") from error
     _own_memory(model)
     set_loss_type(model, auto_class.__name__)
     return model

@@ -84,14 +84,17 @@ class RoundDevice:
         if self.cuda:
             self._torch.cuda.reset_peak_memory_stats(self.device)
 
-    def facts(self, *, tokens: int, seconds: float, parameters: int) -> dict[str, float]:
-        """The round's facts to send (see the module docstring): only those known."""
+    def facts(self, *, tokens: int, seconds: float, parameters: int, devices: int = 1) -> dict[str, float]:
+        """The round's facts to send (see the module docstring): only those known. ``devices``: the trainer's
+        processes, each on a device like this one (a trainer of several processes: its MFU is over all of
+        them; its peak memory is this device's, rank 0's)."""
         found: dict[str, float] = {}
         if tokens > 0:
             found["tokens"] = float(tokens)
             if seconds > 0:
                 found["tokens_per_second"] = tokens / seconds
-                utilisation = mfu(parameters, found["tokens_per_second"], self.peak)
+                peak = self.peak * devices if self.peak else None
+                utilisation = mfu(parameters, found["tokens_per_second"], peak)
                 if utilisation is not None:
                     found["mfu"] = utilisation
         if self.cuda:

@@ -37,6 +37,10 @@ Unlike Hypha's executor (§9): tied weights are saved once (no crash), the delta
 the live model (a failed merge leaves it intact), the status carries a real ``step_time`` instead of the
 garbage ``round_time``, and ``wsd`` accepts ``decay_steps`` as well as ``decay_step``.
 
+A job with ``training.processes`` N > 1 runs as N processes under DDP, rank 0 alone talking to the bridge
+(:mod:`~worker_daemon.executors.ranks`, :mod:`~worker_daemon.executors.several`; docs/training.md, "One
+trainer, several processes").
+
 Modules: this one is the entry point (command line, logging, :func:`training_function`, exit codes);
 :mod:`~worker_daemon.executors.setup` makes the model, data loader, optimizer and LR schedule, and
 :mod:`~worker_daemon.executors.rounds` runs the rounds (inner loop, outer step). Their names are re-exported
@@ -177,6 +181,14 @@ def configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+    ranks = os.environ.get("WORLD_SIZE", "1")
+    if ranks not in ("", "1"):
+        # One line format for every rank, its number where the daemon's failure reports still find the name.
+        rank = os.environ.get("RANK", "?")
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(
+                logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[rank{rank}]: %(message)s")
+            )
     # httpx logs every request at INFO: one line per training step would drown the round lines.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
@@ -197,21 +209,19 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
     from hypha_tensors.formats import Encoding
     from worker_daemon.executors import consistency, knobs
     from worker_daemon.executors.bridge_client import BridgeClient
-    from worker_daemon.executors.exceptions import JobConfigError
     from worker_daemon.executors.pseudo_gradient import float_state, snapshot
+    from worker_daemon.executors.ranks import world_size
 
     transformers.utils.logging.disable_progress_bar()
+    if world_size() > 1:
+        # One rank of a trainer of several processes (docs/training.md, "One trainer, several processes").
+        from worker_daemon.executors.several import train_as_rank
+
+        return train_as_rank(arguments, job)
     config = job.config
     work_dir = Path(arguments.work_dir).resolve()
     knobs.check_device(config.training)  # mixed precision this machine cannot do fails the task here
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), **knobs.accelerator_options(config.training))
-    if accelerator.num_processes != 1:
-        # Every process would run its own rounds against the one bridge; DiLoCo here is one process per job
-        # (several processes per trainer are not implemented yet: docs/training.md, "One trainer, one process").
-        raise JobConfigError(
-            f"run one process per job (--num_processes 1), not {accelerator.num_processes}: "
-            "multi-process trainers are not implemented yet"
-        )
 
     with BridgeClient(arguments.socket) as client, client.receive(config.results, INCOMING_DIR) as results:
         model = load_model(
@@ -360,6 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Before the heavy imports: a malformed job fails in well under a second.
         job = parse_job(arguments.job)
+        training = job.config.training
+        from worker_daemon.executors.ranks import world_size
+
+        # A trainer of several processes started as one (by the daemon, or a launcher of one process).
+        if training.processes != 1 and world_size() == 1:
+            from worker_daemon.executors.ranks import launch, processes_wanted
+            from worker_daemon.executors.several import check_several
+
+            processes = processes_wanted(training.processes)
+            if processes > 1:
+                check_several(job.config, processes)
+                logger.info("job %s: starting a trainer of %d processes", job.job_id, processes)
+                return launch(
+                    list(sys.argv[1:] if argv is None else argv),
+                    processes=processes,
+                    timeout=training.process_timeout,
+                )
         logger.info(
             "job %s: starting the trainer (bridge %s, work dir %s)",
             job.job_id,

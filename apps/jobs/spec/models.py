@@ -456,6 +456,19 @@ class TrainingSpec(_Spec):
         le=MAX_DATALOADER_WORKERS,
         description="Processes that prepare batches (0: in-process); only 0 is supported yet.",
     )
+    processes: Integer = Field(
+        default=1,
+        ge=0,
+        le=MAX_TRAINER_PROCESSES,
+        description="Processes per trainer, kept in step by DDP, each on one of the lease's devices (CUDA) and "
+        "each training batch_size / processes of every batch; 0: one per device the lease holds.",
+    )
+    process_timeout: Float = Field(
+        default=300.0,
+        ge=MIN_PROCESS_TIMEOUT,
+        le=MAX_PROCESS_TIMEOUT,
+        description="Seconds a process of a several-process trainer waits for a peer before the trainer fails.",
+    )
 
     @field_validator("dataloader_workers")
     @classmethod
@@ -468,6 +481,16 @@ class TrainingSpec(_Spec):
                 "Not supported yet: a trainer reads its data through the bridge in its own process; give 0.",
             )
         return value
+
+    @model_serializer(mode="wrap")
+    def _newer_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # processes and process_timeout came later: at their defaults they are left out, so that the stored
+        # spec and the trainer's job JSON of a job that does not set them stay what they were.
+        data = handler(self)
+        for name in ("processes", "process_timeout"):
+            if name in data and data[name] == type(self).model_fields[name].default:
+                del data[name]
+        return data
 
     @property
     def is_default(self) -> bool:
@@ -589,8 +612,29 @@ class DiLoCoSpec(_Spec):
                 "gradient_accumulation_steps ({steps}) exceeds rounds.max_batch_size ({limit}).",
                 {"steps": steps, "limit": rounds.max_batch_size},
             )
+        processes = value.processes
+        if processes > 1 and batch_size is not None and batch_size % (processes * steps):
+            raise PydanticCustomError(
+                "training",
+                "processes × gradient_accumulation_steps ({processes} × {steps}) must divide batch_size "
+                "({batch_size}): each process trains an equal share of every batch.",
+                {"processes": processes, "steps": steps, "batch_size": batch_size},
+            )
+        overlap = getattr(rounds, "overlap", "none") if rounds is not None else "none"
+        if processes != 1 and overlap != "none":
+            raise PydanticCustomError(
+                "training",
+                "processes other than 1 cannot be combined with rounds.overlap {overlap} yet.",
+                {"overlap": overlap},
+            )
         trainer = info.data.get("trainer")
         resources = trainer.resources if trainer is not None else None
+        if processes > 1 and resources is not None and resources.devices and processes > resources.devices:
+            raise PydanticCustomError(
+                "training",
+                "processes ({processes}) exceeds trainer.resources.devices ({devices}): one process a device.",
+                {"processes": processes, "devices": resources.devices},
+            )
         no_gpu = resources is not None and not resources.gpu and not resources.devices
         if value.mixed_precision == "fp16" and no_gpu:
             raise PydanticCustomError(

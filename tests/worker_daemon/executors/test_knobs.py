@@ -29,6 +29,8 @@ def test_a_job_without_knobs_gets_the_defaults() -> None:
         "mixed_precision": "no",
         "gradient_checkpointing": False,
         "dataloader_workers": 0,
+        "processes": 1,
+        "process_timeout": 300.0,
     }
 
 
@@ -42,7 +44,7 @@ def test_the_knobs_are_read() -> None:
     }
     optimizer = {"learning-rate": 1e-3, "weight-decay": 0.1}
     config = parse_job(with_config(batch_size=4, training=knobs, optimizer=optimizer)).config
-    assert config.training.model_dump() == knobs
+    assert config.training.model_dump() == {**knobs, "processes": 1, "process_timeout": 300.0}
     assert config.optimizer.weight_decay == 0.1
 
 
@@ -56,6 +58,9 @@ def test_the_knobs_are_read() -> None:
         ({"training": {"dataloader_workers": 64}}, "training.dataloader_workers"),
         ({"optimizer": {"learning-rate": 1e-3, "weight-decay": -1}}, "optimizer.weight-decay"),
         ({"batch_size": 3, "training": {"gradient_accumulation_steps": 2}}, r"must divide batch_size \(3\)"),
+        ({"training": {"processes": -1}}, "training.processes"),
+        ({"training": {"process_timeout": 0}}, "training.process_timeout"),
+        ({"batch_size": 4, "training": {"processes": 3}}, r"\(3 × 1\) must divide batch_size \(4\)"),
     ],
 )
 def test_a_bad_knob_is_refused(changes: dict, message: str) -> None:
