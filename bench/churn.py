@@ -64,68 +64,81 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def churn(
+    root: Path,
+    *,
+    minimum: int = 2,
+    target: int = 4,
+    daemons: int = 5,
+    rounds: int = 16,
+    inner_steps: int = 10,
+    seed: int = 1,
+    timeout: float = 900.0,
+    kill_every: tuple[float, float] = (10.0, 20.0),
+    back_after: tuple[float, float] = (10.0, 30.0),
+    mode: str = "embedded",
+) -> dict:
+    """Run one churned job under ``root`` and return what the checks need: the job (as the API shows it),
+    ``elapsed`` seconds, the ``kills`` ((seconds, daemon) each), the job's ``slices`` by epoch and state, and
+    the ``checks`` (``twice``: rounds counting an update twice; ``incomplete``: finished epochs with a slice
+    not used; ``acknowledged_twice``; ``ok``). Also the CI test's (tests/e2e/test_churn.py)."""
     from bench.cluster import SMALL_GPT2, diloco_spec, prepare_stdlib_text, training_cluster, worker_toml
 
-    arguments = parse_arguments(argv)
-    chance = random.Random(arguments.seed)
-    with tempfile.TemporaryDirectory(prefix="hypha-churn-") as directory:
-        root = Path(directory)
-        dataset = prepare_stdlib_text(root / "stdlib", max_bytes=250_000, samples_per_slice=32)
-        spec = diloco_spec(
-            dataset="stdlib",
-            batch_size=8,
-            model=SMALL_GPT2,
-            trainers=arguments.target,
-            rounds=arguments.rounds,
-            inner_steps=arguments.inner_steps,
-            round_timeout=120.0,
-            dedicated_parameter_server=True,
-        )
-        del spec["num_trainers"]
-        spec["trainers"] = {"min": arguments.min, "target": arguments.target}
-        with training_cluster(
-            root=root / "cluster",
-            dataset_dir=dataset,
-            workers=arguments.daemons + 1,
-            settings={"HYPHA_LEASE_TTL": "5", "HYPHA_READVERTISE_MAX": "2"},
-            worker_tomls=[worker_toml(parameter_server_only=True, benchmark=False)]
-            + [worker_toml(benchmark=False)] * arguments.daemons,
-        ) as cluster:
-            trainers = [f"worker-{index + 2}" for index in range(arguments.daemons)]
-            started = time.monotonic()
-            job_id = cluster.submit(spec, name="churn")
-            down: dict[str, float] = {}  # daemon → when it comes back
-            kills = []
-            next_kill = started + chance.uniform(10, 20)
+    chance = random.Random(seed)
+    dataset = prepare_stdlib_text(root / "stdlib", max_bytes=250_000, samples_per_slice=32)
+    spec = diloco_spec(
+        dataset="stdlib",
+        batch_size=8,
+        model=SMALL_GPT2,
+        trainers=target,
+        rounds=rounds,
+        inner_steps=inner_steps,
+        round_timeout=120.0,
+        dedicated_parameter_server=True,
+    )
+    del spec["num_trainers"]
+    spec["trainers"] = {"min": minimum, "target": target}
+    with training_cluster(
+        root=root / "cluster",
+        dataset_dir=dataset,
+        workers=daemons + 1,
+        mode=mode,
+        settings={"HYPHA_LEASE_TTL": "5", "HYPHA_READVERTISE_MAX": "2"},
+        worker_tomls=[worker_toml(parameter_server_only=True, benchmark=False)]
+        + [worker_toml(benchmark=False)] * daemons,
+    ) as cluster:
+        trainers = [f"worker-{index + 2}" for index in range(daemons)]
+        started = time.monotonic()
+        job_id = cluster.submit(spec, name="churn")
+        down: dict[str, float] = {}  # daemon → when it comes back
+        kills = []
+        next_kill = started + chance.uniform(*kill_every)
+        job = cluster.job(job_id)
+        while job["status"] not in ("completed", "failed", "cancelled"):
+            now = time.monotonic()
+            assert now - started < timeout, (job["status_reason"], cluster.logs())
+            for name, back_at in list(down.items()):
+                if now >= back_at:
+                    cluster.restart_daemon(name)
+                    del down[name]
+            if now >= next_kill:
+                alive = [name for name in trainers if name not in down]
+                if len(alive) > minimum:
+                    victim = chance.choice(alive)
+                    cluster.daemons[victim].signal(signal.SIGKILL)
+                    down[victim] = now + chance.uniform(*back_after)
+                    kills.append((round(now - started, 1), victim))
+                next_kill = now + chance.uniform(*kill_every)
+            time.sleep(0.5)
             job = cluster.job(job_id)
-            while job["status"] not in ("completed", "failed", "cancelled"):
-                now = time.monotonic()
-                assert now - started < arguments.timeout, (job["status_reason"], cluster.logs())
-                for name, back_at in list(down.items()):
-                    if now >= back_at:
-                        cluster.restart_daemon(name)
-                        del down[name]
-                if now >= next_kill:
-                    alive = [name for name in trainers if name not in down]
-                    if len(alive) > arguments.min:
-                        victim = chance.choice(alive)
-                        cluster.daemons[victim].signal(signal.SIGKILL)
-                        down[victim] = now + chance.uniform(10, 30)
-                        kills.append((round(now - started, 1), victim))
-                    next_kill = now + chance.uniform(10, 20)
-                time.sleep(0.5)
-                job = cluster.job(job_id)
-            elapsed = time.monotonic() - started
-            print(f"job: {job['status']} — {job['status_reason']}", flush=True)
-            # The last line: Django may print warnings before it.
-            checked = cluster.plane.manage("shell", "-c", SLICE_CHECK.format(job_id=job_id))
-            slices = json.loads(checked.splitlines()[-1])
-    rounds = job["rounds"]
-    tasks = [task for task in job["tasks"] if task["role"] == "trainer"]
+        elapsed = time.monotonic() - started
+        # The last line: Django may print warnings before it.
+        checked = cluster.plane.manage("shell", "-c", SLICE_CHECK.format(job_id=job_id))
+        slices = json.loads(checked.splitlines()[-1])
+        logs = cluster.logs() if job["status"] != "completed" else ""
     twice = [
         round_["number"]
-        for round_ in rounds
+        for round_ in job["rounds"]
         if len(round_["participants"]) != len(set(round_["participants"]))
     ]
     # An epoch is finished once a later one has handed out a slice (the next epoch's rows may exist unused).
@@ -134,22 +147,58 @@ def main(argv: list[str] | None = None) -> int:
     ]
     finished_epochs = [epoch for epoch in started_epochs if epoch < max(started_epochs, default=0)]
     incomplete = [epoch for epoch in finished_epochs if set(slices["epochs"][str(epoch)]) != {"used"}]
-    print(f"job: {job['status']} in {elapsed:.0f} s — {job['status_reason']}")
+    ok = (
+        job["status"] == "completed"
+        and [round_["number"] for round_ in job["rounds"]] == list(range(1, rounds + 1))
+        and not twice
+        and not incomplete
+        and slices["acknowledged_twice"] == 0
+    )
+    return {
+        "job": job,
+        "elapsed": elapsed,
+        "kills": kills,
+        "slices": slices,
+        "logs": logs,
+        "checks": {
+            "twice": twice,
+            "incomplete": incomplete,
+            "acknowledged_twice": slices["acknowledged_twice"],
+            "ok": ok,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    with tempfile.TemporaryDirectory(prefix="hypha-churn-") as directory:
+        result = churn(
+            Path(directory),
+            minimum=arguments.min,
+            target=arguments.target,
+            daemons=arguments.daemons,
+            rounds=arguments.rounds,
+            inner_steps=arguments.inner_steps,
+            seed=arguments.seed,
+            timeout=arguments.timeout,
+        )
+    job, checks, slices, kills = result["job"], result["checks"], result["slices"], result["kills"]
+    rounds = job["rounds"]
+    tasks = [task for task in job["tasks"] if task["role"] == "trainer"]
+    print(f"job: {job['status']} in {result['elapsed']:.0f} s — {job['status_reason']}")
     print(f"kills: {len(kills)} {kills}")
     print(f"trainer tasks: {len(tasks)} ({sum(task['status'] == 'cancelled' for task in tasks)} lost)")
     print(f"participants per round: {[len(round_['participants']) for round_ in rounds]}")
     print(f"slices by epoch and state: {slices['epochs']}")
     print(f"slices acknowledged twice in one epoch: {slices['acknowledged_twice']}")
-    print(f"finished epochs with a slice not used: {incomplete}; rounds counting an update twice: {twice}")
-    ok = (
-        job["status"] == "completed"
-        and [round_["number"] for round_ in rounds] == list(range(1, arguments.rounds + 1))
-        and not twice
-        and not incomplete
-        and slices["acknowledged_twice"] == 0
+    print(
+        f"finished epochs with a slice not used: {checks['incomplete']}; rounds counting an update twice: "
+        f"{checks['twice']}"
     )
-    print("OK" if ok else "FAILED")
-    return 0 if ok else 1
+    if result["logs"]:
+        print(result["logs"][-4000:])
+    print("OK" if checks["ok"] else "FAILED")
+    return 0 if checks["ok"] else 1
 
 
 if __name__ == "__main__":

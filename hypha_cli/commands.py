@@ -224,6 +224,10 @@ def show(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport
     console = output.console()
     console.print(output.jobs_table([job]))
     console.print(f"\nstatus reason: {job.get('status_reason') or '-'}", markup=False)
+    if "cost" in job:
+        spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
+        limit = f" (max_cost {output.credits_text(spec['max_cost'])})" if spec.get("max_cost") else ""
+        console.print(f"cost: {output.credits_text(job['cost'])}{limit}", markup=False)
     data = job.get("data") or {}
     if data:
         console.print(

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -153,6 +154,18 @@ def price_text(value: Any) -> str:
     return f"{value:g} {PRICE_UNIT}"
 
 
+def credits_text(value: Any) -> str:
+    """An amount of credits (the API's decimal string, to a millionth), ``19.635417 credits``, ``30 credits``;
+    ``-`` when absent."""
+    try:
+        amount = Decimal(str(value)) if value is not None and not isinstance(value, bool) else None
+    except InvalidOperation:
+        amount = None
+    if amount is None or not amount.is_finite():
+        return "-"
+    return f"{amount.normalize():f} credits" if amount else "0 credits"
+
+
 def score_text(value: Any) -> str:
     """A benchmark score (samples/s) with one decimal, ``-`` when unknown."""
     return f"{value:.1f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
@@ -202,11 +215,17 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
         "LEASES",
         "LAST SEEN",
     )
+    # Earnings are in the full view only (the caller's own workers; staff: all): no column when none is.
+    earnings = any("earnings" in worker for worker in workers)
+    if earnings:
+        columns = (*columns, "EARNED CR")
     for column in columns:
         table.add_column(
             column,
             no_wrap=True,
-            justify="right" if column in ("CPU", "MEM GB", "GPU GB", "FLOOR CR/H", "BENCH/S") else "left",
+            justify="right"
+            if column in ("CPU", "MEM GB", "GPU GB", "FLOOR CR/H", "BENCH/S", "EARNED CR")
+            else "left",
         )
     for worker in workers:
         resources = worker.get("resources") or {}
@@ -218,6 +237,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             for lease in worker.get("leases") or []
         )
         status = "revoked" if worker.get("revoked") else worker.get("status")
+        earned = [credits_text(worker.get("earnings")).removesuffix(" credits")] if earnings else []
         table.add_row(
             worker.get("name") or "-",
             _status(status),
@@ -229,6 +249,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             score_text(worker.get("benchmark_score")),
             leases or "-",
             time_text(worker.get("last_seen_at")),
+            *earned,
         )
     return table
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from apps.accounting.api.views import MeView
 from apps.datasets import views as dataset_views
 from apps.datasets.api.publish import PublishCompleteView, PublishView
 from apps.datasets.api.views import DatasetViewSet
@@ -30,6 +31,7 @@ router.register("leases", LeaseViewSet, basename="lease")
 router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("uploads", UploadViewSet, basename="upload")
 urlpatterns = [
+    path("me/", MeView.as_view(), name="me"),
     path("jobs/<uuid:pk>/model", job_model_download, name="job-model"),
     path("jobs/<uuid:pk>/tasks/<uuid:task_id>/log", job_task_log, name="job-task-log"),
     path("jobs/<uuid:pk>/model/<str:filename>", JobModelView.as_view(), name="job-model-file"),

@@ -237,6 +237,7 @@ INSTALLED_APPS = [
     "apps.datasets",
     "apps.jobs",
     "apps.relay",
+    "apps.accounting",
     "apps.dashboard",
 ]
 
@@ -449,6 +450,9 @@ HYPHA_ADVERT_MIN_TARGETS = env_int("HYPHA_ADVERT_MIN_TARGETS", 8, minimum=1, max
 HYPHA_METRICS_MAX_POINTS = env_int("HYPHA_METRICS_MAX_POINTS", 2000, minimum=16, maximum=1_000_000)
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
+#: Seconds between two accrual rows of a running lease (apps/accounting): the lease clock writes one per ACTIVE
+#: lease this often, and one more when the lease ends (docs/architecture.md, "Accounting").
+HYPHA_ACCRUAL_INTERVAL = env_float("HYPHA_ACCRUAL_INTERVAL", 60.0, minimum=0.05, maximum=86_400.0)
 #: Bounds of the request bodies the API parses (hypha_site/parsers.py): the largest JSON or form body (bytes;
 #: streamed uploads have their own limits below), the largest TOML job (tomllib is pure Python: seconds per
 #: MB), and how deep either may nest (arrays, objects, TOML dotted keys). Beyond them: a JSON 413 or 400.
@@ -469,7 +473,9 @@ HYPHA_TASK_LOG_MAX_BYTES = env_int("HYPHA_TASK_LOG_MAX_BYTES", 4 << 20, minimum=
 #: Days a job's task logs are kept after it ended (0: for ever); the ``task-log-sweep`` clock deletes them.
 HYPHA_TASK_LOG_RETENTION_DAYS = env_float("HYPHA_TASK_LOG_RETENTION_DAYS", 30.0, minimum=0.0, maximum=36500.0)
 #: Seconds between two runs of that sweep.
-HYPHA_TASK_LOG_SWEEP_INTERVAL = env_float("HYPHA_TASK_LOG_SWEEP_INTERVAL", 3600.0, minimum=1.0, maximum=86400.0)
+HYPHA_TASK_LOG_SWEEP_INTERVAL = env_float(
+    "HYPHA_TASK_LOG_SWEEP_INTERVAL", 3600.0, minimum=1.0, maximum=86400.0
+)
 #: Largest websocket frame accepted from a daemon (UTF-8 bytes); larger ones get a ``too_large`` error frame.
 HYPHA_WS_MAX_MESSAGE_BYTES = env_int("HYPHA_WS_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024, maximum=64 << 20)
 #: Per-connection token bucket of the worker gateway: sustained frames per second and the burst above it.

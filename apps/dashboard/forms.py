@@ -167,7 +167,7 @@ class DiLoCoJobForm(_SpecForm):
     trainers_grace = _number(
         "Grace",
         None,
-        "elastic pool: seconds the pool may stay below its minimum (empty: 0; stored, not acted on yet)",
+        "elastic pool: seconds the pool may stay below its minimum before the job pauses (empty: 0)",
         required=False,
     )
     batch_size = _number("Batch size", 16, "per trainer", integer=True)

@@ -19,8 +19,10 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import Count, Prefetch, Q, QuerySet
 from django.utils import timezone
 
+from apps.accounting import services as accounting
 from apps.dashboard.progress import run_progress
 from apps.datasets import services as dataset_services
+from apps.jobs import budgets
 from apps.jobs.api.serializers import JobEventSerializer, JobLeaseSerializer, RoundSerializer, TaskSerializer
 from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
 from apps.leases.models import Lease
@@ -187,7 +189,15 @@ def job_page(job: Job) -> dict:
         "tasks": tasks,
         "transfer_problems": transfer_problems(tasks),
         "spec": job.spec,
+        # What the job cost up to the page's load, and its limit (apps/accounting; apps/jobs/budgets.py).
+        "cost": credits_text(accounting.job_cost(job.pk)),
+        "max_cost": credits_text(budgets.max_cost_of(job)),
     }
+
+
+def credits_text(amount) -> str | None:
+    """An amount of credits as the pages show it: ``19.635417``, ``30`` (None stays None)."""
+    return None if amount is None else f"{amount.normalize():f}"
 
 
 def transfer_problems(tasks: list[dict]) -> list[dict]:
@@ -302,4 +312,6 @@ def worker_page(worker: Worker, user) -> dict:
             "parameter_servers": sum(task.role == PARAMETER_SERVER for task in tasks),
         },
         "live_leases": [lease for lease in leases if lease.is_live],
+        # A worker's earnings are its owner's business (and staff's): never on another user's page.
+        "earnings": credits_text(accounting.worker_earnings(worker.pk)) if managed else None,
     }

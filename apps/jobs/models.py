@@ -110,6 +110,12 @@ class Job(models.Model):
     )
     #: ``created_at + allocation_timeout``; None for jobs submitted before the deadline existed (never due).
     allocation_deadline = models.DateTimeField(null=True, blank=True)
+    #: An elastic pool's: since when the RUNNING job has had fewer than its ``min`` trainers (None: it has
+    #: enough). Past the pool's ``grace`` it pauses (``apps.jobs.training.pools``).
+    below_min_since = models.DateTimeField(null=True, blank=True)
+    #: When the job paused below its pool's ``min`` (None: not paused); it fails ``allocation_timeout`` s later
+    #: unless trainers are back to ``min`` by then.
+    paused_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

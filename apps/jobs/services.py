@@ -14,8 +14,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from apps.accounting import services as accounting
 from apps.datasets import services as dataset_services
-from apps.jobs import allocation, spec_checks, tasks, training
+from apps.jobs import allocation, budgets, spec_checks, tasks, training
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
 from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, JobEvent, Task
 from apps.jobs.spec import DEFAULT_ALLOCATION_TIMEOUT
@@ -401,6 +402,11 @@ def task_exited(*, worker: Worker, message: protocol.JobExited) -> None:
             _end_job(job, Job.Status.FAILED, reason=f"FAILED: {training.describe_exit(ended)}")
         elif ended.status == Task.Status.EXITED:
             _complete_or_fail(job)
+        elif training.lease_not_held(ended, message):
+            # Its daemon does not hold the lease (restarted under churn): the task is lost with its lease,
+            # which ends now (the role is advertised again), not at its expiry.
+            lease = Lease.objects.select_related("worker").get(pk=ended.lease_id)
+            _end_unless_ended(lease, reason=f"its daemon does not hold it: {ended.reason}")
 
 
 def pending_dispatches(*, worker: Worker) -> list[protocol.DispatchJob]:
@@ -529,14 +535,34 @@ def tick_leases() -> LeaseTick:
     return result
 
 
+def tick_accounting() -> None:
+    """Accrue the ACTIVE leases that are due, and end the jobs whose running cost reached their max_cost."""
+    accounting.accrue_due()
+    for job_id in budgets.jobs_over_budget():
+        with transaction.atomic():
+            _lock_job(job_id)
+            job = Job.objects.get(pk=job_id)
+            reason = budgets.stop_reason(job)  # re-checked under the lock: it may have ended meanwhile
+            if reason is not None:
+                _end_job(job, Job.Status.CANCELLED, reason=reason)
+
+
 def tick_training() -> None:
-    """Complete jobs whose parameter server finished a while ago but whose trainers never said they exited."""
+    """Complete jobs whose parameter server finished a while ago but whose trainers never said they exited;
+    pause, resume or fail elastic pools below their min (:mod:`apps.jobs.training.pools`)."""
     for job_id in training.jobs_waiting_for_trainers():
         with transaction.atomic():
             _lock_job(job_id)
             job = Job.objects.get(pk=job_id)
             if job.status == Job.Status.RUNNING:
                 _complete_or_fail(job, stragglers=True)
+    for job_id in training.pools.due():
+        with transaction.atomic():
+            _lock_job(job_id)
+            job = Job.objects.get(pk=job_id)
+            problem = training.pools.review(job)
+            if problem is not None:
+                _end_job(job, Job.Status.FAILED, reason=f"FAILED: {problem}")
 
 
 def tick_market() -> None:
@@ -665,6 +691,8 @@ def _end_lease(
         lease.expire(reason=reason)
     else:
         lease.release(reason=reason)
+    if was_active:  # its last accrual, in this transaction: an ended lease's cost is exact (apps/accounting)
+        accounting.accrue(lease.pk)
     if tell_worker:
         _tell_lease_ended(lease)
     if not was_active:  # a TEMPORARY lease: its offer was still open
@@ -735,6 +763,7 @@ __all__ = [
     "rotate_token",
     "settle_advertisement",
     "tick_leases",
+    "tick_accounting",
     "tick_training",
     "tick_market",
     "worker_connected",

@@ -183,7 +183,7 @@ class _TomlTranslation:
                 if value is not None:
                     data["rounds"][key] = value
             self.unknown(rounds, ("rounds",))
-        for key in ("batch_size", "seed", "allocation_timeout"):
+        for key in ("batch_size", "seed", "allocation_timeout", "max_cost"):
             if key in table:
                 data[key] = self.take(table, (), (key,), key)
         evaluation = self.subtable(table, "evaluation", ())

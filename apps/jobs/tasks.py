@@ -21,6 +21,8 @@ def tick_leases() -> dict:
     result = services.tick_leases()
     # The same clock completes jobs whose trainers never reported their exit after the last round.
     services.tick_training()
+    # And it accrues what running leases cost, ending the jobs that reached their max_cost (apps/accounting).
+    services.tick_accounting()
     return {"expired": result.expired, "renewals_requested": result.renewals_requested}
 
 

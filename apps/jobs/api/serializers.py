@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from django.db import models
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
+from apps.accounting import services as accounting
+from apps.accounting.api.serializers import COST_HELP
 from apps.datasets import services as dataset_services
+from apps.jobs import services as job_services
+from apps.jobs import spec as job_spec
 from apps.jobs import throughput
+from apps.jobs.exceptions import SpecError
 from apps.jobs.models import (
     DEFAULT_EXECUTORS,
     PARAMETER_SERVER,
@@ -19,7 +25,11 @@ from apps.jobs.models import (
     Task,
     Upload,
 )
-from apps.jobs.spec import DEFAULT_ALLOCATION_TIMEOUT, MAX_ALLOCATION_TIMEOUT, MIN_ALLOCATION_TIMEOUT
+from apps.jobs.spec import (
+    DEFAULT_ALLOCATION_TIMEOUT,
+    MAX_ALLOCATION_TIMEOUT,
+    MIN_ALLOCATION_TIMEOUT,
+)
 from apps.jobs.training import problems as transfer_problems
 from apps.leases.models import Lease
 from hypha_site.api import (
@@ -155,7 +165,10 @@ class JobCreateSerializer(StrictSerializer):
     parameter_server = ParameterServerInputSerializer(required=False)
     spec = serializers.DictField(
         default=dict,
-        help_text="The rest of the DiLoCo specification (model, data, optimizers, rounds); default {}.",
+        help_text="The rest of the DiLoCo specification (model, dataset, optimizers, rounds, and optionally "
+        "preprocessor, batch_size, trainers, evaluation, training, seed), checked as `POST /api/jobs/diloco/` "
+        "checks a spec; `num_trainers`, the roles and `allocation_timeout` are this body's own fields and "
+        "refused inside it. Non-empty, the job trains; default {}: a job that only leases workers.",
     )
     allocation_timeout = NumberField(
         min_value=MIN_ALLOCATION_TIMEOUT,
@@ -163,6 +176,61 @@ class JobCreateSerializer(StrictSerializer):
         default=DEFAULT_ALLOCATION_TIMEOUT,
         help_text=ALLOCATION_TIMEOUT_HELP,
     )
+
+    def validate(self, attrs: dict) -> dict:
+        # A non-empty spec makes a training job (apps.jobs.training.plans.is_training_job), parsed again at every
+        # dispatch: it must pass every check of /api/jobs/diloco/ here, or a careless or hostile one is stored
+        # and fails only after its leases were taken (and the private-URL check would be one POST away).
+        if attrs["spec"]:
+            self._check_training_spec(attrs)
+        return attrs
+
+    def _check_training_spec(self, attrs: dict) -> None:
+        """Parse the spec with the submission's own fields, and pin it (``attrs``) as it will be stored."""
+        misplaced = {key: [SUBMISSION_FIELD_IN_SPEC] for key in SUBMISSION_FIELDS if key in attrs["spec"]}
+        if misplaced:
+            raise serializers.ValidationError({"spec": misplaced})
+        document = {
+            **attrs["spec"],
+            "trainer": _role_spec(attrs[TRAINER]),
+            "parameter_server": _role_spec(attrs[PARAMETER_SERVER]),
+            "allocation_timeout": attrs["allocation_timeout"],
+        }
+        errors: list[tuple[str, str]] = []
+        # An omitted num_trainers is the pool's target when the spec has a pool (as in a DiLoCo spec); one given
+        # must agree with it (said here, at num_trainers: the spec's own check would name the whole spec).
+        pool = document.get("trainers")
+        target = pool.get("target") if isinstance(pool, dict) else None
+        if "num_trainers" in self.initial_data or target is None:
+            # A target that is not a count of trainers is the spec's to report (at spec.trainers.target).
+            valid_target = (
+                isinstance(target, int) and not isinstance(target, bool) and 1 <= target <= MAX_TRAINERS
+            )
+            if valid_target and target != attrs["num_trainers"]:
+                errors.append(
+                    (
+                        "num_trainers",
+                        f"{attrs['num_trainers']} differs from spec.trainers.target ({target}); give one.",
+                    )
+                )
+            else:
+                document["num_trainers"] = attrs["num_trainers"]
+        try:
+            parsed = job_spec.parse_json(document)
+        except SpecError as error:
+            errors.extend((item["field"], item["message"]) for item in error.errors)
+        if errors:
+            raise serializers.ValidationError(_nested_errors(errors)) from None
+        owner = self.context["request"].user
+        problems = job_services.training_problems(parsed, owner)
+        if problems:
+            raise serializers.ValidationError(
+                _nested_errors(
+                    (field, message) for field, messages in problems.items() for message in messages
+                )
+            )
+        attrs["num_trainers"] = parsed.num_trainers
+        attrs["spec"] = job_services.spec_for_storage(parsed, owner)
 
     def service_arguments(self) -> dict:
         """Keyword arguments of :func:`apps.jobs.services.create_job` (besides ``owner``)."""
@@ -174,6 +242,43 @@ class JobCreateSerializer(StrictSerializer):
             "spec": data["spec"],
             "allocation_timeout": data["allocation_timeout"],
         }
+
+
+#: Fields of the submission that a DiLoCo spec also has: given once, outside ``spec``.
+SUBMISSION_FIELDS = ("name", "num_trainers", TRAINER, PARAMETER_SERVER, "allocation_timeout")
+SUBMISSION_FIELD_IN_SPEC = "A field of the submission itself: give it next to `spec`, not inside it."
+
+
+def _role_spec(block: dict) -> dict:
+    """A validated role block as the DiLoCo spec's role (its executor is the job's requirement alone)."""
+    role = {"resources": dict(block["resources"]), "price": dict(block["price"])}
+    if "reachable" in block:
+        role["reachable"] = block["reachable"]
+    return role
+
+
+def _nested_errors(errors) -> dict:
+    """``(dotted spec path, message)`` pairs as a 400 body like the serializer's own: the submission's fields
+    (``num_trainers``, the roles, ``allocation_timeout``) at the top, the rest under ``spec``, each path as
+    nested objects (``{"spec": {"model": {"type": [...]}}}``); an error of the whole spec, or of an object that
+    also has errors inside, is its ``non_field_errors``."""
+    body: dict = {}
+    for path, message in errors:
+        parts = [part for part in path.split(".") if part] if path else []
+        if not parts or parts[0] not in SUBMISSION_FIELDS:
+            parts = ["spec", *parts]
+        node = body
+        for part in parts[:-1]:
+            child = node.get(part)
+            if isinstance(child, list):
+                child = node[part] = {"non_field_errors": child}
+            node = node.setdefault(part, {}) if child is None else child
+        leaf = node.get(parts[-1])
+        if isinstance(leaf, dict):
+            leaf.setdefault("non_field_errors", []).append(message)
+        else:
+            node.setdefault(parts[-1], []).append(message)
+    return body
 
 
 def _stored_requirement(block: dict) -> dict:
@@ -483,10 +588,12 @@ class JobDetailSerializer(JobSerializer):
     model_files = serializers.DictField(
         read_only=True, help_text="the final model's files: {name: {size, sha256}}; download at …/model"
     )
+    cost = serializers.SerializerMethodField(help_text=COST_HELP)
 
     class Meta(JobSerializer.Meta):
         fields = [
             *JobSerializer.Meta.fields,
+            "cost",
             "transfer_problems",
             "tasks",
             "rounds",
@@ -500,6 +607,10 @@ class JobDetailSerializer(JobSerializer):
     @extend_schema_field(JobTransferProblemSerializer(many=True))
     def get_transfer_problems(self, job: Job) -> list[dict]:
         return JobTransferProblemSerializer(transfer_problems.of_job(job), many=True).data
+
+    @extend_schema_field(OpenApiTypes.DECIMAL)
+    def get_cost(self, job: Job) -> str:
+        return str(accounting.job_cost(job.pk))
 
     @extend_schema_field(ThroughputSerializer)
     def get_throughput(self, job: Job) -> dict:

@@ -174,7 +174,7 @@ class JobViewSet(
         return JobDetailSerializer
 
     def create(self, request: Request, *args, **kwargs) -> Response:
-        submission = JobCreateSerializer(data=request.data)
+        submission = JobCreateSerializer(data=request.data, context={"request": request})
         submission.is_valid(raise_exception=True)
         job = services.create_job(owner=request.user, **submission.service_arguments())
         return _submitted(self.get_queryset(), job)

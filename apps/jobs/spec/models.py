@@ -9,9 +9,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     Strict,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -123,6 +125,9 @@ SCHEDULE_TAGS = {"cosine": "cosine-with-warmup", "linear": "linear-with-warmup",
 MAX_WEIGHT_DECAY = 10.0
 MAX_ACCUMULATION_STEPS = 1024
 MAX_DATALOADER_WORKERS = 32
+MAX_TRAINER_PROCESSES = 64
+MIN_PROCESS_TIMEOUT = 10.0
+MAX_PROCESS_TIMEOUT = 86_400.0
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
@@ -545,8 +550,9 @@ class ParameterServerSpec(RoleSpec):
 class TrainerPoolSpec(_Spec):
     """An elastic trainer pool (Hypha's ``worker_pool``): training starts once ``min`` trainers hold leases,
     grows toward ``target`` as fitting offers arrive (a newcomer joins at a round boundary), and goes on while
-    at least ``min`` remain (docs/training.md, "Elastic pools"). ``grace`` (seconds) is accepted for Hypha's
-    ``grace_ms`` and stored; pausing below ``min`` is not implemented yet (the job trains on with fewer)."""
+    at least ``min`` remain (docs/training.md, "Elastic pools"). Below ``min`` for longer than ``grace``
+    (seconds; Hypha's ``grace_ms``) the job pauses, keeping its leases, and fails if trainers are not back to
+    ``min`` within its ``allocation_timeout``."""
 
     min: Integer = Field(ge=1, le=MAX_TRAINERS)
     target: Integer = Field(ge=1, le=MAX_TRAINERS)
@@ -593,6 +599,13 @@ class DiLoCoSpec(_Spec):
         le=MAX_ALLOCATION_TIMEOUT,
         description="Seconds after submission by which every role must have been leased once; a job not fully "
         "allocated by then gives back the leases it holds and fails (docs/architecture.md, Job lifecycle).",
+    )
+    max_cost: Float | None = Field(
+        default=None,
+        gt=0,
+        le=1e12,
+        description="Credits the job may spend at most (its leases' price × ACTIVE hours, docs/architecture.md, "
+        "Accounting); when its running cost reaches this the job ends, its status reason says so. Absent: no limit.",
     )
 
     @field_validator("training")

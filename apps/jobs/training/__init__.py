@@ -14,6 +14,7 @@ The package, by concern (each module imports only those above it):
 
 * :mod:`.tokens` — transfer keys and tokens; the check of a parameter server's token
 * :mod:`.plans` — a running job's parsed spec
+* :mod:`.pools` — an elastic pool below its min: grace, pause, resume, failure
 * :mod:`.dispatch` — dispatch, lost and replaced tasks, the end of the training
 * :mod:`.reports` — what daemons report about their tasks (ownership, exits, output)
 * :mod:`.task_logs` — each task's full output, size-capped and rotated
@@ -26,7 +27,7 @@ Tests that drive the sync clock patch :data:`apps.jobs.training.status.sync_cloc
 
 from __future__ import annotations
 
-from apps.jobs.training import task_logs, transfers
+from apps.jobs.training import pools, task_logs, transfers
 from apps.jobs.training.checkpoints import (
     CHECKPOINT_FILES,
     CHECKPOINT_MANIFEST,
@@ -70,6 +71,7 @@ from apps.jobs.training.reports import (
     append_output,
     cancel_tasks,
     describe_exit,
+    lease_not_held,
     own_task,
     record_exit,
     task_role,
@@ -135,7 +137,9 @@ __all__ = [
     "model_directory",
     "model_stored",
     "own_task",
+    "lease_not_held",
     "pending_dispatches",
+    "pools",
     "plan",
     "record_exit",
     "replaces",

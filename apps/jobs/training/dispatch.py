@@ -11,6 +11,7 @@ from apps.datasets.models import Dataset, Slice
 from apps.jobs import spec as job_spec
 from apps.jobs import sync
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Task
+from apps.jobs.training import pools
 from apps.jobs.training.plans import is_training_job, plan
 from apps.jobs.training.tokens import transfer_key, transfer_token
 from apps.leases.models import Lease
@@ -268,22 +269,35 @@ def job_progress(job: Job) -> dict:
     }
 
 
-#: A job fails rather than replace more trainers than this many times its trainer count (a trainer that dies
-#: again and again is not a passing fault).
+#: A job fails rather than lose more trainers than this many times its trainer count (its pool's target)
+#: **without a round closing in between**: a trainer that dies again and again before the job gets anywhere is
+#: not a passing fault, but a fleet that churns while rounds still close is (docs/training.md, "Elastic
+#: pools", "The replacement limit").
 MAX_REPLACEMENTS_PER_TRAINER = 2
 
 
 def trainer_lost(job: Job, lease: Lease, *, reason: str) -> str | None:
     """A trainer lease of the RUNNING training ``job`` ended: its task is over (CANCELLED). Returns ``None``
-    when the job goes on (with a replacement if :func:`wants_replacements`), or why it cannot."""
+    when the job goes on (with a replacement if :func:`wants_replacements`; an elastic pool left below its
+    ``min`` starts its grace, :mod:`.pools`), or why it cannot."""
     task = Task.objects.filter(lease=lease).first()
     if task is not None:
         task.finish(Task.Status.CANCELLED, reason=reason[:2000])
-    lost = Task.objects.filter(job=job, role=TRAINER, status=Task.Status.CANCELLED).count()
+    lost, since = losses_since_progress(job)
     limit = MAX_REPLACEMENTS_PER_TRAINER * job.num_trainers
     if lost > limit:
-        return f"{lost} trainers lost, more than the {limit} this job replaces"
-    return None
+        return f"{lost} trainers lost {since}, more than the {limit} this job replaces without progress"
+    return pools.review(job)
+
+
+def losses_since_progress(job: Job) -> tuple[int, str]:
+    """The job's trainers lost (leases ended while training) since its last round closed, and since when in
+    words. A round that closes shows the job moves: losses before it no longer count toward the limit."""
+    last = job.rounds.filter(closed=True, closed_at__isnull=False).order_by("-closed_at").first()
+    lost = Task.objects.filter(job=job, role=TRAINER, status=Task.Status.CANCELLED)
+    if last is None:
+        return lost.count(), "before any round closed"
+    return lost.filter(ended_at__gt=last.closed_at).count(), f"since round {last.number} closed"
 
 
 def wants_replacements(job: Job) -> bool:
@@ -311,7 +325,10 @@ def dispatch_replacements(job: Job) -> int:
     """Dispatch a trainer task for each ACTIVE trainer lease of the RUNNING ``job`` that has none (a
     replacement): it fetches the current global weights from the parameter server and joins the open round.
     Nothing happens before the parameter server listens (its ``ready`` dispatches them). A parameter-server
-    lease without a task (the lost one's replacement) gets a server that resumes from the checkpoint."""
+    lease without a task (the lost one's replacement) gets a server that resumes from the checkpoint. An
+    elastic pool paused below its ``min`` resumes once newcomers bring it back (:func:`.pools.review`)."""
+    # A failure reason cannot come from here: a newcomer only adds trainers (the tick fails a paused job).
+    pools.review(job)
     server = job.tasks.filter(role=PARAMETER_SERVER, status__in=Task.LIVE).first()
     if server is None:
         lease = (

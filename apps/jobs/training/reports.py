@@ -41,7 +41,7 @@ def task_role(worker, task_id) -> tuple[str, object]:
 def record_exit(worker, message: protocol.JobExited) -> Task | None:
     """End the task as the daemon reports; returns it if this report ended it (``None`` for a repeat)."""
     task = own_task(worker, message.task_id)
-    if message.cancelled:
+    if message.cancelled or lease_not_held(task, message):
         status = Task.Status.CANCELLED
     elif message.exit_code == 0:
         status = Task.Status.EXITED
@@ -62,6 +62,18 @@ def record_exit(worker, message: protocol.JobExited) -> Task | None:
     if ended:  # the page's task and trainer tables show the end at once, also while the job runs on
         observers.job_changed(task.job)
     return task if ended else None
+
+
+def lease_not_held(task: Task, message: protocol.JobExited) -> bool:
+    """The daemon refused the task's dispatch because it does not hold the task's lease (it was restarted, or
+    the lease ended there first): no process ran, so the task is CANCELLED as for a lost lease, not FAILED as
+    for a crash (``worker_daemon/jobs.py`` answers such a dispatch with this reason and no exit status)."""
+    return (
+        task.started_at is None
+        and message.exit_code is None
+        and message.signal is None
+        and message.reason.startswith(f"lease {task.lease_id} is not held")
+    )
 
 
 #: Lines of a task's output the control plane keeps (``Task.log_tail``).

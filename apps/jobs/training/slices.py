@@ -8,6 +8,7 @@ from apps.datasets import services as dataset_services
 from apps.datasets.exceptions import DatasetError
 from apps.jobs.exceptions import TaskRefused
 from apps.jobs.models import TRAINER, Job, Task
+from apps.jobs.training import pools
 from apps.jobs.training.dispatch import slice_urls
 from apps.jobs.training.plans import plan
 from apps.jobs.training.reports import own_task
@@ -46,6 +47,11 @@ def _assign_slice(task: Task, message: protocol.FetchSlice, refused) -> protocol
     name = plan(task.job).spec.dataset.name
     if message.dataset != name:
         return refused(f"job {task.job_id} trains on dataset {name!r}, not {message.dataset!r}")
+    if pools.is_paused(task.job):
+        # A pool paused below its min holds its trainers: no new data until it resumes (the bridge asks again).
+        return protocol.SliceAssigned(
+            request_id=message.request_id, dataset=name, retry_in=SLICE_RETRY_SECONDS
+        )
     try:
         job_slice = dataset_services.claim_next(task.job, task.lease)
     except DatasetError as error:

@@ -15,7 +15,7 @@ from django.utils import timezone
 from apps.jobs import metrics, observers, sync, throughput
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
 from apps.jobs.spec import OVERLAPS_TRAINING_AHEAD
-from apps.jobs.training import transfers
+from apps.jobs.training import pools, transfers
 from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
 from apps.jobs.training.plans import Plan, plan
 from apps.jobs.training.reports import own_task
@@ -598,6 +598,10 @@ def _expectation(task: Task, body: Any) -> dict:
         .values("lease__worker_id", "round")
     )
     peers = sorted({str(row["lease__worker_id"]) for row in live})
+    paused = pools.is_paused(job)
+    if paused:
+        # Held: the round keeps waiting for trainers it lost, so it does not close with the few left.
+        peers += pools.held_peers(job, peers)
     # What the control plane counted for each trainer in this round: the most its update's X-Samples may
     # claim (the parameter server refuses more, after asking again once).
     counted = {
@@ -618,7 +622,7 @@ def _expectation(task: Task, body: Any) -> dict:
     settled = all(row["round"] >= number - 1 for row in live) and all(
         row["steps_in_round"] > 0 and row["step_interval"] is not None for row in rows
     )
-    if settled:
+    if settled and not paused:
         remaining = {
             str(row["pk"]): (
                 row["update_due"] - row["steps_in_round"]

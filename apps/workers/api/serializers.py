@@ -7,10 +7,13 @@ A worker has two views: the full one (:class:`WorkerSerializer`) for its owner a
 from __future__ import annotations
 
 from drf_spectacular.extensions import OpenApiSerializerExtension
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
+from apps.accounting import services as accounting
+from apps.accounting.api.serializers import EARNINGS_HELP
 from apps.leases.models import Lease
 from apps.workers import services
 from apps.workers.models import Reachable, Worker
@@ -143,6 +146,7 @@ class WorkerSerializer(PublicWorkerSerializer):
         help_text="true once its token is revoked: its daemon cannot connect",
     )
     leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
+    earnings = serializers.SerializerMethodField(help_text=EARNINGS_HELP)
     benchmark = serializers.JSONField(
         read_only=True,
         help_text="the last benchmark's details: device, device_name, model, parameters, batch_size, "
@@ -173,10 +177,15 @@ class WorkerSerializer(PublicWorkerSerializer):
             "token_revoked_at",
             "created_at",
             "leases",
+            "earnings",
         ]
         read_only_fields = fields
 
     VIEW = "full"
+
+    @extend_schema_field(OpenApiTypes.DECIMAL)
+    def get_earnings(self, worker: Worker) -> str:
+        return str(accounting.worker_earnings(worker.pk))
 
 
 class WorkerEntrySerializer(serializers.BaseSerializer):

@@ -126,7 +126,7 @@ PLAIN = {
     "name": "plain",
     "num_trainers": 1,
     "trainer": {"resources": {"cpu": 2, "memory": 8, "storage": 0, "gpu": 0}},
-    "spec": {"rounds": 1},
+    "spec": {},
 }
 
 

@@ -208,7 +208,10 @@ def test_logs_of_jobs_ended_longer_ago_than_the_retention_are_deleted_by_the_clo
     assert not task_logs.log_directory(running_job.pk).exists()
     response = client.get(log_url(running_job, kept_task))
     assert response.status_code == 200
-    assert "deleted" in response.content.decode() and "HYPHA_TASK_LOG_RETENTION_DAYS" in response.content.decode()
+    assert (
+        "deleted" in response.content.decode()
+        and "HYPHA_TASK_LOG_RETENTION_DAYS" in response.content.decode()
+    )
     # and: a retention of 0 keeps logs for ever
     settings.HYPHA_TASK_LOG_RETENTION_DAYS = 0
     task_logs.append(running_job.pk, kept_task.pk, ["kept"])

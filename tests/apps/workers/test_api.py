@@ -39,6 +39,7 @@ def worker_body(worker: Worker, *, leases: list) -> dict:
         "token_revoked_at": iso(worker.token_revoked_at),
         "created_at": iso(worker.created_at),
         "leases": leases,
+        "earnings": "0.000000",
     }
 
 
@@ -140,7 +141,7 @@ def test_users_see_the_pool_in_full_for_their_own_workers_and_staff_for_every_wo
     assert operators["results"][2]["owner"] is None
 
 
-def test_a_worker_shows_what_its_daemon_reported_and_its_live_leases(bob, leased_job):
+def test_a_worker_shows_what_its_daemon_reported_and_its_live_leases(frozen_now, bob, leased_job):
     # given
     worker = Worker.objects.get(name="bobs-gpu")
     lease = Lease.objects.get(worker=worker)
