@@ -350,3 +350,17 @@ def synchronise(
     load_into(model, merged.weights)
     reply = client.status("update-received")
     return reply, merged
+
+
+def log_round(round_number: int, stats: RoundStats, merged: Merged, sync_started: float) -> None:
+    """The trainer's line for a finished round (``sync_started``: ``time.perf_counter()`` before the sync)."""
+    logger.info(
+        "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sync %.2f s%s",
+        round_number,
+        stats.steps,
+        stats.mean_loss,
+        stats.samples,
+        stats.samples_per_second,
+        time.perf_counter() - sync_started,
+        "" if merged.digest is None else f", weights {merged.digest} (checked)",
+    )

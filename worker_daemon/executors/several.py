@@ -88,7 +88,7 @@ def _train(arguments: argparse.Namespace, job: TrainJob, ranks: Any) -> int:
     from worker_daemon.executors import consistency, knobs
     from worker_daemon.executors.bridge_client import BridgeClient
     from worker_daemon.executors.pseudo_gradient import float_state, snapshot
-    from worker_daemon.executors.rounds import run_round, synchronise
+    from worker_daemon.executors.rounds import log_round, run_round, synchronise
     from worker_daemon.executors.setup import (
         fetch_model,
         get_dataloaders,
@@ -198,16 +198,7 @@ def _train(arguments: argparse.Namespace, job: TrainJob, ranks: Any) -> int:
                     feedback=main["feedback"],
                 )
                 main["global_previous"] = merged.weights
-                logger.info(
-                    "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sync %.2f s%s",
-                    round_number,
-                    stats.steps,
-                    stats.mean_loss,
-                    stats.samples,
-                    stats.samples_per_second,
-                    time.perf_counter() - sync_started,
-                    "" if merged.digest is None else f", weights {merged.digest} (checked)",
-                )
+                log_round(round_number, stats, merged, sync_started)
                 return reply["type"] == "Done", merged.rounds_completed
 
             done, rounds_completed = ranks.lead(outer_step)

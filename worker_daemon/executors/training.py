@@ -70,6 +70,7 @@ from worker_daemon.executors.rounds import (
     UPDATES_DIR,
     RoundStats,
     _loss_of,
+    log_round,
     receive_result,
     run_round,
     send_update,
@@ -341,16 +342,7 @@ def training_function(arguments: argparse.Namespace, job: TrainJob) -> int:
                 feedback=feedback,
             )
             global_previous = merged.weights
-            logger.info(
-                "round %d: %d steps, loss %.4f, %d samples, %.1f samples/s, sync %.2f s%s",
-                round_number,
-                stats.steps,
-                stats.mean_loss,
-                stats.samples,
-                stats.samples_per_second,
-                time.perf_counter() - sync_started,
-                "" if merged.digest is None else f", weights {merged.digest} (checked)",
-            )
+            log_round(round_number, stats, merged, sync_started)
             if reply["type"] == "Done":
                 logger.info("job %s: done after %d rounds", job.job_id, merged.rounds_completed)
                 return EXIT_OK
