@@ -589,11 +589,24 @@ class JobDetailSerializer(JobSerializer):
         read_only=True, help_text="the final model's files: {name: {size, sha256}}; download at …/model"
     )
     cost = serializers.SerializerMethodField(help_text=COST_HELP)
+    below_min_since = serializers.DateTimeField(
+        read_only=True,
+        allow_null=True,
+        help_text="an elastic pool's: since when the running job has had fewer than its min trainers (null: enough)",
+    )
+    paused_at = serializers.DateTimeField(
+        read_only=True,
+        allow_null=True,
+        help_text="when the job paused below its pool's min for longer than the grace (null: not paused); it "
+        "fails allocation_timeout seconds later unless trainers are back to min (docs/training.md, Elastic pools)",
+    )
 
     class Meta(JobSerializer.Meta):
         fields = [
             *JobSerializer.Meta.fields,
             "cost",
+            "below_min_since",
+            "paused_at",
             "transfer_problems",
             "tasks",
             "rounds",

@@ -59,6 +59,8 @@ def job_body(job: Job, *, trainer: dict, parameter_server: dict, leases: list, e
         "data": {"epoch": None, "available": 0, "assigned": 0, "used": 0, "total": 0},
         "model_files": {},
         "cost": "0.000000",
+        "below_min_since": None,
+        "paused_at": None,
         "events": events,
     }
 

@@ -318,6 +318,13 @@ def test_a_pool_below_min_past_its_grace_pauses_holding_its_round_and_resumes_wh
     ), job.status_reason
     assert job.status_reason.endswith("UTC (allocation_timeout 600 s) unless 1 more join")
     assert job.events.filter(reason__startswith="RUNNING: paused: ").count() == 1
+    # and its owner sees the pause in the API, not only in the reason
+    from rest_framework.test import APIClient
+
+    owner = APIClient()
+    owner.force_authenticate(job.owner)
+    shown = owner.get(f"/api/jobs/{job.pk}/").json()
+    assert shown["paused_at"] is not None and shown["below_min_since"] is not None, shown
     assert set(job.leases.filter(status=Lease.Status.ACTIVE).values_list("worker__name", flat=True)) == {
         "rig-b",
         "rig-c",
@@ -357,6 +364,7 @@ def test_a_pool_below_min_past_its_grace_pauses_holding_its_round_and_resumes_wh
     # flows again
     job.refresh_from_db()
     assert (job.status, job.paused_at, job.below_min_since) == (Job.Status.RUNNING, None, None)
+    assert owner.get(f"/api/jobs/{job.pk}/").json()["paused_at"] is None
     assert job.events.filter(reason__startswith="RUNNING: resumed after ").count() == 1
     resumed = job.events.get(reason__startswith="RUNNING: resumed after ").reason
     assert resumed.endswith("s paused: 2 trainers again (the pool's min is 2)"), resumed
