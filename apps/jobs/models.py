@@ -116,6 +116,9 @@ class Job(models.Model):
     #: When the job paused below its pool's ``min`` (None: not paused); it fails ``allocation_timeout`` s later
     #: unless trainers are back to ``min`` by then.
     paused_at = models.DateTimeField(null=True, blank=True)
+    #: The round after which a training job stops early (None: its spec's ``update_rounds``): set when the next
+    #: round would take its cost past its ``max_cost`` (``apps.jobs.budgets``); ``plan(job)`` follows it.
+    stop_after_round = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -538,6 +538,15 @@ def tick_leases() -> LeaseTick:
 def tick_accounting() -> None:
     """Accrue the ACTIVE leases that are due, and end the jobs whose running cost reached their max_cost."""
     accounting.accrue_due()
+    for job_id in budgets.jobs_to_wind_down():
+        with transaction.atomic():
+            _lock_job(job_id)
+            job = Job.objects.get(pk=job_id)
+            decided = budgets.last_round(job)
+            if decided is not None:
+                job.stop_after_round, reason = decided
+                job.save(update_fields=["stop_after_round"])
+                job.transition(Job.Status.RUNNING, reason=reason)
     for job_id in budgets.jobs_over_budget():
         with transaction.atomic():
             _lock_job(job_id)

@@ -426,6 +426,9 @@ def completion_reason(job: Job) -> str:
     last = job.rounds.filter(number=update_rounds).first()
     evaluation = f"; eval loss {last.eval_loss:.4f}" if last and last.eval_loss is not None else ""
     loss = f"; training loss {last.mean_loss:.4f}" if last and last.mean_loss is not None else ""
+    planned = plan(job).spec.rounds.update_rounds
+    if update_rounds < planned:
+        return f"COMPLETED: {update_rounds} of {planned} rounds (stopped by max_cost){loss}{evaluation}"
     return f"COMPLETED: {update_rounds} rounds{loss}{evaluation}"
 
 

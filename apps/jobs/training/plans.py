@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -41,6 +42,10 @@ def plan(job: Job) -> Plan:
         _plans[job.pk] = found
         while len(_plans) > PLANS_CACHED:
             _plans.popitem(last=False)
+    stop = getattr(job, "stop_after_round", None)
+    if stop is not None and stop < found.update_rounds:
+        # Stopped early by its max_cost (apps.jobs.budgets): the round in progress then was its last.
+        return dataclasses.replace(found, update_rounds=stop)
     return found
 
 
