@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataloader-workers",
         type=_whole,
         metavar="N",
-        help="processes preparing batches (training.dataloader_workers; only 0 is supported yet)",
+        help="processes reading the data slices (training.dataloader_workers; 0: in the trainer's process)",
     )
 
 

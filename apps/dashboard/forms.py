@@ -250,7 +250,7 @@ class DiLoCoJobForm(_SpecForm):
     dataloader_workers = _number(
         "Data-loader workers",
         0,
-        "processes preparing batches (only 0, in-process, is supported yet)",
+        "processes reading the data slices (0: in the trainer's process)",
         integer=True,
     )
     holdout = _number(

@@ -138,6 +138,7 @@ class TrainingKnobs(_Shape):
     gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: StrictBool = False
+    #: DataLoader worker processes that read the data slices (worker_daemon/executors/slice_workers.py).
     dataloader_workers: Annotated[StrictInt, Field(ge=0, le=32)] = 0
     #: Processes of one trainer (DDP; docs/training.md, "One trainer, several processes"): 0 is one per CUDA
     #: device the lease shows (one on a CPU); the job's batch is split between them.

@@ -11,11 +11,12 @@ docs/configuration.md, "Training knobs"), each the way accelerate (or torch/tran
   synchronised (after the k-th micro-batch; with fp16 it unscales them first);
 * ``weight_decay`` → ``torch.optim.AdamW(weight_decay=…)`` (absent: AdamW's own default, 0.01);
 * ``gradient_checkpointing`` → ``model.gradient_checkpointing_enable()`` (transformers; non-reentrant; 5.x's
-  ``activation_checkpointing_enable`` where it exists).
-
-``dataloader_workers`` is accepted by the job JSON but not applied: a trainer's data comes through the bridge,
-whose client lives in the trainer's process (``SliceStream``), so the control plane refuses a value above 0
-(apps/jobs/spec.py) until the stream can be read from worker processes.
+  ``activation_checkpointing_enable`` where it exists);
+* ``dataloader_workers`` → ``torch.utils.data.DataLoader(num_workers=…)`` reading the data slices
+  (:mod:`worker_daemon.executors.slice_workers`, made by ``setup.get_dataloaders``): the bridge client lives
+  in the trainer's process, so that process still fetches (and acknowledges) every slice and cuts the
+  batches, while the worker processes decode and preprocess the fetched slices; the batches, and so the
+  training, are the same as with 0 (the default: everything in the trainer's process).
 """
 
 from __future__ import annotations

@@ -111,10 +111,18 @@ def load_preprocessor(
         except (OSError, ValueError, ImportError) as error:
             raise JobConfigError(f"cannot load the {spec.task} preprocessor from {first}: {error}") from error
 
-    def preprocess(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return dict(processor(**tensors, return_tensors="pt"))
+    return Preprocessor(processor)
 
-    return preprocess
+
+class Preprocessor:
+    """A loaded preprocessor applied to a whole slice (name → tensor): its outputs as tensors. A class, not a
+    closure, so that it pickles into spawned DataLoader workers (``training.dataloader_workers``)."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return dict(self.processor(**tensors, return_tensors="pt"))
 
 
 def get_dataloaders(
@@ -126,12 +134,17 @@ def get_dataloaders(
 ) -> torch.utils.data.DataLoader:
     """The training DataLoader: batches of ``batch_size`` samples from an endless stream of data slices.
 
-    There is no evaluation loader: the parameter server evaluates the global model."""
+    With ``training.dataloader_workers`` N > 0, N worker processes read the slices (decode, preprocess) while
+    this process fetches them and makes the batches (:mod:`worker_daemon.executors.slice_workers`): the same
+    batches in the same order as with 0, pinned on CUDA. There is no evaluation loader: the parameter server
+    evaluates the global model."""
+    import torch
     from torch.utils.data import DataLoader
 
     from worker_daemon.executors.data import SliceStream
+    from worker_daemon.executors.slice_workers import WorkerSliceStream
 
-    dataset = SliceStream(
+    options: dict[str, Any] = dict(
         fetch=client.fetch,
         reference=config.data,
         work_dir=work_dir,
@@ -139,8 +152,17 @@ def get_dataloaders(
         preprocess=preprocess,
         preprocess_inputs=config.preprocessor.input_names if config.preprocessor else None,
     )
-    # num_workers=0: the slice stream calls the bridge, whose client lives in this process.
-    return DataLoader(dataset, batch_size=config.batch_size, num_workers=0)
+    workers = config.training.dataloader_workers
+    if workers == 0:
+        return DataLoader(SliceStream(**options), batch_size=config.batch_size, num_workers=0)
+    # The batches are cut and collated here (num_workers=0 on this loader): the slice stream calls the
+    # bridge, whose client lives in this process; its own inner loader's workers read the slices.
+    return DataLoader(
+        WorkerSliceStream(workers=workers, **options),
+        batch_size=config.batch_size,
+        num_workers=0,
+        pin_memory=torch.cuda.is_available(),
+    )
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

@@ -459,7 +459,8 @@ class TrainingSpec(_Spec):
         default=0,
         ge=0,
         le=MAX_DATALOADER_WORKERS,
-        description="Processes that prepare batches (0: in-process); only 0 is supported yet.",
+        description="DataLoader worker processes that read and preprocess the data slices (0: in the trainer's "
+        "process); the trainer still fetches every slice itself, and the batches are the same whatever the number.",
     )
     processes: Integer = Field(
         default=1,
@@ -474,18 +475,6 @@ class TrainingSpec(_Spec):
         le=MAX_PROCESS_TIMEOUT,
         description="Seconds a process of a several-process trainer waits for a peer before the trainer fails.",
     )
-
-    @field_validator("dataloader_workers")
-    @classmethod
-    def _in_process_data_only(cls, value: int) -> int:
-        # A trainer's samples come through the bridge, whose client lives in the trainer's process
-        # (worker_daemon/executors/data.py): worker processes could not read them. Refused, not ignored.
-        if value > 0:
-            raise PydanticCustomError(
-                "training",
-                "Not supported yet: a trainer reads its data through the bridge in its own process; give 0.",
-            )
-        return value
 
     @model_serializer(mode="wrap")
     def _newer_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -55,11 +55,11 @@ def test_bad_knobs_are_shown_next_to_their_fields(ada_browser, tiny_text):
     assert errors_next_to(html, "weight_decay")
 
 
-def test_dataloader_workers_are_refused_as_not_supported_yet(ada_browser, tiny_text):
-    html = ada_browser.post("/jobs/new/", default_fields(dataloader_workers="2")).content.decode()
+def test_dataloader_workers_are_stored(ada_browser, tiny_text):
+    response = ada_browser.post("/jobs/new/", default_fields(dataloader_workers="2"))
 
-    assert Job.objects.count() == 0
-    assert any("Not supported yet" in error for error in errors_next_to(html, "dataloader_workers"))
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert Job.objects.get().spec["training"]["dataloader_workers"] == 2
 
 
 def test_micro_batches_that_do_not_split_the_batch_are_refused(ada_browser, tiny_text):

@@ -16,7 +16,7 @@ KNOBS = {
     "gradient_accumulation_steps": 4,
     "mixed_precision": "bf16",
     "gradient_checkpointing": True,
-    "dataloader_workers": 0,
+    "dataloader_workers": 2,  # DataLoader workers read the slices; the trainer still fetches them
 }
 
 
@@ -80,8 +80,6 @@ def test_a_job_without_knobs_gets_the_defaults(alice):
         ({"dataloader_workers": -1}, "training.dataloader_workers", "greater than or equal to 0"),
         ({"dataloader_workers": 33}, "training.dataloader_workers", "less than or equal to 32"),
         ({"clip": 1.0}, "training.clip", "Unknown key"),
-        # Trainers read their data through the bridge, in their own process: not yet from worker processes.
-        ({"dataloader_workers": 2}, "training.dataloader_workers", "Not supported yet"),
         # Cross-checks: micro-batches of equal size, and fp16 only where a CUDA GPU is asked for.
         ({"gradient_accumulation_steps": 3}, "training", "must divide batch_size (8)"),
         ({"mixed_precision": "fp16"}, "training", "fp16 needs a CUDA GPU"),
@@ -129,7 +127,7 @@ max_grad_norm = 0.5
 gradient-accumulation-steps = 2
 mixed_precision = "bf16"
 gradient_checkpointing = true
-dataloader_workers = 0
+dataloader_workers = 3
 """
 
 
@@ -155,7 +153,7 @@ def test_hypha_toml_takes_the_knobs_in_either_spelling(alice):
         "gradient_accumulation_steps": 2,
         "mixed_precision": "bf16",
         "gradient_checkpointing": True,
-        "dataloader_workers": 0,
+        "dataloader_workers": 3,
     }
     assert job.spec["inner_optimizer"]["weight_decay"] == 0.05
 
@@ -163,7 +161,7 @@ def test_hypha_toml_takes_the_knobs_in_either_spelling(alice):
 @pytest.mark.django_db
 def test_a_bad_toml_knob_is_reported_at_its_toml_key(alice):
     toml = _with_knobs(HYPHA_DEFAULT_TOML).replace('mixed_precision = "bf16"', 'mixed_precision = "fp8"')
-    toml = toml.replace("dataloader_workers = 0", "dataloader_workers = 0\nworkers = 2")
+    toml = toml.replace("dataloader_workers = 3", "dataloader_workers = 3\nworkers = 2")
 
     response = alice.client.generic("POST", URL, toml.encode(), content_type="application/toml")
 
