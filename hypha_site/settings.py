@@ -448,6 +448,9 @@ HYPHA_ADVERT_MIN_TARGETS = env_int("HYPHA_ADVERT_MIN_TARGETS", 8, minimum=1, max
 #: Points kept per trainer in a job's per-step metric series (apps/jobs/metrics.py): when full, neighbours merge
 #: pairwise, so a series never passes 40 bytes × this, however long the job (docs/dashboard.md).
 HYPHA_METRICS_MAX_POINTS = env_int("HYPHA_METRICS_MAX_POINTS", 2000, minimum=16, maximum=1_000_000)
+#: A trainer whose update the parameter server rejects in this many consecutive rounds has its lease ended
+#: and the role advertised again (a job's ``rounds.verification.max_rejections`` overrides it; docs/training.md).
+HYPHA_MAX_REJECTIONS = env_int("HYPHA_MAX_REJECTIONS", 3, minimum=1, maximum=1000)
 #: Period of the market and lease clocks (Celery beat, or the embedded runner).
 HYPHA_TICK_INTERVAL = env_float("HYPHA_TICK_INTERVAL", 0.5, minimum=0.05, maximum=60.0)
 #: Seconds between two accrual rows of a running lease (apps/accounting): the lease clock writes one per ACTIVE

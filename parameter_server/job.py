@@ -7,7 +7,9 @@ the first bad key (the process then exits with code 2). Unknown keys are ignored
 ``rounds.update_rounds`` 1, ``rounds.round_timeout`` 120 s, ``rounds.weighted`` true,
 ``rounds.max_samples_per_update`` absent (no cap), ``rounds.update_norm_ratio`` 10, ``rounds.encoding``
 ``float32`` (``rounds.encoding_block_size`` 256, for int8), ``rounds.checkpoint_every`` 10, ``model.seed`` 0,
-``model.input-names`` ``[]``, ``eval`` absent, ``rounds.overlap`` absent (every round syncs every tensor).
+``model.input-names`` ``[]``, ``eval`` absent, ``rounds.overlap`` absent (every round syncs every tensor),
+``rounds.aggregation`` ``mean`` (``clip_factor`` 2, ``trim_fraction`` 0.25, ``verification``: see
+:mod:`parameter_server.aggregation`).
 ``rounds.overlap = "streaming"`` makes round r sync fragment ``(r − 1) mod rounds.fragments`` of the model
 alone (``hypha_tensors.fragments``; ``fragments`` an integer 2 to 64, default 4); another ``overlap`` string
 (``none``, ``eager``: how trainers overlap, nothing the parameter server does differently) is ignored, a value
@@ -24,6 +26,15 @@ from typing import Any
 
 from hypha_tensors.formats import DEFAULT_BLOCK_SIZE, DEFAULT_ENCODING, Encoding, EncodingError
 from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
+from parameter_server.aggregation import (
+    AGGREGATIONS,
+    DEFAULT_CLIP_FACTOR,
+    DEFAULT_MAX_NORM_RATIO,
+    DEFAULT_MIN_COSINE,
+    DEFAULT_TRIM_FRACTION,
+    AggregationRule,
+    Verification,
+)
 from parameter_server.exceptions import JobConfigError
 
 SOURCE_TYPES = ("config", "huggingface", "uri")
@@ -106,6 +117,9 @@ class JobConfig:
     #: ``rounds.fragments`` of a job with ``rounds.overlap = "streaming"``: round r syncs fragment
     #: ``(r − 1) mod fragments`` of the model alone. 1: every round syncs every tensor.
     fragments: int = 1
+    #: ``rounds.aggregation`` (``clip_factor``, ``trim_fraction``) and ``rounds.verification``: how a round's
+    #: updates become its mean (parameter_server/aggregation.py). The default: the mean, unverified.
+    aggregation: AggregationRule = AggregationRule()
 
 
 #: The ``rounds.overlap`` whose rounds sync one fragment of the model each.
@@ -175,6 +189,46 @@ def _fragments(rounds: dict[str, Any]) -> int:
             f"(rounds.overlap is streaming), got {fragments!r}"
         )
     return fragments
+
+
+def _aggregation(rounds: dict[str, Any]) -> AggregationRule:
+    """``rounds.aggregation`` with ``clip_factor``, ``trim_fraction`` and ``verification`` (an object of
+    ``enabled`` (true, false or null: the rule's default), ``max_norm_ratio`` (> 1) and ``min_cosine``
+    (-1 to 1)); absent: the mean, unverified."""
+    name = rounds.get("aggregation", AGGREGATIONS[0])
+    if name not in AGGREGATIONS:
+        raise JobConfigError(f"rounds.aggregation must be one of {', '.join(AGGREGATIONS)}, got {name!r}")
+    clip_factor = _number(rounds.get("clip_factor", DEFAULT_CLIP_FACTOR), "rounds.clip_factor", minimum=1)
+    trim_fraction = _number(
+        rounds.get("trim_fraction", DEFAULT_TRIM_FRACTION), "rounds.trim_fraction", minimum=0
+    )
+    if trim_fraction >= 0.5:
+        raise JobConfigError(f"rounds.trim_fraction must be < 0.5, got {trim_fraction!r}")
+    verification = rounds.get("verification")
+    verification = _object({} if verification is None else verification, "rounds.verification")
+    enabled = verification.get("enabled")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise JobConfigError(f"rounds.verification.enabled must be true, false or null, got {enabled!r}")
+    min_cosine = _number(
+        verification.get("min_cosine", DEFAULT_MIN_COSINE), "rounds.verification.min_cosine", minimum=-1
+    )
+    if min_cosine > 1:
+        raise JobConfigError(f"rounds.verification.min_cosine must be <= 1, got {min_cosine!r}")
+    return AggregationRule(
+        name=name,
+        clip_factor=clip_factor,
+        trim_fraction=trim_fraction,
+        verification=Verification(
+            enabled=enabled,
+            max_norm_ratio=_number(
+                verification.get("max_norm_ratio", DEFAULT_MAX_NORM_RATIO),
+                "rounds.verification.max_norm_ratio",
+                minimum=1,
+                strict=True,
+            ),
+            min_cosine=min_cosine,
+        ),
+    )
 
 
 def _resume(value: Any) -> ResumeConfig | None:
@@ -348,4 +402,5 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
         encoding=encoding,
         checkpoint_every=checkpoint_every,
         fragments=_fragments(rounds),
+        aggregation=_aggregation(rounds),
     )

@@ -262,6 +262,7 @@ class ParameterServer:
             buffers=initial.buffers,
             encoding=self.job.encoding,
             fragments=fragments,
+            aggregation=self.job.aggregation,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -597,6 +598,8 @@ class ParameterServer:
             "eval_error": result.eval_error,
             "discarded": result.discarded,
         }
+        if result.verdicts:  # a round that verified or robustly aggregated its updates (none: as before)
+            body["verdicts"] = dict(result.verdicts)
         logger.info("round %d report: %s", result.round_number, body)
         return await self.reporter.send({"round": body})
 

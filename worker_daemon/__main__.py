@@ -45,7 +45,7 @@ environment:
 
 config file (TOML, Hypha's worker keys): work_dir, [resources] cpu/memory/storage/gpu,
 [offer] price/floor/strategy, [[executors]] class/name/runtime/cmd/args. Absent resources are measured.
-Ours: kill_grace, benchmark, slowdown, [parameter_server] host/port/public_url/reachable.
+Ours: kill_grace, benchmark, slowdown, byzantine, [parameter_server] host/port/public_url/reachable.
 
 benchmark:
   At start (unless --no-benchmark or benchmark = false) and when the control plane asks, the daemon runs a
@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiments and tests only: make this worker deliberately FACTOR (>= 1) times slower; "
         "executors get HYPHA_SLOWDOWN and sleep (FACTOR-1) x each step's time, and so does the benchmark "
         "(overrides slowdown; default 1.0)",
+    )
+    parser.add_argument(
+        "--byzantine",
+        metavar="MODE",
+        help="experiments and tests only: the trainer sends a deliberately corrupted pseudo-gradient, MODE one "
+        "of scale:K (K x the honest one, e.g. scale:100), sign_flip, random (Gaussian of the honest norm), zero; "
+        "executors get HYPHA_BYZANTINE (overrides byzantine; default: honest)",
     )
     parser.add_argument(
         "--log-level",
@@ -296,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reachable=args.reachable,
             benchmark=args.benchmark,
             slowdown=args.slowdown,
+            byzantine=args.byzantine,
         )
         # Tracing, if the OTEL_* variables ask for it (opentelemetry is imported only then).
         telemetry.configure(service_name=SERVICE_NAME)

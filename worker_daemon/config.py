@@ -36,6 +36,8 @@ Our own keys (not Hypha's)::
     slowdown = 1.0                   # >= 1: an experiment/test knob that makes this worker deliberately
                                      # slower (executors get HYPHA_SLOWDOWN and sleep (slowdown - 1) × each
                                      # step's time after it; the benchmark does the same)
+    byzantine = ""                   # an experiment/test knob: "scale:K", "sign_flip", "random" or "zero"
+                                     # makes the trainer send a corrupted pseudo-gradient (HYPHA_BYZANTINE)
     [parameter_server]               # where the built-in parameter server listens
     host = "127.0.0.1"
     port = 0                         # 0: any free port
@@ -51,7 +53,7 @@ writes ``true`` for every node), so it says nothing about whether this host is r
 
 Layering, as in the original: the TOML file, then ``HYPHA_*`` env vars for top-level keys
 (``HYPHA_WORK_DIR``), then CLI flags (``--work-dir``, ``--price``, ``--floor``, ``--ps-host``, ``--ps-port``,
-``--ps-public-url``, ``--reachable``, ``--benchmark``/``--no-benchmark``, ``--slowdown``). Any invalid value raises
+``--ps-public-url``, ``--reachable``, ``--benchmark``/``--no-benchmark``, ``--slowdown``, ``--byzantine``). Any invalid value raises
 :class:`~worker_daemon.exceptions.ConfigError` with a message naming the key.
 """
 
@@ -72,6 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from worker_daemon import protocol
 from worker_daemon.exceptions import ConfigError
+from worker_daemon.executors.byzantine import ByzantineModeError, parse_mode
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,7 @@ RESERVED_ENVIRONMENT = (
     "HYPHA_TRANSFER_KEY",
     "HYPHA_TRANSFER_TOKEN",
     "HYPHA_TRANSFER_TOKEN_FILE",
+    "HYPHA_BYZANTINE",
     *PRIVATE_ENVIRONMENT,
 )
 #: What a task with leased devices is told about them (per lease; see ``WorkerConfig.devices``).
@@ -385,6 +389,24 @@ class WorkerConfig(_ConfigModel):
         strict=True,
         description="Experiments and tests only: make this worker deliberately slower by this factor.",
     )
+    byzantine: str = Field(
+        default="",
+        max_length=64,
+        strict=True,
+        description="Experiments and tests only: the trainer sends a corrupted pseudo-gradient "
+        "(scale:K, sign_flip, random, zero; empty: honest).",
+    )
+
+    @field_validator("byzantine")
+    @classmethod
+    def _byzantine_mode(cls, value: str) -> str:
+        value = value.strip()
+        if value:
+            try:
+                parse_mode(value)
+            except ByzantineModeError as error:
+                raise ValueError(str(error)) from None
+        return value
 
     @field_validator("work_dir", mode="before")
     @classmethod
@@ -472,6 +494,7 @@ class WorkerConfig(_ConfigModel):
         capacity = self.capacity
         executors = ", ".join(f"{e.executor_class}/{e.name}" for e in self.executors)
         slowed = f" slowdown={self.slowdown:g}" if self.slowdown != 1.0 else ""
+        slowed += f" BYZANTINE={self.byzantine}" if self.byzantine else ""
         cold = "" if self.warm_start else " warm_start=false"
         reachable = self.parameter_server.reachable
         said = f" reachable={str(reachable).lower()}" if reachable != "auto" else ""
@@ -521,6 +544,7 @@ def load_config(
     reachable: str | bool | None = None,
     benchmark: bool | None = None,
     slowdown: float | None = None,
+    byzantine: str | None = None,
 ) -> WorkerConfig:
     """Read the TOML file at ``path`` (none: defaults only), apply ``HYPHA_*`` env vars from ``environ``
     (default ``os.environ``) and then the CLI overrides that are not ``None``; validate and return.
@@ -549,7 +573,8 @@ def load_config(
         variable = f"HYPHA_{key.upper()}"
         if environ.get(variable):
             data[key] = environ[variable]
-    for key, value in (("work_dir", work_dir), ("benchmark", benchmark), ("slowdown", slowdown)):
+    overridden = {"work_dir": work_dir, "benchmark": benchmark, "slowdown": slowdown, "byzantine": byzantine}
+    for key, value in overridden.items():
         if value is not None:
             data[key] = value
     if price is not None or floor is not None:

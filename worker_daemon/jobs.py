@@ -595,6 +595,8 @@ class JobManager:
         environment.update(values)
         # The experiment knob (config ``slowdown``): the training executor sleeps (factor − 1) × each step.
         environment["HYPHA_SLOWDOWN"] = repr(self.config.slowdown)
+        # The other experiment knob (config ``byzantine``): "" is honest.
+        environment["HYPHA_BYZANTINE"] = self.config.byzantine
         if self.book.devices:
             # A worker that lists its devices shows each task only its lease's (none: "" hides every GPU, so a
             # CPU-only task cannot take a device another lease holds). Without a device list it is left alone.

@@ -332,6 +332,13 @@ class Round(models.Model):
         default=dict, help_text="Worker id → seconds after the round's first update that its update arrived."
     )
     refused = models.JSONField(default=dict, help_text="Worker id → why its update was refused.")
+    verdicts = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='Worker id → the parameter server\'s verdict on its update: {"verdict": "accepted" | '
+        '"down-weighted" | "rejected", "reason": str, "norm_ratio": float | null, "cosine": float | null} '
+        "(empty: the round was not verified; docs/training.md).",
+    )
     samples = models.PositiveBigIntegerField(default=0)
     duration = models.FloatField(null=True, blank=True, help_text="Seconds from first update to close.")
     bytes_in = models.PositiveBigIntegerField(default=0)

@@ -454,6 +454,15 @@ def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protoc
             # report locks only its own task row, so trainers never queue behind one another on the job.
             _lock_job(job_id)
         reply, continue_for = training.handle_status(worker, message, probed=probed)
+        if (
+            role == PARAMETER_SERVER
+            and reply != {"type": "Error"}
+            and training.round_reported(message.progress)
+        ):
+            # A trainer whose updates the parameter server rejected round after round: its lease ends (the
+            # role is advertised again, like any lost trainer's).
+            for lease, reason in training.repeatedly_rejected(Job.objects.get(pk=job_id)):
+                _end_unless_ended(lease, reason=reason)
     return protocol.StatusReply(request_id=message.request_id, reply=reply, continue_for=continue_for)
 
 

@@ -176,6 +176,11 @@ class _TomlTranslation:
                 "overlap",
                 "fragments",
                 "mix",
+                # Ours: how the parameter server combines a round's updates, and its verification of each.
+                "aggregation",
+                "clip_factor",
+                "trim_fraction",
+                "verification",
             ):
                 # One spelling for a key without "_" (``weighted``): two equal ones read as a duplicate.
                 spellings = tuple(dict.fromkeys((key, key.replace("_", "-"))))

@@ -35,6 +35,13 @@ Round rules (docs/training.md, step 7):
 * A step that is not finite (the mean, ``u``, the new weights or the momentum hold Inf or NaN: a float16
   model past its range, an absurd learning rate) is *discarded*: ``u = 0``, the weights and the momentum stay
   as they were, and the result says ``stepped=False`` and ``discarded=<reason>``. A round never ends the job.
+* **Robust aggregation and verification** (``rounds.aggregation``, ``rounds.verification``;
+  :mod:`parameter_server.aggregation`, :mod:`parameter_server.rounds.robust`): every rule but an unverified
+  ``mean`` *holds* the round's accepted updates as they came (a spooled view keeps its file open, the bounds
+  above still apply at arrival) and, when the round closes, scores each (norm ÷ the median norm, cosine to
+  the mean of the others), gives it a verdict (``accepted``, ``down-weighted``, ``rejected``: in
+  ``RoundResult.verdicts``) and takes ``g`` as the rule's aggregate of those not rejected; a rejected
+  update's peer is not a participant and its samples do not count. The step is the same.
 * Only floating-point tensors are averaged and stepped, and ``u`` holds only them: other tensors (integer
   buffers such as step counters) keep their global value, and trainers neither send nor receive them.
 * **Encodings** (:mod:`hypha_tensors.encoding`; docs/training.md, "Encodings"): an update may come as a
@@ -63,7 +70,8 @@ Round rules (docs/training.md, step 7):
   round is fragment 0, every tensor.
 
 Modules: :mod:`~parameter_server.rounds.coordinator` (the rules above), :mod:`~parameter_server.rounds.step`
-(the outer step's arithmetic), :mod:`~parameter_server.rounds.records` (round results and state).
+(the outer step's arithmetic), :mod:`~parameter_server.rounds.records` (round results and state),
+:mod:`~parameter_server.rounds.robust` (scores, verdicts and robust aggregates).
 """
 
 from __future__ import annotations

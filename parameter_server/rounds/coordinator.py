@@ -17,6 +17,7 @@ import torch
 from hypha_tensors.encoding import DecodedView, EncodingError
 from hypha_tensors.formats import SCALE_SUFFIX, Encoding
 from hypha_tensors.fragments import fragment_of_round, syncs_everything
+from parameter_server.aggregation import ACCEPTED, REJECTED, AggregationRule
 from parameter_server.buffers import BufferPool
 from parameter_server.exceptions import (
     RoundConflict,
@@ -32,15 +33,18 @@ from parameter_server.math import (
     norm_limit,
     update_norm,
 )
+from parameter_server.rounds import robust
 from parameter_server.rounds.records import (
     FirstUpdateHook,
     OpenRound,
     PersistHook,
     RoundResult,
+    Step,
     aliases,
     record,
     relative,
 )
+from parameter_server.rounds.robust import HeldUpdate
 from parameter_server.rounds.step import StepArithmetic
 from worker_daemon import telemetry
 
@@ -102,8 +106,11 @@ class RoundCoordinator(StepArithmetic):
         buffers: Collection[str] = (),
         encoding: Encoding | None = None,
         fragments: Sequence[Iterable[str]] | None = None,
+        aggregation: AggregationRule | None = None,
     ) -> None:
         self.expected = tuple(expected)
+        #: How the round's updates become its mean, and whether each is verified first.
+        self.aggregation = aggregation or AggregationRule()
         self._told: tuple[str, ...] = ()
         self.weights: StateDict = dict(weights)
         #: The momentum's own tensors, never handed out (:attr:`momentum` gives aliases): it may be updated in
@@ -335,7 +342,12 @@ class RoundCoordinator(StepArithmetic):
             )
             try:
                 # A thread: measuring and adding a large model's tensors would stall every other request.
-                norm = await asyncio.to_thread(self._measure_and_add, current, floating, weight)
+                if self.aggregation.holds_updates:
+                    # Kept as it came (a spooled view keeps its file) until the round closes.
+                    norm, peaks = await asyncio.to_thread(self._measure_and_hold, current, floating, weight)
+                    current.held.append(HeldUpdate(peer, floating, weight, norm, peaks, samples or 0))
+                else:
+                    norm = await asyncio.to_thread(self._measure_and_add, current, floating, weight)
             except UpdateRefused as refusal:
                 current.refused[peer] = str(refusal)
                 logger.warning("round %d: update from %s refused: %s", round_number, peer, refusal)
@@ -372,6 +384,46 @@ class RoundCoordinator(StepArithmetic):
         """Check ``update``'s norm against the round's bound and add it to the round's mean; its norm.
         ``UpdateRefused`` (nothing added) if it is out of bounds or cannot be decoded. Runs in a thread,
         under the lock. Each tensor is read twice: measured (norm, largest value), then added."""
+        norm, peaks = self._measure(current, update)
+        # A decoded view says its signatures without decoding; tensors are checked as they are.
+        signatures = (
+            {name: update.signature(name) for name in update} if isinstance(update, DecodedView) else None
+        )
+        try:
+            current.mean.add(update, weight, signatures=signatures, peaks=peaks)
+        except (TensorRefused, EncodingError) as error:
+            raise UpdateRefused(str(error)) from None
+        return norm
+
+    def _measure_and_hold(
+        self, current: OpenRound, update: Mapping[str, torch.Tensor], weight: float
+    ) -> tuple[float, dict[str, float]]:
+        """For a round that aggregates when it closes (:mod:`parameter_server.rounds.robust`): the bounds of
+        :meth:`_measure_and_add` (norm, and a weighted sum that cannot overflow even unclipped), nothing added:
+        the caller holds the update. Its norm and largest values. Runs in a thread, under the lock."""
+        norm, peaks = self._measure(current, update)
+        if set(update) != set(current.names):
+            missing = sorted(set(current.names) - set(update))
+            name = missing[0] if missing else sorted(set(update) - set(current.names))[0]
+            raise UpdateRefused(f"tensor {name!r}: {'missing from' if missing else 'unknown in'} this update")
+        magnitudes = {}
+        for name in current.names:
+            dtype = torch.promote_types(self.weights[name].dtype, torch.float32)
+            magnitude = current.magnitudes.get(name, 0.0) + weight * peaks.get(name, 0.0)
+            if magnitude > torch.finfo(dtype).max:
+                raise UpdateRefused(
+                    f"tensor {name!r}: weight {weight:g} × its largest value {peaks.get(name, 0.0):g} would "
+                    f"overflow the round's {str(dtype).removeprefix('torch.')} sum"
+                )
+            magnitudes[name] = magnitude
+        current.magnitudes.update(magnitudes)
+        return norm, peaks
+
+    def _measure(
+        self, current: OpenRound, update: Mapping[str, torch.Tensor]
+    ) -> tuple[float, dict[str, float]]:
+        """``update``'s norm and largest values, ``UpdateRefused`` if it cannot be decoded or its norm is out
+        of the round's bound."""
         try:
             norm, peaks = measure(update)
         except EncodingError as error:
@@ -387,15 +439,7 @@ class RoundCoordinator(StepArithmetic):
                 f"the update's L2 norm {norm:.6g} is over this round's bound {limit:.6g} "
                 f"({self.update_norm_ratio:g}x the reference norm)"
             )
-        # A decoded view says its signatures without decoding; tensors are checked as they are.
-        signatures = (
-            {name: update.signature(name) for name in update} if isinstance(update, DecodedView) else None
-        )
-        try:
-            current.mean.add(update, weight, signatures=signatures, peaks=peaks)
-        except (TensorRefused, EncodingError) as error:
-            raise UpdateRefused(str(error)) from None
-        return norm
+        return norm, peaks
 
     def _reference_norm(self, current: OpenRound) -> float:
         """The global weights' norm over the round's tensors (measured once per weights, when an update has
@@ -488,18 +532,20 @@ class RoundCoordinator(StepArithmetic):
         """Step, persist and publish the round; its result, or None if that failed (:attr:`failure` set)."""
         try:
             async with self._lock:
-                step = await asyncio.to_thread(self._step, current)
+                step = await asyncio.to_thread(self._aggregate_and_step, current)
+                rejected = {peer for peer, verdict in current.verdicts.items() if verdict.verdict == REJECTED}
                 result = RoundResult(
                     round_number=current.number,
                     update=step.update,
-                    participants=tuple(current.participants),
+                    # The updates that count: a rejected one is left out of the aggregate.
+                    participants=tuple(peer for peer in current.participants if peer not in rejected),
                     left_out=tuple(
                         peer
                         for peer in dict.fromkeys([*current.opened_expecting, *current.expected])
                         if peer not in current.participants
                     ),
                     refused=dict(current.refused),
-                    samples=current.samples,
+                    samples=current.samples - current.rejected_samples,
                     duration=round(self._clock() - current.opened_at, 3),
                     bytes_in=current.bytes_in,
                     stepped=step.stepped,
@@ -508,6 +554,7 @@ class RoundCoordinator(StepArithmetic):
                     encoded=step.encoded,
                     encoding=self.encoding,
                     fragment=current.fragment,
+                    verdicts={peer: verdict.as_json() for peer, verdict in current.verdicts.items()},
                 )
                 if step.discarded is not None:
                     logger.error("round %d: its step is discarded, u = 0: %s", current.number, step.discarded)
@@ -524,7 +571,11 @@ class RoundCoordinator(StepArithmetic):
                 if step.residual is not None:  # the other fragments' residuals wait for their rounds
                     self._residual = {**self._residual, **step.residual}
                 if step.stepped:
-                    self._previous_norms[current.fragment] = list(current.norms)
+                    self._previous_norms[current.fragment] = [
+                        norm
+                        for peer, norm in zip(current.participants, current.norms, strict=True)
+                        if peer not in rejected
+                    ]
                 del step
                 self._publish(result)
         except Exception as error:
@@ -533,6 +584,42 @@ class RoundCoordinator(StepArithmetic):
                 self.failure.set_result(error)
             return None
         return result
+
+    def _aggregate_and_step(self, current: OpenRound) -> Step:
+        """The closed round's step, after its held updates (if its rule holds them) were judged and
+        aggregated (:mod:`parameter_server.rounds.robust`). Runs in a thread, under the lock."""
+        if current.held:
+            try:
+                self._aggregate_held(current)
+            finally:
+                current.held.clear()  # their spool files close: the bytes leave the disk
+        return self._step(current)
+
+    def _aggregate_held(self, current: OpenRound) -> None:
+        """Score every held update, give each its verdict, and put the aggregate of those not rejected where
+        the step takes the round's mean from."""
+        held = list(current.held)
+        norms = [update.norm for update in held]
+        cosines = robust.cosines_to_others([update.update for update in held], current.names, norms)
+        verdicts = robust.judge(held, cosines, self.aggregation)
+        for peer, verdict in verdicts.items():
+            if verdict.verdict != ACCEPTED:
+                logger.warning(
+                    "round %d: update from %s %s: %s", current.number, peer, verdict.verdict, verdict.reason
+                )
+        kept = [update for update in held if verdicts[update.peer].verdict != REJECTED]
+        current.verdicts = verdicts
+        current.rejected_samples = sum(
+            update.samples for update in held if verdicts[update.peer].verdict == REJECTED
+        )
+        current.mean = robust.aggregate(
+            kept,
+            self.aggregation,
+            names=current.names,
+            dtypes={name: self.weights[name].dtype for name in current.names},
+            median=robust.median_norm(norms),
+            allocate=self._pool.take,
+        )
 
     def _publish(self, result: RoundResult) -> None:
         # A record without tensors: the file serves u, and u's memory goes back to the pool once the

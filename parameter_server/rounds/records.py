@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from hypha_tensors.formats import Encoding
 from parameter_server.math import StateDict, StreamingMean
+from parameter_server.rounds.robust import Aggregate, HeldUpdate, Verdict
 
 
 @dataclass
@@ -43,6 +44,9 @@ class RoundResult:
     #: The fragment the round synced (0 without fragments; F: every fragment, a streaming job's last round):
     #: ``update`` holds its tensors only.
     fragment: int = 0
+    #: peer → {"verdict", "reason", "norm_ratio", "cosine"} when the round verified or robustly aggregated its
+    #: updates (parameter_server/rounds/robust.py); empty otherwise.
+    verdicts: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def file_tensors(self) -> StateDict:
         """The tensors of the file trainers fetch: :attr:`encoded`, or :attr:`update` when it is None."""
@@ -57,7 +61,8 @@ class RoundResult:
 class OpenRound:
     number: int
     opened_at: float
-    mean: StreamingMean = field(default_factory=StreamingMean)
+    #: The running mean, or (a rule that holds its updates) the aggregate put here when the round closes.
+    mean: StreamingMean | Aggregate = field(default_factory=StreamingMean)
     participants: list[str] = field(default_factory=list)
     accepted_at: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
@@ -78,6 +83,13 @@ class OpenRound:
     #: must carry exactly those, and the round steps them alone.
     fragment: int = 0
     names: tuple[str, ...] = ()
+    #: A rule that aggregates when the round closes: its accepted updates, as they came (spooled views keep
+    #: their files open until then), and Σ weight · max|x| per tensor (the bound on an unclipped sum).
+    held: list[HeldUpdate] = field(default_factory=list)
+    magnitudes: dict[str, float] = field(default_factory=dict)
+    #: Each held update's verdict, set when the round closes, and the samples of those rejected.
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    rejected_samples: int = 0
 
 
 class Step(NamedTuple):

@@ -286,7 +286,8 @@
       var rows = sortedRounds().map(function (round) {
         var tr = row([
           num(round.number), applied(round), num((round.participants || []).length),
-          num((round.left_out || []).length), num(round.reported ? round.samples : null),
+          num((round.left_out || []).length), verdictCell(round.verdicts),
+          num(round.reported ? round.samples : null),
           num(round.reported && typeof round.duration === "number" ? round.duration.toFixed(2) + " s" : null),
           round.reported ? bytes(round.bytes_in) : num(null), round.reported ? bytes(round.bytes_out) : num(null),
           sentAs(round), fixed(round.mean_loss, 4),
@@ -295,7 +296,32 @@
         tr.dataset.round = round.number;
         return tr;
       });
-      replaceRows(document.getElementById("rounds"), rows, "No round recorded yet.", 11);
+      replaceRows(document.getElementById("rounds"), rows, "No round recorded yet.", 12);
+    }
+
+    // The parameter server's verdicts, as the template's `verdicts` filter writes them: "rejected: 1 ·
+    // down-weighted: 2" (or "accepted: 3", "—"), each update not simply accepted listed in the tooltip.
+    function verdictCell(verdicts) {
+      var order = ["rejected", "down-weighted", "accepted"];
+      var counts = { "rejected": 0, "down-weighted": 0, "accepted": 0 };
+      var lines = [];
+      Object.keys(verdicts || {}).forEach(function (peer) {
+        var body = verdicts[peer] || {};
+        if (!(body.verdict in counts)) { return; }
+        counts[body.verdict] += 1;
+        if (body.verdict !== "accepted") {
+          lines.push([order.indexOf(body.verdict),
+            workerName(peer) + ": " + body.verdict + ": " + (body.reason || "no reason given")]);
+        }
+      });
+      var total = counts.rejected + counts["down-weighted"] + counts.accepted;
+      if (!total) { return num(null); }
+      var shown = order.slice(0, 2).filter(function (kind) { return counts[kind]; })
+        .map(function (kind) { return kind + ": " + counts[kind]; });
+      lines.sort(function (a, b) { return a[0] - b[0] || (a[1] < b[1] ? -1 : a[1] > b[1] ? 1 : 0); });
+      var node = element("span", shown.join(" · ") || "accepted: " + counts.accepted);
+      node.title = lines.map(function (line) { return line[1]; }).join("\n") || "every update accepted";
+      return { node: node, className: counts.rejected ? "verdicts error" : "verdicts" };
     }
 
     // Applied: "yes"; "yes, no report" for a round its checkpoint closed whose report never came (the job

@@ -216,15 +216,19 @@ def send_update(
     from hypha_tensors import weights
     from hypha_tensors.exceptions import TensorError
     from hypha_tensors.formats import EncodingError
+    from worker_daemon.executors import byzantine
     from worker_daemon.executors.exceptions import DivergedError
     from worker_daemon.executors.pseudo_gradient import compute_delta, encode_update, float_state
 
     client.status("update")
     delta = compute_delta(float_state(model), global_previous, fragment)
+    # The experiment knob (daemon --byzantine): send a corrupted delta; the trainer itself keeps the honest one.
+    byzantine_mode = byzantine.mode_from_environment()
+    sent = delta if byzantine_mode is None else byzantine.corrupt(delta, byzantine_mode, seed=round_number)
     relative = f"{UPDATES_DIR}/{round_number}.safetensors"
     (work_dir / UPDATES_DIR).mkdir(exist_ok=True)
     try:
-        tensors, metadata = encode_update(delta, feedback)
+        tensors, metadata = encode_update(sent, feedback)
         # Tied weights stored once, the others as aliases.
         weights.save(work_dir / relative, tensors, metadata=metadata)
     except (TensorError, EncodingError) as error:

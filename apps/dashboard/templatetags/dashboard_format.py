@@ -58,3 +58,38 @@ def price(value) -> str:
     return format_html(
         '<span class="price" title="{}">{} {}</span>', PRICE_MEANING, floatformat(value, "-2"), PRICE_UNIT
     )
+
+
+#: The order verdicts are counted and listed in (dashboard.js's ``verdictCell`` writes the same).
+VERDICT_ORDER = ("rejected", "down-weighted", "accepted")
+
+
+def verdict_summary(verdicts, workers) -> tuple[str, str]:
+    """A round's verdicts as a short text ("rejected: 1 · down-weighted: 2", "accepted: 3", "—" for none)
+    and a tooltip listing each update that was not simply accepted: "rig-a: rejected: its norm is 100x …"."""
+    if not isinstance(verdicts, dict) or not verdicts:
+        return "—", ""
+    workers = workers if isinstance(workers, dict) else {}
+    counts = {kind: 0 for kind in VERDICT_ORDER}
+    lines = []
+    for peer, body in verdicts.items():
+        kind = body.get("verdict") if isinstance(body, dict) else None
+        if kind not in counts:
+            continue
+        counts[kind] += 1
+        if kind != "accepted":
+            reason = body.get("reason") or "no reason given"
+            lines.append((VERDICT_ORDER.index(kind), f"{workers.get(peer, str(peer)[:8])}: {kind}: {reason}"))
+    shown = [f"{kind}: {counts[kind]}" for kind in VERDICT_ORDER[:2] if counts[kind]]
+    text = " · ".join(shown) or f"accepted: {counts['accepted']}"
+    return text, "\n".join(line for _, line in sorted(lines)) or "every update accepted"
+
+
+@register.filter
+def verdicts(round_, workers) -> str:
+    """``{{ round|verdicts:snapshot.workers }}``: the rounds table's verdicts cell (see :func:`verdict_summary`)."""
+    text, title = verdict_summary(round_.get("verdicts") if isinstance(round_, dict) else None, workers)
+    if not title:
+        return format_html('<td class="num">{}</td>', text)
+    error = " error" if text.startswith("rejected") else ""
+    return format_html('<td class="verdicts{}"><span title="{}">{}</span></td>', error, title, text)

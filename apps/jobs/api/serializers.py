@@ -440,6 +440,25 @@ class RoundThroughputSerializer(ThroughputSerializer):
     )
 
 
+class VerdictSerializer(serializers.Serializer):
+    """The parameter server's verdict on one trainer's update in a round (docs/training.md)."""
+
+    verdict = serializers.ChoiceField(
+        choices=["accepted", "down-weighted", "rejected"],
+        help_text="rejected: left out of the round's mean; down-weighted: counted with a smaller weight "
+        "(e.g. its norm clipped)",
+    )
+    reason = serializers.CharField(help_text="why (empty for an accepted update); at most 500 characters")
+    norm_ratio = serializers.FloatField(
+        allow_null=True, help_text="its norm ÷ the round's median update norm; null when not measured"
+    )
+    cosine = serializers.FloatField(
+        allow_null=True,
+        help_text="its cosine similarity to the mean of the other updates; null when not measured (fewer "
+        "than 3 updates)",
+    )
+
+
 class RoundSerializer(serializers.ModelSerializer):
     """One outer round: what the parameter server averaged, the global model's eval loss, and the trainers'
     reported metrics (by worker id)."""
@@ -452,6 +471,7 @@ class RoundSerializer(serializers.ModelSerializer):
             "participants",
             "left_out",
             "refused",
+            "verdicts",
             "samples",
             "duration",
             "arrivals",
@@ -484,6 +504,14 @@ class RoundSerializer(serializers.ModelSerializer):
 
     throughput = serializers.SerializerMethodField(
         help_text="the trainers' samples/s, tokens/s, peak device memory and MFU in this round"
+    )
+    verdicts = serializers.DictField(
+        child=VerdictSerializer(),
+        read_only=True,
+        help_text="by worker id: the parameter server's verdict on its update in this round; empty when the "
+        "round was not verified (the job's aggregation does not verify, or an older parameter server). A "
+        "trainer rejected in `rounds.verification.max_rejections` (default `HYPHA_MAX_REJECTIONS`, 3) rounds "
+        "in a row loses its lease and the role is advertised again",
     )
 
     @extend_schema_field(RoundThroughputSerializer)

@@ -271,6 +271,8 @@ def to_aggregate_job_json(
                 if spec.rounds.checkpoint_every != DEFAULT_CHECKPOINT_EVERY
                 else {}
             ),
+            # Ours, only when not the unverified mean: the aggregation rule and its verification.
+            **spec.rounds.aggregation_json(),
         },
         "eval": evaluation,
     }

@@ -290,6 +290,41 @@ class OuterOptimizerSpec(_Spec):
     momentum: Float = Field(ge=0, le=1)
 
 
+#: ``rounds.aggregation``: how the parameter server combines a round's updates (parameter_server/aggregation.py;
+#: docs/training.md, "Robust aggregation and verification").
+AGGREGATION_MEAN = "mean"
+AGGREGATIONS = (AGGREGATION_MEAN, "clipped_mean", "trimmed_mean", "median")
+
+
+class VerificationSpec(_Spec):
+    """``rounds.verification``: the parameter server scores each update and rejects outliers (left out of the
+    round's aggregate). On by default for the robust rules, off for ``mean``."""
+
+    enabled: bool | None = Field(
+        default=None, description="Verify each update (default: on for the robust rules, off for mean)."
+    )
+    max_norm_ratio: Float = Field(
+        default=10.0,
+        gt=1,
+        le=1e6,
+        description="Reject an update whose norm is more than this many times the round's median norm.",
+    )
+    min_cosine: Float = Field(
+        default=-0.5,
+        ge=-1,
+        le=1,
+        description="With 3 updates or more, reject one whose cosine similarity to the mean of the others is "
+        "under this.",
+    )
+    max_rejections: Integer | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="The control plane ends a trainer's lease after this many consecutive rejected rounds "
+        "(default HYPHA_MAX_REJECTIONS, 3).",
+    )
+
+
 class RoundsSpec(_Spec):
     """How many outer rounds, and how much local work between them: a fixed number of inner steps (H) per
     trainer, or performance-aware sync after about ``avg_samples_between_updates`` samples over all trainers
@@ -347,6 +382,70 @@ class RoundsSpec(_Spec):
         "every this many rounds; the rounds between upload their momentum and result only "
         "(docs/training.md, A parameter server lost).",
     )
+    aggregation: Literal[AGGREGATIONS] = Field(  # type: ignore[valid-type]
+        default=AGGREGATION_MEAN,
+        description="How the parameter server combines a round's updates: mean (sample-weighted), clipped_mean "
+        "(each update's norm clipped to clip_factor × the round's median norm), trimmed_mean (per coordinate, "
+        "the trim_fraction largest and smallest values dropped) or median (coordinate-wise); docs/training.md, "
+        "Robust aggregation and verification.",
+    )
+    clip_factor: Float | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="clipped_mean only: an update's norm is clipped to this × the round's median norm "
+        "(default 2).",
+    )
+    trim_fraction: Float | None = Field(
+        default=None,
+        ge=0,
+        lt=0.5,
+        description="trimmed_mean only: the fraction of values dropped on each side of each coordinate "
+        "(default 0.25; at least one each side with 3 updates or more).",
+    )
+    verification: VerificationSpec | None = Field(
+        default=None,
+        description="Score each update and reject outliers (thresholds; on for the robust rules).",
+    )
+
+    @field_validator("clip_factor", "trim_fraction")
+    @classmethod
+    def _aggregation_options(cls, value: Any, info: ValidationInfo) -> Any:
+        # A field validator (``aggregation`` is declared before them): the error is at the option's own field.
+        wanted = {"clip_factor": "clipped_mean", "trim_fraction": "trimmed_mean"}[info.field_name]
+        aggregation = info.data.get("aggregation")
+        if value is not None and aggregation is not None and aggregation != wanted:
+            raise PydanticCustomError(
+                "aggregation_only",
+                "{name} is an option of aggregation = '{wanted}' (this job's is {aggregation}).",
+                {"name": info.field_name, "wanted": wanted, "aggregation": aggregation},
+            )
+        return value
+
+    @model_serializer(mode="wrap")
+    def _newer_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The aggregation rule and its options came later: at their defaults they are left out, so that the
+        # stored spec of a job that does not set them stays what it was.
+        data = handler(self)
+        for name in ("aggregation", "clip_factor", "trim_fraction", "verification"):
+            if name in data and data[name] == type(self).model_fields[name].default:
+                del data[name]
+        return data
+
+    def aggregation_json(self) -> dict[str, Any]:
+        """The parameter server's ``rounds`` keys of the aggregation rule: nothing for an unverified mean (the
+        default), so that such a job's JSON is unchanged."""
+        keys: dict[str, Any] = {}
+        if self.aggregation != AGGREGATION_MEAN:
+            keys["aggregation"] = self.aggregation
+        if self.clip_factor is not None:
+            keys["clip_factor"] = self.clip_factor
+        if self.trim_fraction is not None:
+            keys["trim_fraction"] = self.trim_fraction
+        if self.verification is not None:
+            # max_rejections is the control plane's (apps.jobs.training.dispatch), not the parameter server's.
+            keys["verification"] = self.verification.model_dump(exclude={"max_rejections"})
+        return keys
 
     @model_validator(mode="after")
     def _one_sync_rule(self) -> RoundsSpec:

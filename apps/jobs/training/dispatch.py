@@ -290,6 +290,55 @@ def trainer_lost(job: Job, lease: Lease, *, reason: str) -> str | None:
     return pools.review(job)
 
 
+def max_rejections(job: Job) -> int:
+    """How many consecutive rejected rounds end a trainer's lease: the job's
+    ``rounds.verification.max_rejections`` when its spec has one, else ``settings.HYPHA_MAX_REJECTIONS``."""
+    verification = getattr(plan(job).spec.rounds, "verification", None)
+    limit = getattr(verification, "max_rejections", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+        return limit
+    return settings.HYPHA_MAX_REJECTIONS
+
+
+def repeatedly_rejected(job: Job) -> list[tuple[Lease, str]]:
+    """The ACTIVE trainer leases of ``job`` whose updates the parameter server rejected in each of the last
+    :func:`max_rejections` closed rounds (consecutive numbers, all closed after the lease began: a new lease
+    on the same worker starts with a clean record), each with the reason its lease ends for. The caller ends
+    them (``apps.jobs.services``), which advertises the role again like any lost trainer."""
+    limit = max_rejections(job)
+    rounds = list(
+        job.rounds.filter(closed=True, closed_at__isnull=False)
+        .order_by("-number")
+        .values("number", "verdicts", "refused", "closed_at")[:limit]
+    )
+    if len(rounds) < limit or rounds[0]["number"] - rounds[-1]["number"] != limit - 1:
+        return []
+    ended: list[tuple[Lease, str]] = []
+    tasks = Task.objects.filter(
+        job=job, role=TRAINER, status__in=Task.LIVE, lease__status=Lease.Status.ACTIVE
+    ).select_related("lease", "lease__worker")
+    for task in tasks:
+        lease = task.lease
+        reasons = []
+        for round_ in reversed(rounds):
+            verdicts = round_["verdicts"] if isinstance(round_["verdicts"], dict) else {}
+            refused = round_["refused"] if isinstance(round_["refused"], dict) else {}
+            verdict = verdicts.get(str(lease.worker_id))
+            if round_["closed_at"] < lease.created_at:
+                break
+            # Refused on arrival (the parameter server's bounds on updates: a 422) counts as rejected too.
+            if isinstance(verdict, dict) and verdict.get("verdict") == "rejected":
+                reason = verdict.get("reason")
+            elif str(lease.worker_id) in refused:
+                reason = f"refused: {refused[str(lease.worker_id)]}"
+            else:
+                break
+            reasons.append(f"round {round_['number']}: {str(reason or 'no reason given')[:80]}")
+        if len(reasons) == limit:
+            ended.append((lease, f"rejected in {limit} rounds in a row: {'; '.join(reasons)}"))
+    return ended
+
+
 def losses_since_progress(job: Job) -> tuple[int, str]:
     """The job's trainers lost (leases ended while training) since its last round closed, and since when in
     words. A round that closes shows the job moves: losses before it no longer count toward the limit."""

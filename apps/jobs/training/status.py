@@ -67,6 +67,11 @@ def _kind(progress: dict | str) -> str:
     return ""
 
 
+def round_reported(progress: Any) -> bool:
+    """Whether ``progress`` is a parameter server's ``{"round": {...}}`` report."""
+    return isinstance(progress, dict) and _kind(progress) == "round"
+
+
 def handle_status(
     worker, message: protocol.StatusReport, *, probed: tuple[bool, str] | None = None
 ) -> tuple[dict, int]:
@@ -536,6 +541,34 @@ def _transfers(value: Any) -> dict:
     return kept
 
 
+#: What the parameter server may say of an update (parameter_server.aggregation); any other verdict is dropped.
+VERDICTS = ("accepted", "down-weighted", "rejected")
+MAX_VERDICTS = 1024
+
+
+def _verdicts(value: Any) -> dict:
+    """A round report's ``verdicts`` (peer → ``{"verdict", "reason", "norm_ratio", "cosine"}``), bounded: at
+    most :data:`MAX_VERDICTS` peers, ids cut to 64 and reasons to 500 characters, only finite numbers (else
+    null), entries with an unknown verdict or not an object dropped."""
+    if not isinstance(value, dict):
+        return {}
+    kept: dict[str, dict] = {}
+    for peer, body in list(value.items())[:MAX_VERDICTS]:
+        if not isinstance(body, dict):
+            continue
+        verdict = body.get("verdict")
+        if not isinstance(verdict, str) or verdict not in VERDICTS:
+            continue
+        reason = body.get("reason")
+        kept[str(peer)[:64]] = {
+            "verdict": verdict,
+            "reason": reason[:500] if isinstance(reason, str) else "",
+            "norm_ratio": _finite(body.get("norm_ratio")),
+            "cosine": _finite(body.get("cosine")),
+        }
+    return kept
+
+
 def locked_round(job: Job, number: int) -> Round:
     Round.objects.get_or_create(job=job, number=number)
     return Round.objects.select_for_update().get(job=job, number=number)
@@ -681,6 +714,7 @@ def _record_round(task: Task, body: Any) -> dict:
             value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0,
         )
     round_.transfers = _transfers(body.get("transfers"))
+    round_.verdicts = _verdicts(body.get("verdicts"))
     encoding = body.get("encoding")
     # The encoding the round's bytes travelled in (bytes_in/bytes_out count them encoded); "" when not said.
     round_.encoding = encoding if isinstance(encoding, str) and encoding in ENCODINGS else ""
