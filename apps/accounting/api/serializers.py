@@ -15,6 +15,12 @@ EARNINGS_HELP = (
 )
 
 
+def credits_field() -> serializers.DecimalField:
+    """The schema of an amount of credits: a decimal string to a millionth (what every figure is sent as);
+    for ``@extend_schema_field`` on the jobs' and workers' method fields."""
+    return serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+
+
 class MeSerializer(serializers.Serializer):
     """The signed-in user and their figures."""
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from django.db import models
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from apps.accounting import services as accounting
-from apps.accounting.api.serializers import COST_HELP
+from apps.accounting.api.serializers import COST_HELP, credits_field
 from apps.datasets import services as dataset_services
 from apps.jobs import services as job_services
 from apps.jobs import spec as job_spec
@@ -649,7 +648,7 @@ class JobDetailSerializer(JobSerializer):
     def get_transfer_problems(self, job: Job) -> list[dict]:
         return JobTransferProblemSerializer(transfer_problems.of_job(job), many=True).data
 
-    @extend_schema_field(OpenApiTypes.DECIMAL)
+    @extend_schema_field(credits_field())
     def get_cost(self, job: Job) -> str:
         return str(accounting.job_cost(job.pk))
 

@@ -7,13 +7,12 @@ A worker has two views: the full one (:class:`WorkerSerializer`) for its owner a
 from __future__ import annotations
 
 from drf_spectacular.extensions import OpenApiSerializerExtension
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
 from apps.accounting import services as accounting
-from apps.accounting.api.serializers import EARNINGS_HELP
+from apps.accounting.api.serializers import EARNINGS_HELP, credits_field
 from apps.leases.models import Lease
 from apps.workers import services
 from apps.workers.models import Reachable, Worker
@@ -183,7 +182,7 @@ class WorkerSerializer(PublicWorkerSerializer):
 
     VIEW = "full"
 
-    @extend_schema_field(OpenApiTypes.DECIMAL)
+    @extend_schema_field(credits_field())
     def get_earnings(self, worker: Worker) -> str:
         return str(accounting.worker_earnings(worker.pk))
 
