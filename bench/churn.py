@@ -77,11 +77,14 @@ def churn(
     kill_every: tuple[float, float] = (10.0, 20.0),
     back_after: tuple[float, float] = (10.0, 30.0),
     mode: str = "embedded",
+    max_kills: int | None = None,
 ) -> dict:
     """Run one churned job under ``root`` and return what the checks need: the job (as the API shows it),
     ``elapsed`` seconds, the ``kills`` ((seconds, daemon) each), the job's ``slices`` by epoch and state, and
     the ``checks`` (``twice``: rounds counting an update twice; ``incomplete``: finished epochs with a slice
-    not used; ``acknowledged_twice``; ``ok``). Also the CI test's (tests/e2e/test_churn.py)."""
+    not used; ``acknowledged_twice``; ``ok``). Also the CI test's (tests/e2e/test_churn.py). ``max_kills``: stop
+    killing after that many (None: until the job ends), so that a slow machine's longer run is not also a
+    harsher one."""
     from bench.cluster import SMALL_GPT2, diloco_spec, prepare_stdlib_text, training_cluster, worker_toml
 
     chance = random.Random(seed)
@@ -121,7 +124,7 @@ def churn(
                 if now >= back_at:
                     cluster.restart_daemon(name)
                     del down[name]
-            if now >= next_kill:
+            if now >= next_kill and (max_kills is None or len(kills) < max_kills):
                 alive = [name for name in trainers if name not in down]
                 if len(alive) > minimum:
                     victim = chance.choice(alive)
