@@ -48,7 +48,18 @@ twice = (
     SliceEvent.objects.filter(job_slice__job_id=job, kind="acknowledged")
     .values("job_slice").annotate(n=Count("id")).filter(n__gt=1).count()
 )
-print(json.dumps({{"epochs": epochs, "acknowledged_twice": twice}}))
+# A slice handed out (assigned or used) in epoch e > 0 while its own epoch e - 1 is not USED: overtaken, i.e.
+# skipped in that epoch. (A slice released back at the job's end may stay AVAILABLE in its epoch: the job
+# stopped claiming; that is not a skip.)
+rows = {{(row["slice_id"], row["epoch"]): row["status"] for row in JobSlice.objects.filter(job_id=job).values(
+    "slice_id", "epoch", "status"
+)}}
+overtaken = sum(
+    1
+    for (slice_id, epoch), status in rows.items()
+    if epoch > 0 and status != "available" and rows.get((slice_id, epoch - 1)) != "used"
+)
+print(json.dumps({{"epochs": epochs, "acknowledged_twice": twice, "overtaken": overtaken}}))
 """
 
 
@@ -81,7 +92,8 @@ def churn(
 ) -> dict:
     """Run one churned job under ``root`` and return what the checks need: the job (as the API shows it),
     ``elapsed`` seconds, the ``kills`` ((seconds, daemon) each), the job's ``slices`` by epoch and state, and
-    the ``checks`` (``twice``: rounds counting an update twice; ``incomplete``: finished epochs with a slice
+    the ``checks`` (``twice``: rounds counting an update twice; ``overtaken``: slices handed out in an epoch before
+    their previous epoch was used, i.e. skipped — the guarantee; ``incomplete``: finished epochs with a slice
     not used; ``acknowledged_twice``; ``ok``). Also the CI test's (tests/e2e/test_churn.py). ``max_kills``: stop
     killing after that many (None: until the job ends), so that a slow machine's longer run is not also a
     harsher one."""
@@ -154,7 +166,7 @@ def churn(
         job["status"] == "completed"
         and [round_["number"] for round_ in job["rounds"]] == list(range(1, rounds + 1))
         and not twice
-        and not incomplete
+        and slices["overtaken"] == 0
         and slices["acknowledged_twice"] == 0
     )
     return {
@@ -166,6 +178,7 @@ def churn(
         "checks": {
             "twice": twice,
             "incomplete": incomplete,
+            "overtaken": slices["overtaken"],
             "acknowledged_twice": slices["acknowledged_twice"],
             "ok": ok,
         },
