@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 
-from django.db.models import Sum
+from django.db.models import Count, Max, Sum
 from django.utils import timezone
 
 from apps.accounting import services as accounting
@@ -83,12 +83,13 @@ def last_round(job: Job, *, now: datetime | None = None) -> tuple[int, str] | No
     if max_cost is None or job.stop_after_round is not None or job.allocated_at is None:
         return None
     now = now or timezone.now()
-    closed = job.rounds.filter(closed=True, closed_at__isnull=False)
-    count = closed.count()
-    in_progress = (closed.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+    closed = job.rounds.filter(closed=True, closed_at__isnull=False).aggregate(
+        count=Count("pk"), last=Max("number"), latest=Max("closed_at")
+    )
+    count, latest = closed["count"], closed["latest"]
+    in_progress = (closed["last"] or 0) + 1
     if in_progress >= plan(job).update_rounds:
         return None
-    latest = closed.order_by("-closed_at").values_list("closed_at", flat=True).first()
     # A round lasts what the closed ones did on average; before any closed, at least what this one has so far.
     seconds = (
         (latest - job.allocated_at).total_seconds() / count
