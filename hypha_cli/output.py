@@ -201,7 +201,7 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
     """Workers: name, status, resources, executors, price floor, benchmark score (samples/s), live leases,
-    last seen."""
+    last seen; its reliability and earnings for the workers in full view."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     columns = (
         "NAME",
@@ -217,6 +217,10 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     )
     # Earnings are in the full view only (the caller's own workers; staff: all): no column when none is.
     earnings = any("earnings" in worker for worker in workers)
+    # So is the reputation: its reliability (0 to 1, 0.5 for a new worker; docs/architecture.md, Reputation).
+    reputation = any("reputation" in worker for worker in workers)
+    if reputation:
+        columns = (*columns, "RELIABILITY")
     if earnings:
         columns = (*columns, "EARNED CR")
     for column in columns:
@@ -224,7 +228,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             column,
             no_wrap=True,
             justify="right"
-            if column in ("CPU", "MEM GB", "GPU GB", "FLOOR CR/H", "BENCH/S", "EARNED CR")
+            if column in ("CPU", "MEM GB", "GPU GB", "FLOOR CR/H", "BENCH/S", "RELIABILITY", "EARNED CR")
             else "left",
         )
     for worker in workers:
@@ -237,6 +241,10 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             for lease in worker.get("leases") or []
         )
         status = "revoked" if worker.get("revoked") else worker.get("status")
+        reliability = (worker.get("reputation") or {}).get("reliability")
+        reliable = (
+            [f"{reliability:.3f}" if isinstance(reliability, int | float) else "-"] if reputation else []
+        )
         earned = [credits_text(worker.get("earnings")).removesuffix(" credits")] if earnings else []
         table.add_row(
             worker.get("name") or "-",
@@ -249,6 +257,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             score_text(worker.get("benchmark_score")),
             leases or "-",
             time_text(worker.get("last_seen_at")),
+            *reliable,
             *earned,
         )
     return table

@@ -224,6 +224,16 @@ def load_latest(directory: str | Path) -> RoundState | None:
     return _read_round(path, round_number)
 
 
+def load_round(directory: str | Path, round_number: int) -> RoundState | None:
+    """Complete round ``round_number`` in ``directory`` (None if it is not kept there): an owner's discard
+    goes back to the round before the last one (parameter_server/rounds/coordinator.py). ``CheckpointError``
+    if it cannot be read."""
+    path = Path(directory) / round_directory_name(round_number)
+    if not path.is_dir():
+        return None
+    return _read_round(path, round_number)
+
+
 def _read_round(path: Path, round_number: int) -> RoundState:
     try:
         with open(path / MANIFEST_NAME, encoding="utf-8") as file:

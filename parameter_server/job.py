@@ -30,6 +30,7 @@ from parameter_server.aggregation import (
     AGGREGATIONS,
     DEFAULT_CLIP_FACTOR,
     DEFAULT_MAX_NORM_RATIO,
+    DEFAULT_MAX_VALIDATION_RISE,
     DEFAULT_MIN_COSINE,
     DEFAULT_TRIM_FRACTION,
     AggregationRule,
@@ -214,6 +215,12 @@ def _aggregation(rounds: dict[str, Any]) -> AggregationRule:
     )
     if min_cosine > 1:
         raise JobConfigError(f"rounds.verification.min_cosine must be <= 1, got {min_cosine!r}")
+    # validation_every null or 0: no validation step.
+    every = verification.get("validation_every")
+    every = None if every in (None, 0) else _integer(every, "rounds.verification.validation_every", minimum=1)
+    discard = rounds.get("discard_if_loss_rises")
+    if discard is not None:
+        discard = _number(discard, "rounds.discard_if_loss_rises", minimum=1, strict=True)
     return AggregationRule(
         name=name,
         clip_factor=clip_factor,
@@ -227,7 +234,15 @@ def _aggregation(rounds: dict[str, Any]) -> AggregationRule:
                 strict=True,
             ),
             min_cosine=min_cosine,
+            validation_every=every,
+            max_validation_rise=_number(
+                verification.get("max_validation_rise", DEFAULT_MAX_VALIDATION_RISE),
+                "rounds.verification.max_validation_rise",
+                minimum=1,
+                strict=True,
+            ),
         ),
+        discard_if_loss_rises=discard,
     )
 
 
@@ -379,6 +394,13 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
         raise JobConfigError(
             f"rounds.checkpoint_every must be at most {MAX_CHECKPOINT_EVERY}, got {checkpoint_every}"
         )
+    aggregation = _aggregation(rounds)
+    evaluation = _eval(config.get("eval"))
+    if aggregation.evaluates and evaluation is None:
+        raise JobConfigError(
+            "rounds.verification.validation_every and rounds.discard_if_loss_rises need the held-out loss: "
+            "the job has no eval data"
+        )
 
     return JobConfig(
         job_id=job_id,
@@ -395,12 +417,12 @@ def parse_job(document: str | bytes | dict[str, Any]) -> JobConfig:
             rounds.get("round_timeout", 120.0), "rounds.round_timeout", minimum=0, strict=True
         ),
         weighted=weighted,
-        eval=_eval(config.get("eval")),
+        eval=evaluation,
         resume=_resume(config.get("checkpoint")),
         max_samples_per_update=max_samples,
         update_norm_ratio=norm_ratio,
         encoding=encoding,
         checkpoint_every=checkpoint_every,
         fragments=_fragments(rounds),
-        aggregation=_aggregation(rounds),
+        aggregation=aggregation,
     )

@@ -15,7 +15,8 @@
    (:meth:`RoundCoordinator.expect`), and, if it counts them, how many samples each trainer reported in the
    round (``"samples": {peer: n}``: the most its X-Samples may claim; asked again when an update claims
    more). An update from a trainer the round does not expect (a replacement) is accepted if the control
-   plane, asked at once, names it. The round is finished when the reply is ``{"type": "Done"}`` or
+   plane, asked at once, names it. A reply's ``"discard": n`` (the owner discards round n, the last closed
+   one) makes round n + 1 close by going back to round n − 1's weights and momentum. The round is finished when the reply is ``{"type": "Done"}`` or
    ``update_rounds`` rounds are done.
 4. Upload ``config.json``, ``model.safetensors`` and the model's data files (``generation_config.json``,
    tokenizer files: ``final_model_files``) to the control plane, keep serving until every
@@ -31,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +164,8 @@ class ParameterServer:
             else None
         )
         self._weights_after: dict[int, StateDict] = {}
+        #: One eval at a time on the one model (a round's report and the next round's loss checks).
+        self._eval_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._runner: Any = None
         self._session: aiohttp.ClientSession | None = None
@@ -263,6 +268,7 @@ class ParameterServer:
             encoding=self.job.encoding,
             fragments=fragments,
             aggregation=self.job.aggregation,
+            evaluate=self._held_out_loss if self.evaluator is not None else None,
         )
         self.app = ParameterServerApp(
             job_id=self.job.job_id,
@@ -517,7 +523,8 @@ class ParameterServer:
         """Ask the control plane whom round ``round_number`` should wait for, and for how long: it answers
         ``{"type": "Expect", "peers": [...], "due_in": seconds | null, "samples": {peer: n}}`` (``samples``
         optional; any other answer, e.g. a scheduler that does not know the question, leaves the round as it
-        is). False once the round is no longer open."""
+        is), and ``"discard": n`` when the job's owner discards round n (:meth:`_discard`). False once the
+        round is no longer open."""
         coordinator = self.coordinator
         if coordinator is None or coordinator.open_round != round_number:
             return False
@@ -542,7 +549,33 @@ class ParameterServer:
                 if isinstance(count, int) and not isinstance(count, bool) and count >= 0
             }
         coordinator.expect(round_number, [str(peer) for peer in reply["peers"]], timeout, samples)
+        if "discard" in reply:
+            self._discard(reply["discard"])
         return coordinator.open_round == round_number
+
+    def _discard(self, number: Any) -> None:
+        """An ``Expect`` reply's ``"discard": n``: the job's owner discards round n, the last closed one
+        (:meth:`RoundCoordinator.request_discard`); anything but a round number is ignored, and logged."""
+        coordinator = self.coordinator
+        if coordinator is None or number is None:
+            return
+        if (
+            not isinstance(number, int)
+            or isinstance(number, bool)
+            or not 1 <= number <= self.job.update_rounds
+        ):
+            logger.warning(
+                "ignoring the control plane's discard %r: not a round of this job", str(number)[:40]
+            )
+            return
+        refused = coordinator.request_discard(number, functools.partial(self._previous_round, number - 1))
+        if refused is not None:
+            logger.warning("round %d cannot be discarded: %s", number, refused)
+
+    def _previous_round(self, round_number: int) -> tuple[StateDict, StateDict | None] | None:
+        """Round ``round_number``'s weights and momentum from its checkpoint (None when it is not kept)."""
+        state = checkpoints.load_round(self.checkpoint_dir, round_number)
+        return None if state is None else (state.weights, state.momentum)
 
     async def _count_samples(self, peer: str, round_number: int) -> int | None:
         """The samples the control plane counted for ``peer`` in round ``round_number``, asked now; None if it
@@ -565,7 +598,8 @@ class ParameterServer:
     async def _report(self, result: RoundResult) -> dict[str, Any] | None:
         assert self.app is not None
         weights = self._weights_after.pop(result.round_number, None)
-        if self.evaluator is not None and weights is not None:
+        # The coordinator's loss checks may have measured it already (parameter_server/rounds/validation.py).
+        if self.evaluator is not None and weights is not None and result.eval_loss is None:
             result.eval_loss, result.eval_error = await self._eval_loss(weights)
         if self.relay is None and self.coordinator is not None:
             # The result's direct downloads count in its own round, not in whichever report comes after they
@@ -610,8 +644,9 @@ class ParameterServer:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
-            await self.evaluator.prepare(self._session)
-            loss = await asyncio.to_thread(self.evaluator.loss, self.initial.model, weights)
+            async with self._eval_lock:  # the first prepare downloads the slices: once, too
+                await self.evaluator.prepare(self._session)
+                loss = await asyncio.to_thread(self.evaluator.loss, self.initial.model, weights)
         except EvalNotFinite as error:
             logger.error("%s", error)
             return None, str(error)
@@ -624,6 +659,19 @@ class ParameterServer:
         if loss is None:
             return None, "the model gives no loss on the eval inputs (model.input-names must name the labels)"
         return loss, None
+
+    async def _held_out_loss(self, weights: Mapping[str, Any]) -> float | None:
+        """The coordinator's loss checks' eval (parameter_server/rounds/validation.py): inf for a loss that is
+        not finite (a model made worse than any bound), None when there is none."""
+        assert self.evaluator is not None and self.initial is not None
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        async with self._eval_lock:
+            await self.evaluator.prepare(self._session)
+            try:
+                return await asyncio.to_thread(self.evaluator.loss, self.initial.model, weights)
+            except EvalNotFinite:
+                return math.inf
 
     async def _finish(self, stop_waiter: asyncio.Future[Any]) -> None:
         assert self.app is not None and self.initial is not None and self.coordinator is not None

@@ -29,13 +29,17 @@ SPEC_PATH_OF_FIELD = {
     "overlap": ("rounds", "overlap"),
     "fragments": ("rounds", "fragments"),
     "mix": ("rounds", "mix"),
+    "aggregation": ("rounds", "aggregation"),
+    "clip_factor": ("rounds", "clip_factor"),
+    "trim_fraction": ("rounds", "trim_fraction"),
+    "max_cost": ("max_cost",),
     "inner_learning_rate": ("inner_optimizer", "learning_rate"),
     "outer_learning_rate": ("outer_optimizer", "learning_rate"),
     "outer_momentum": ("outer_optimizer", "momentum"),
     "seed": ("seed",),
     "weight_decay": ("inner_optimizer", "weight_decay"),
     **{key: ("training", key) for key in ("max_grad_norm", "gradient_accumulation_steps", "mixed_precision")},
-    **{key: ("training", key) for key in ("gradient_checkpointing", "dataloader_workers")},
+    **{key: ("training", key) for key in ("gradient_checkpointing", "dataloader_workers", "processes")},
     **{
         f"{prefix}_{key}": (role, group, key)
         for role, prefix in (("trainer", "trainer"), ("parameter_server", "ps"))
@@ -70,6 +74,10 @@ def initial_for(job: Job) -> dict:
     input_names = _at(spec, ("model", "input_names"))
     if isinstance(input_names, list):
         initial["input_names"] = ", ".join(str(name) for name in input_names)
+    # The select says only on, off or the rule's default; other thresholds are named by lost_settings.
+    enabled = _at(spec, ("rounds", "verification", "enabled"))
+    if enabled is True or enabled is False:
+        initial["verification"] = "on" if enabled else "off"
     evaluation = spec.get("evaluation")
     if isinstance(evaluation, dict) and evaluation.get("holdout"):
         initial["holdout"] = evaluation["holdout"]

@@ -16,6 +16,8 @@ from django import forms
 from apps.jobs import services as job_services
 from apps.jobs import spec as job_spec
 from apps.jobs.exceptions import SpecError
+from apps.jobs.spec.base import MAX_TRAINER_PROCESSES
+from apps.jobs.spec.rounds import AGGREGATION_MEAN, AGGREGATIONS
 from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
 
 #: A tiny GPT-2 trained from scratch on bytes (bench/cluster.py's TINY_GPT2): trains on a CPU.
@@ -52,6 +54,11 @@ FIELD_OF_PATH = {
     "rounds.overlap": "overlap",
     "rounds.fragments": "fragments",
     "rounds.mix": "mix",
+    "rounds.aggregation": "aggregation",
+    "rounds.clip_factor": "clip_factor",
+    "rounds.trim_fraction": "trim_fraction",
+    "rounds.verification": "verification",
+    "max_cost": "max_cost",
     "batch_size": "batch_size",
     "num_trainers": "num_trainers",
     "trainers": "trainers_min",
@@ -65,6 +72,7 @@ FIELD_OF_PATH = {
     "training.mixed_precision": "mixed_precision",
     "training.gradient_checkpointing": "gradient_checkpointing",
     "training.dataloader_workers": "dataloader_workers",
+    "training.processes": "processes",
     "evaluation": "holdout",
     "evaluation.holdout": "holdout",
     "evaluation.batch_size": "eval_batch_size",
@@ -222,6 +230,37 @@ class DiLoCoJobForm(_SpecForm):
         f"arrives (0 ≤ mix < 1; empty: {job_spec.DEFAULT_STREAMING_MIX})",
         required=False,
     )
+    aggregation = forms.ChoiceField(
+        label="Aggregation",
+        choices=[(value, value) for value in AGGREGATIONS],
+        initial=AGGREGATION_MEAN,
+        help_text=job_spec.RoundsSpec.model_fields["aggregation"].description,
+    )
+    # Like fragments and mix: empty by default and sent only when filled, so that the rule's default applies,
+    # and an option given with another rule is refused next to its field (the spec's rule) rather than dropped.
+    clip_factor = _number(
+        "Clip factor",
+        None,
+        job_spec.RoundsSpec.model_fields["clip_factor"].description + " (1–1000)",
+        required=False,
+    )
+    trim_fraction = _number(
+        "Trim fraction",
+        None,
+        job_spec.RoundsSpec.model_fields["trim_fraction"].description + " (0 ≤ f < 0.5)",
+        required=False,
+    )
+    verification = forms.ChoiceField(
+        label="Verification",
+        choices=[
+            ("", "the rule's default (on for the robust rules, off for mean)"),
+            ("on", "on"),
+            ("off", "off"),
+        ],
+        initial="",
+        required=False,
+        help_text="score each update and leave outliers out of the round's aggregate (default thresholds)",
+    )
     inner_learning_rate = _number("Inner learning rate", 3e-3, "AdamW on the trainers")
     outer_learning_rate = _number("Outer learning rate", 0.7, "Nesterov on the parameter server")
     outer_momentum = _number("Outer momentum", 0.9)
@@ -253,6 +292,13 @@ class DiLoCoJobForm(_SpecForm):
         "processes reading the data slices (0: in the trainer's process)",
         integer=True,
     )
+    processes = _number(
+        "Trainer processes",
+        1,
+        "processes per trainer, kept in step by DDP (gloo on a CPU, one device each on CUDA); 0: one per device "
+        f"the lease holds (0–{MAX_TRAINER_PROCESSES}; × the gradient accumulation, must divide the batch size)",
+        integer=True,
+    )
     holdout = _number(
         "Held-out slices",
         2,
@@ -262,6 +308,13 @@ class DiLoCoJobForm(_SpecForm):
     )
     eval_batch_size = _number("Eval batch size", 32, integer=True)
     seed = _number("Seed", 0, "seeds the model's initial weights", integer=True)
+    max_cost = _number(
+        "Maximum cost",
+        None,
+        "credits the job may spend at most (its leases' price × active hours); the job ends when its cost "
+        "reaches this (empty: no limit)",
+        required=False,
+    )
     trainer_cpu = _number("CPU cores", 1.0)
     trainer_memory = _number("Memory (GB)", 1.0)
     trainer_storage = _number("Storage (GB)", 0.0)
@@ -277,7 +330,7 @@ class DiLoCoJobForm(_SpecForm):
 
     #: The template's fieldsets: (legend, field names).
     SECTIONS = (
-        ("Job", ("name",)),
+        ("Job", ("name", "max_cost")),
         ("Model", ("model_config", "model_type", "input_names", "seed")),
         ("Data", ("dataset", "holdout", "eval_batch_size")),
         (
@@ -295,6 +348,10 @@ class DiLoCoJobForm(_SpecForm):
                 "overlap",
                 "fragments",
                 "mix",
+                "aggregation",
+                "clip_factor",
+                "trim_fraction",
+                "verification",
                 "inner_learning_rate",
                 "outer_learning_rate",
                 "outer_momentum",
@@ -309,6 +366,7 @@ class DiLoCoJobForm(_SpecForm):
                 "mixed_precision",
                 "gradient_checkpointing",
                 "dataloader_workers",
+                "processes",
             ),
         ),
         (
@@ -365,6 +423,7 @@ class DiLoCoJobForm(_SpecForm):
                 "round_timeout": data["round_timeout"],
                 "encoding": data["encoding"],
                 "overlap": data["overlap"],
+                "aggregation": data["aggregation"],
             },
             "batch_size": data["batch_size"],
             "num_trainers": data["num_trainers"],
@@ -380,9 +439,13 @@ class DiLoCoJobForm(_SpecForm):
         # Either given makes a pool, its target the trainers (a missing min is then said next to its field).
         if pool:
             spec["trainers"] = {**pool, "target": data["num_trainers"]}
-        for key in ("encoding_block_size", "fragments", "mix"):
+        for key in ("encoding_block_size", "fragments", "mix", "clip_factor", "trim_fraction"):
             if data.get(key) is not None:
                 spec["rounds"][key] = data[key]
+        if data.get("verification"):
+            spec["rounds"]["verification"] = {"enabled": data["verification"] == "on"}
+        if data.get("max_cost") is not None:
+            spec["max_cost"] = data["max_cost"]
         if data.get("weight_decay") is not None:
             spec["inner_optimizer"]["weight_decay"] = data["weight_decay"]
         spec["training"] = {
@@ -390,6 +453,7 @@ class DiLoCoJobForm(_SpecForm):
             "mixed_precision": data["mixed_precision"],
             "gradient_checkpointing": data["gradient_checkpointing"],
             "dataloader_workers": data["dataloader_workers"],
+            "processes": data["processes"],
         }
         if data.get("max_grad_norm") is not None:
             spec["training"]["max_grad_norm"] = data["max_grad_norm"]

@@ -110,6 +110,7 @@ def _send_job(job_id, owner_id) -> None:
             "workers": snapshots.worker_names(job),
             "data": dataset_services.progress(job),
             "progress": run_progress(job),
+            "cost": snapshots.job_cost(job),
         },
     )
     summary = {"type": "job", "job": {key: state[key] for key in ("id", "name", "status", "status_reason")}}
@@ -136,6 +137,7 @@ def _send_round(job_id, round_id) -> None:
             "trainers": snapshots.trainer_progress(job_id),
             "data": dataset_services.progress(job),
             "progress": run_progress(job),
+            "cost": snapshots.job_cost(job),
         },
     )
 
@@ -156,5 +158,6 @@ def _send_progress(job_id) -> None:
             "trainers": snapshots.trainer_progress(job_id),
             "data": dataset_services.progress(job),
             "progress": run_progress(job),
+            "cost": snapshots.job_cost(job),
         },
     )

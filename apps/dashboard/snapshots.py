@@ -160,6 +160,20 @@ def job_snapshot(job: Job) -> dict:
         "data": dataset_services.progress(job),
         "progress": run_progress(job),
         "events": job_events(job),
+        "cost": job_cost(job),
+    }
+
+
+def job_cost(job: Job) -> dict:
+    """What the job has cost so far and its ``max_cost`` (credits, as the pages show them), and when that was
+    read: the job page's #job-cost, in its snapshot and in every live event, since a running job's cost grows
+    with its leases' ACTIVE time. Two small queries by the job's id (the sum of its ended leases' accruals, its
+    ACTIVE leases' prices), on every push — at most a few a second per job (apps.dashboard.live)."""
+    now = timezone.now()
+    return {
+        "credits": credits_text(accounting.job_cost(job.pk, now=now)),
+        "max_cost": credits_text(budgets.max_cost_of(job)),
+        "as_of": now,
     }
 
 
@@ -314,4 +328,7 @@ def worker_page(worker: Worker, user) -> dict:
         "live_leases": [lease for lease in leases if lease.is_live],
         # A worker's earnings are its owner's business (and staff's): never on another user's page.
         "earnings": credits_text(accounting.worker_earnings(worker.pk)) if managed else None,
+        # So is its reputation (docs/architecture.md, "Reputation"); None: no record yet, at the prior.
+        "record": getattr(worker, "record", None) if managed else None,
+        "reliability": worker.reliability if managed else None,
     }

@@ -3,6 +3,7 @@
 JobError
 ├── JobTransitionRefused    the job's state machine does not allow this transition now
 ├── JobNotCancellable       the job has already ended
+├── RoundNotDiscardable     the owner cannot discard this round now
 ├── SpecError               the submitted specification is invalid (every mistake, by field path)
 │   └── SpecUnreadable      …because its document cannot be read at all (a TOML syntax error)
 └── TaskRefused             a daemon spoke about a task that is not its own, or not running
@@ -26,6 +27,10 @@ class JobTransitionRefused(JobError):
 
 class JobNotCancellable(JobError):
     """The job is already completed, cancelled or failed."""
+
+
+class RoundNotDiscardable(JobError):
+    """The round is not the running job's last closed round, or it cannot be discarded (see the message)."""
 
 
 class SpecError(JobError, ValueError):

@@ -51,6 +51,8 @@ class RoleRequirement:
     #: Devices (GPUs) per worker, each of at least ``device_memory`` GB; 0: no device requirement.
     devices: int = 0
     device_memory: float = 0.0
+    #: Offers from workers of a lower reliability are declined (``apps.workers.models.WorkerRecord``); 0: any.
+    min_reliability: float = 0.0
 
 
 class Job(models.Model):
@@ -152,6 +154,7 @@ class Job(models.Model):
             # Jobs stored before devices existed ask for none.
             devices=int(entry["resources"].get("devices") or 0),
             device_memory=float(entry["resources"].get("device_memory") or 0.0),
+            min_reliability=float(entry.get("min_reliability") or 0.0),
         )
 
     def transition(self, to: str, *, reason: str) -> None:
@@ -355,6 +358,23 @@ class Round(models.Model):
         default="",
         help_text="How the round's updates and result travelled: float32, float16, bfloat16 or int8 "
         "(empty: the parameter server did not say).",
+    )
+    discarded = models.BooleanField(
+        default=False,
+        help_text="The parameter server discarded the round's outer step: the previous weights and momentum "
+        "stayed and trainers continued from them (docs/training.md).",
+    )
+    discard_reason = models.CharField(
+        max_length=500,
+        blank=True,
+        default="",
+        help_text="Why the round was discarded (its held-out loss rose, or its step was not finite).",
+    )
+    discard_requested_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When the job's owner asked to discard this round (the next round then goes back to the "
+        "weights and momentum of the round before; docs/training.md). Null: not asked.",
     )
     eval_loss = models.FloatField(null=True, blank=True)
     eval_error = models.CharField(

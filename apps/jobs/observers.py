@@ -20,6 +20,13 @@ def round_recorded(round_) -> None:
     live.round_recorded(round_)
 
 
+def round_reported(round_) -> None:
+    """The parameter server's report of the round arrived: its verdicts move the trainers' records."""
+    from apps.workers import reputation
+
+    reputation.round_reported(round_)
+
+
 def trainer_metrics(task, *, round_number: int, metrics: dict[str, float]) -> None:
     from apps.jobs import status_bridge
 

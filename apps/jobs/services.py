@@ -27,6 +27,7 @@ from apps.leases.models import Lease
 from apps.market import services as market
 from apps.market.exceptions import OfferRefused
 from apps.market.models import Advertisement
+from apps.workers import reputation
 from apps.workers import services as worker_services
 from apps.workers.models import Worker
 from hypha_site.runtime import enqueue_on_commit
@@ -711,6 +712,8 @@ def _end_lease(
         lease.release(reason=reason)
     if was_active:  # its last accrual, in this transaction: an ended lease's cost is exact (apps/accounting)
         accounting.accrue(lease.pk)
+        # Only _end_job ends a lease without notifying its job: the lease lasted as long as the job needed it.
+        reputation.lease_ended(lease, with_its_job=not notify_job)
     if tell_worker:
         _tell_lease_ended(lease)
     if not was_active:  # a TEMPORARY lease: its offer was still open

@@ -181,6 +181,8 @@ class _TomlTranslation:
                 "clip_factor",
                 "trim_fraction",
                 "verification",
+                # Ours: roll a round back when its held-out loss rises by more than this factor.
+                "discard_if_loss_rises",
             ):
                 # One spelling for a key without "_" (``weighted``): two equal ones read as a duplicate.
                 spellings = tuple(dict.fromkeys((key, key.replace("_", "-"))))
@@ -373,6 +375,11 @@ class _TomlTranslation:
                 block["price"] = dict(price)
             elif price is not None:
                 self.error(self.path(*keys, f"{toml_role}_price"), "Must be a table.")
+            # Ours (Hypha has no reputation): the role's minimum reliability (docs/architecture.md, Reputation).
+            reliability = table.pop(f"{toml_role}_min_reliability", None)
+            if reliability is not None:
+                self.rename[f"{role}.min_reliability"] = self.path(*keys, f"{toml_role}_min_reliability")
+                block["min_reliability"] = reliability
             if block:
                 data[role] = block
         self.unknown(table, keys)

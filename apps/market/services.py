@@ -1,12 +1,14 @@
 """Market workflows: advertising a role, taking offers, and choosing the winners.
 
-Selection (reference §3.4, improved): offers above the advertisement's private ``max_price`` are declined
-on arrival; the rest are ranked by *price per weighted capacity* (lower wins; the capacity counted is what
-the worker's benchmark supports at the fleet's rate, within the operator's cap: :mod:`apps.market.targeting`,
-"Measured capacity"), at most one offer per worker per advertisement (a database constraint), and the best
-``wanted`` ones have their TEMPORARY leases activated; an advert's reachability policy (``any``, ``prefer``,
-``require``: :mod:`apps.market.targeting`, "Reachability") refuses or re-orders them. An advertisement settles as soon as it has as many open offers as it wants, or when its
-window closes; if it is still short it re-advertises after a bounded exponential backoff.
+Selection (reference §3.4, improved): offers above the advertisement's private ``max_price``, or from a worker
+below the role's ``min_reliability``, are declined on arrival; the rest are ranked by *price per weighted
+capacity* adjusted by the worker's reliability (lower wins; the capacity counted is what the worker's benchmark
+supports at the fleet's rate, within the operator's cap: :mod:`apps.market.targeting`, "Measured capacity"; the
+reliability: :func:`offer_score`, docs/architecture.md "Reputation"), at most one offer per worker per
+advertisement (a database constraint), and the best ``wanted`` ones have their TEMPORARY leases activated; an
+advert's reachability policy (``any``, ``prefer``, ``require``: :mod:`apps.market.targeting`, "Reachability")
+refuses or re-orders them. An advertisement settles as soon as it has as many open offers as it wants, or when
+its window closes; if it is still short it re-advertises after a bounded exponential backoff.
 
 These functions decide and record; they tell daemons what happened (after commit) but leave the job's
 status to :mod:`apps.jobs.services`, which calls them.
@@ -30,16 +32,24 @@ from apps.market import targeting
 from apps.market.exceptions import AdvertisementClosed, OfferRefused, UnknownAdvertisement
 from apps.market.models import Advertisement, Offer
 from apps.workers import services as worker_services
-from apps.workers.models import Reachable, Worker
+from apps.workers.models import RELIABILITY_PRIOR, Reachable, Worker
 from worker_daemon import protocol
 
 logger = logging.getLogger(__name__)
 
 
-def offer_score(*, price: float, resources: protocol.Resources, share: float = 1.0) -> float:
+def offer_score(
+    *, price: float, resources: protocol.Resources, share: float = 1.0, reliability: float = RELIABILITY_PRIOR
+) -> float:
     """Price per weighted capacity, of which ``share`` counts (what the worker's benchmark supports:
-    :func:`apps.market.targeting.supported_share`); lower is better. An offer of no capacity never wins."""
-    weighted = resources.weighted() * share
+    :func:`apps.market.targeting.supported_share`), adjusted by the worker's reliability; lower is better::
+
+        score = price / (weighted capacity × share × reliability / RELIABILITY_PRIOR)
+
+    A worker at the prior (a new one) scores its plain price per capacity; one at reliability 0.9 scores as if
+    it were 0.9 / 0.5 = 1.8 times the capacity (docs/architecture.md, "Reputation"). An offer of no capacity
+    never wins."""
+    weighted = resources.weighted() * share * reliability / RELIABILITY_PRIOR
     return price / weighted if weighted > 0 else math.inf
 
 
@@ -253,18 +263,15 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
             "attempt": ad.attempt,
             "price": message.price,
             **offered.model_dump(),
-            "score": offer_score(price=message.price, resources=offered),
+            "score": offer_score(price=message.price, resources=offered, reliability=worker.reliability),
             "benchmark_score": message.benchmark_score,
         }
-        if message.price > ad.max_price:
+        declined = _decline_reason(ad, worker, message)
+        if declined:
             now = timezone.now()
             # Recorded (it is market activity) but never held: the daemon is free at once.
             offer = Offer.objects.create(
-                **fields,
-                status=Offer.Status.DECLINED,
-                reason="price above what the job pays",
-                expires_at=now,
-                decided_at=now,
+                **fields, status=Offer.Status.DECLINED, reason=declined, expires_at=now, decided_at=now
             )
             return OfferOutcome(offer=offer, ready=False)
         try:
@@ -286,6 +293,20 @@ def record_offer(*, worker: Worker, message: protocol.Offer) -> OfferOutcome:
         if _waits_for_reachable(ad):
             open_offers = open_offers.filter(worker__reachable=Reachable.TRUE)  # targeting.is_reachable
         return OfferOutcome(offer=offer, ready=open_offers.count() >= ad.wanted)
+
+
+def _decline_reason(ad: Advertisement, worker: Worker, message: protocol.Offer) -> str:
+    """Why an otherwise valid offer is declined on arrival: a price above the job's private maximum, or a worker
+    below the role's ``min_reliability`` (a new worker is at the prior, 0.5); "" when it is not."""
+    if message.price > ad.max_price:
+        return "price above what the job pays"
+    minimum = ad.job.requirement(ad.role).min_reliability
+    if worker.reliability < minimum:
+        return (
+            f"the worker's reliability {worker.reliability:.3f} is below the job's minimum {minimum:g} "
+            "(docs/architecture.md, Reputation)"
+        )
+    return ""
 
 
 def check_offer_window(message: protocol.Offer) -> None:
@@ -341,7 +362,7 @@ def settle(advertisement_id, *, closing: bool) -> Settlement:
             ad.offers.filter(
                 status=Offer.Status.OPEN, lease__status=Lease.Status.TEMPORARY, lease__expires_at__gt=now
             )
-            .select_related("lease", "worker")
+            .select_related("lease", "worker", "worker__record")
             .order_by("score", "created_at")
         )
         if not closing and _settling_count(candidates, ad) < ad.wanted:
@@ -419,14 +440,16 @@ def _settling_count(offers: list[Offer], ad: Advertisement) -> int:
 
 def _ranked(offers: list[Offer], *, reachable: str = Advertisement.Reachability.ANY) -> list[Offer]:
     """``offers`` best first, each re-scored with the capacity its worker's benchmark supports at the fleet's
-    rate (the score is saved with the decision), ordered under the advert's reachability policy ``reachable``,
-    the better-supported first at equal ranks; see :mod:`apps.market.targeting`, "Measured capacity" and
-    "Reachability"."""
+    rate and its reliability (the score is saved with the decision), ordered under the advert's reachability
+    policy ``reachable``, the better-supported first at equal ranks; see :mod:`apps.market.targeting`,
+    "Measured capacity" and "Reachability"."""
     stick = fleet_yardstick()
     keyed = []
     for offer in offers:
         share = targeting.supported_share(offer.worker.capacity, offer.worker.benchmark_score, stick)
-        offer.score = offer_score(price=offer.price, resources=offer.resources, share=share)
+        offer.score = offer_score(
+            price=offer.price, resources=offer.resources, share=share, reliability=offer.worker.reliability
+        )
         rank = targeting.reachability_rank(offer.score, offer.worker.reachable, reachable)
         keyed.append(((*rank, -share, offer.created_at), offer))
     return [offer for _, offer in sorted(keyed, key=lambda item: item[0])]

@@ -28,12 +28,13 @@ class WorkerAdmin(admin.ModelAdmin):
         "memory",
         "gpu",
         "benchmark_score",
+        "reliability",
         "reachable",
         "revoked",
     ]
     list_filter = ["status", "reachable", ("token_revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["name"]
-    list_select_related = ["owner"]
+    list_select_related = ["owner", "record"]
     raw_id_fields = ["owner"]
     actions = ["revoke_tokens", "rotate_tokens", "run_benchmarks"]
     readonly_fields = [
@@ -56,6 +57,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "benchmark_score",
         "benchmark",
         "counted_capacity",
+        "reputation",
         "created_at",
     ]
     fieldsets = [
@@ -83,6 +85,7 @@ class WorkerAdmin(admin.ModelAdmin):
             {"fields": ["max_cpu", "max_memory", "max_storage", "max_gpu", "counted_capacity"]},
         ),
         ("Benchmark (samples/s, higher is faster)", {"fields": ["benchmark_score", "benchmark"]}),
+        ("Reputation (moved by rounds and lease ends, never edited)", {"fields": ["reputation"]}),
         (None, {"fields": ["created_at"]}),
     ]
     add_fieldsets = [
@@ -92,6 +95,27 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.display(boolean=True, description="revoked", ordering="token_revoked_at")
     def revoked(self, worker: Worker) -> bool:
         return worker.is_revoked
+
+    @admin.display(description="reliability")
+    def reliability(self, worker: Worker) -> str:
+        return f"{worker.reliability:.3f}"
+
+    @admin.display(description="record")
+    def reputation(self, worker: Worker) -> str:
+        record = getattr(worker, "record", None)
+        if record is None:
+            return f"none yet (reliability {worker.reliability:.3f}, the prior)"
+        speed = (
+            f"{record.speed_vs_benchmark:.2f}× its benchmark over {record.speed_rounds} round(s)"
+            if record.speed_vs_benchmark is not None
+            else "speed not measured"
+        )
+        return (
+            f"reliability {record.reliability:.3f}; updates {record.updates_accepted} accepted, "
+            f"{record.updates_down_weighted} down-weighted, {record.updates_rejected} rejected; leases "
+            f"{record.leases_completed} completed, {record.leases_lost} lost; {record.jobs_served} job(s) "
+            f"served; {speed}"
+        )
 
     @admin.display(description="capacity counted (declared, capped)")
     def counted_capacity(self, worker: Worker) -> str:

@@ -254,6 +254,100 @@ class Worker(ResourceColumns):
         """Its devices as its daemon declared them (none for an older daemon or a ``gpu = N`` config)."""
         return [Device.model_validate(device) for device in self.devices]
 
+    @property
+    def reliability(self) -> float:
+        """Its :attr:`WorkerRecord.reliability`; the prior for a worker without a record yet."""
+        record = getattr(self, "record", None)  # the reverse one-to-one raises, getattr's default catches it
+        return record.reliability if record is not None else RELIABILITY_PRIOR
+
+
+#: The reliability of a worker with no record (docs/architecture.md, "Reputation"): neutral, half-way.
+RELIABILITY_PRIOR = 0.5
+#: How many events the prior weighs as: two, Laplace's rule of succession when the prior is one half.
+RELIABILITY_PRIOR_WEIGHT = 2
+
+
+class WorkerRecord(models.Model):
+    """A worker's reputation: counters the workflows that know the events move (``apps.workers.reputation``).
+
+    Counters, not aggregate queries over rounds and leases: a round's verdicts are a JSON map per round (no
+    index reaches a worker's entries), and the market reads every candidate's reliability at each settlement.
+    Only the workflows write these; the admin and the API show them read-only.
+    """
+
+    worker = models.OneToOneField(Worker, on_delete=models.CASCADE, primary_key=True, related_name="record")
+    updates_accepted = models.PositiveIntegerField(
+        default=0, help_text="Updates the parameter server averaged in full (or, unverified, averaged)."
+    )
+    updates_down_weighted = models.PositiveIntegerField(
+        default=0, help_text="Updates the parameter server averaged with a reduced weight."
+    )
+    updates_rejected = models.PositiveIntegerField(
+        default=0, help_text="Updates the parameter server rejected, or refused on arrival."
+    )
+    leases_completed = models.PositiveIntegerField(
+        default=0, help_text="ACTIVE leases that lasted until their job ended."
+    )
+    leases_lost = models.PositiveIntegerField(
+        default=0,
+        help_text="ACTIVE leases that ended while their job went on: not renewed, given back, revoked, "
+        "dropped by its daemon, or ended for repeatedly rejected updates.",
+    )
+    jobs_served = models.PositiveIntegerField(
+        default=0, help_text="Jobs whose end its leases saw through (a job counts once per worker)."
+    )
+    speed_rounds = models.PositiveIntegerField(
+        default=0, help_text="Rounds in which its speed against its benchmark was measured."
+    )
+    speed_vs_benchmark = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Mean over those rounds of its samples/s per benchmark score, relative to its co-trainers' "
+        "median in the same round (1: as fast as its benchmark predicts); null until measured.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"record of worker {self.worker_id}"
+
+    @property
+    def successes(self) -> float:
+        return self.updates_accepted + self.updates_down_weighted / 2 + self.leases_completed
+
+    @property
+    def events(self) -> int:
+        return (
+            self.updates_accepted
+            + self.updates_down_weighted
+            + self.updates_rejected
+            + self.leases_completed
+            + self.leases_lost
+        )
+
+    @property
+    def reliability(self) -> float:
+        """The Bayesian-smoothed share of its events that went well, in (0, 1)::
+
+            reliability = (accepted + down_weighted / 2 + leases_completed + k·p)
+                          / (accepted + down_weighted + rejected + leases_completed + leases_lost + k)
+
+        with the prior ``p`` = :data:`RELIABILITY_PRIOR` (0.5) weighing as ``k`` = :data:`RELIABILITY_PRIOR_WEIGHT`
+        (2) events. A new worker is at 0.5; each accepted update or completed lease moves it up, each rejected
+        (or refused) update or lost lease down, a down-weighted update counts half. It never reaches 0 or 1.
+        """
+        return (self.successes + RELIABILITY_PRIOR_WEIGHT * RELIABILITY_PRIOR) / (
+            self.events + RELIABILITY_PRIOR_WEIGHT
+        )
+
+
+class CountedRound(models.Model):
+    """A round whose report is in the workers' records: a parameter server's report sent again counts once."""
+
+    round = models.OneToOneField("jobs.Round", on_delete=models.CASCADE, primary_key=True, related_name="+")
+
+    def __str__(self) -> str:
+        return f"counted {self.round_id}"
+
 
 USER_TOKEN_PREFIX = "hu_"
 

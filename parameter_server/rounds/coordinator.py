@@ -34,6 +34,7 @@ from parameter_server.math import (
     update_norm,
 )
 from parameter_server.rounds import robust
+from parameter_server.rounds.discard import OwnerDiscard, PreviousRound
 from parameter_server.rounds.records import (
     FirstUpdateHook,
     OpenRound,
@@ -44,8 +45,8 @@ from parameter_server.rounds.records import (
     record,
     relative,
 )
-from parameter_server.rounds.robust import HeldUpdate
-from parameter_server.rounds.step import StepArithmetic
+from parameter_server.rounds.robust import HeldUpdate, Validation
+from parameter_server.rounds.validation import Evaluate, LossChecks
 from worker_daemon import telemetry
 
 logger = logging.getLogger("parameter_server")
@@ -59,7 +60,7 @@ SPARE_SETS = 3
 DEFAULT_UPDATE_NORM_RATIO = 10.0
 
 
-class RoundCoordinator(StepArithmetic):
+class RoundCoordinator(OwnerDiscard):
     """Collects the open round's updates and takes the outer step; see the package docstring for the rules.
 
     ``weights`` are the global weights after ``rounds_completed`` rounds and ``momentum`` the outer momentum
@@ -84,6 +85,9 @@ class RoundCoordinator(StepArithmetic):
     Round r then takes the updates of fragment ``(r − 1) mod F``'s tensors only (:meth:`round_names`) and
     steps them alone; the job's last round (``update_rounds``) takes and steps every fragment's, each with its
     own momentum. None: one fragment, every floating-point tensor each round.
+
+    ``evaluate`` (a job with eval data): the held-out loss of some weights, for the rule's validation step
+    and its discard rule (:mod:`parameter_server.rounds.validation`).
     """
 
     def __init__(
@@ -107,10 +111,13 @@ class RoundCoordinator(StepArithmetic):
         encoding: Encoding | None = None,
         fragments: Sequence[Iterable[str]] | None = None,
         aggregation: AggregationRule | None = None,
+        evaluate: Evaluate | None = None,
     ) -> None:
         self.expected = tuple(expected)
         #: How the round's updates become its mean, and whether each is verified first.
         self.aggregation = aggregation or AggregationRule()
+        #: The held-out loss checks of a closing round (validation, discard), when the rule asks for them.
+        self._checks = LossChecks(self.aggregation, evaluate, learning_rate=learning_rate)
         self._told: tuple[str, ...] = ()
         self.weights: StateDict = dict(weights)
         #: The momentum's own tensors, never handed out (:attr:`momentum` gives aliases): it may be updated in
@@ -161,6 +168,9 @@ class RoundCoordinator(StepArithmetic):
         self.counts_reported: bool | None = None
         self._results: dict[int, RoundResult] = {}
         self._fetched: dict[int, set[str]] = {}
+        #: An owner's discard of the last closed round n, taken when round n + 1 closes: (n, what loads round
+        #: n − 1's weights and momentum, run in the closing thread) — :meth:`request_discard`.
+        self._discard: tuple[int, PreviousRound] | None = None
         if last_result is not None and last_result.round_number == rounds_completed:
             # Resumed from a checkpoint: round ``rounds_completed``'s result is served again.
             self._results[rounds_completed] = record(last_result)
@@ -532,76 +542,99 @@ class RoundCoordinator(StepArithmetic):
         """Step, persist and publish the round; its result, or None if that failed (:attr:`failure` set)."""
         try:
             async with self._lock:
-                step = await asyncio.to_thread(self._aggregate_and_step, current)
-                rejected = {peer for peer, verdict in current.verdicts.items() if verdict.verdict == REJECTED}
-                result = RoundResult(
-                    round_number=current.number,
-                    update=step.update,
-                    # The updates that count: a rejected one is left out of the aggregate.
-                    participants=tuple(peer for peer in current.participants if peer not in rejected),
-                    left_out=tuple(
-                        peer
-                        for peer in dict.fromkeys([*current.opened_expecting, *current.expected])
-                        if peer not in current.participants
-                    ),
-                    refused=dict(current.refused),
-                    samples=current.samples - current.rejected_samples,
-                    duration=round(self._clock() - current.opened_at, 3),
-                    bytes_in=current.bytes_in,
-                    stepped=step.stepped,
-                    arrivals=relative(current.accepted_at),
-                    discarded=step.discarded,
-                    encoded=step.encoded,
-                    encoding=self.encoding,
-                    fragment=current.fragment,
-                    verdicts={peer: verdict.as_json() for peer, verdict in current.verdicts.items()},
+                discard, self._discard = self._discard, None
+                if discard is not None and discard[0] == current.number - 1:
+                    step = await self._discarding(current, *discard)
+                    if step is not None:
+                        return await self._closed(current, step)
+                validations = await self._checks.validate(
+                    current.number, current.held, self.weights, current.names, self.buffers
                 )
-                if step.discarded is not None:
-                    logger.error("round %d: its step is discarded, u = 0: %s", current.number, step.discarded)
-                elif not step.stepped:
-                    logger.warning("round %d closed without a usable update: u = 0", current.number)
-                if self._persist is not None:
-                    await self._persist(result, step.weights, aliases(step.momentum))
-                if step.weights is not self.weights:
-                    if current.fragment >= len(self._fragments):  # every fragment stepped
-                        self._weights_norms.clear()
-                    self._weights_norms.pop(current.fragment, None)  # the other fragments' are unchanged
-                self.weights, self._momentum = step.weights, step.momentum
-                self._weights_bound, self._momentum_bound = step.bounds
-                if step.residual is not None:  # the other fragments' residuals wait for their rounds
-                    self._residual = {**self._residual, **step.residual}
-                if step.stepped:
-                    self._previous_norms[current.fragment] = [
-                        norm
-                        for peer, norm in zip(current.participants, current.norms, strict=True)
-                        if peer not in rejected
-                    ]
-                del step
-                self._publish(result)
+                # Held while the step runs, the previous momentum is never written in place: a discarded
+                # round keeps it.
+                previous_momentum = self.momentum if self._checks.discards else None
+                step = await asyncio.to_thread(self._aggregate_and_step, current, validations)
+                reason = await self._checks.discard_reason(current.number, self.weights, step.weights)
+                if reason is not None:
+                    logger.error("round %d is discarded: %s", current.number, reason)
+                    step = await asyncio.to_thread(self._kept, current, reason)
+                del previous_momentum
+                return await self._closed(current, step)
         except Exception as error:
             logger.exception("closing round %d failed", current.number)
             if not self.failure.done():
                 self.failure.set_result(error)
             return None
+
+    async def _closed(self, current: OpenRound, step: Step) -> RoundResult:
+        """Persist and publish the closed round's ``step`` (under the lock); the round's result."""
+        rejected = {peer for peer, verdict in current.verdicts.items() if verdict.verdict == REJECTED}
+        result = RoundResult(
+            round_number=current.number,
+            update=step.update,
+            # The updates that count: a rejected one is left out of the aggregate.
+            participants=tuple(peer for peer in current.participants if peer not in rejected),
+            left_out=tuple(
+                peer
+                for peer in dict.fromkeys([*current.opened_expecting, *current.expected])
+                if peer not in current.participants
+            ),
+            refused=dict(current.refused),
+            samples=current.samples - current.rejected_samples,
+            duration=round(self._clock() - current.opened_at, 3),
+            bytes_in=current.bytes_in,
+            stepped=step.stepped,
+            arrivals=relative(current.accepted_at),
+            discarded=step.discarded,
+            encoded=step.encoded,
+            encoding=self.encoding,
+            fragment=current.fragment,
+            verdicts={peer: verdict.as_json() for peer, verdict in current.verdicts.items()},
+            # When the checks measured it: the loss of the weights this round publishes.
+            eval_loss=self._checks.published_loss(),
+        )
+        if step.discarded is not None and not step.stepped:
+            logger.error("round %d: its step is discarded, u = 0: %s", current.number, step.discarded)
+        elif not step.stepped:
+            logger.warning("round %d closed without a usable update: u = 0", current.number)
+        if self._persist is not None:
+            await self._persist(result, step.weights, aliases(step.momentum))
+        if step.weights is not self.weights:
+            if current.fragment >= len(self._fragments):  # every fragment stepped
+                self._weights_norms.clear()
+            self._weights_norms.pop(current.fragment, None)  # the other fragments' are unchanged
+        self.weights, self._momentum = step.weights, step.momentum
+        self._weights_bound, self._momentum_bound = step.bounds
+        if step.residual is not None:  # the other fragments' residuals wait for their rounds
+            self._residual = {**self._residual, **step.residual}
+        if step.stepped:
+            self._previous_norms[current.fragment] = [
+                norm
+                for peer, norm in zip(current.participants, current.norms, strict=True)
+                if peer not in rejected
+            ]
+        del step
+        self._publish(result)
         return result
 
-    def _aggregate_and_step(self, current: OpenRound) -> Step:
-        """The closed round's step, after its held updates (if its rule holds them) were judged and
-        aggregated (:mod:`parameter_server.rounds.robust`). Runs in a thread, under the lock."""
+    def _aggregate_and_step(self, current: OpenRound, validations: Mapping[str, Validation]) -> Step:
+        """The closed round's step, after its held updates (if its rule holds them) were judged (with their
+        ``validations``, in a round that validates) and aggregated (:mod:`parameter_server.rounds.robust`).
+        Runs in a thread, under the lock."""
         if current.held:
             try:
-                self._aggregate_held(current)
+                self._aggregate_held(current, validations)
             finally:
                 current.held.clear()  # their spool files close: the bytes leave the disk
         return self._step(current)
 
-    def _aggregate_held(self, current: OpenRound) -> None:
+    def _aggregate_held(self, current: OpenRound, validations: Mapping[str, Validation]) -> None:
         """Score every held update, give each its verdict, and put the aggregate of those not rejected where
         the step takes the round's mean from."""
         held = list(current.held)
         norms = [update.norm for update in held]
         cosines = robust.cosines_to_others([update.update for update in held], current.names, norms)
-        verdicts = robust.judge(held, cosines, self.aggregation)
+        verdicts = robust.judge(held, cosines, self.aggregation, validations)
         for peer, verdict in verdicts.items():
             if verdict.verdict != ACCEPTED:
                 logger.warning(

@@ -55,25 +55,47 @@ class HeldUpdate:
 
 
 @dataclass(frozen=True)
+class Validation:
+    """The validation step's scores of one update (parameter_server/rounds/validation.py): the held-out loss
+    of the global weights with this update alone applied, and the global weights' own."""
+
+    loss: float
+    baseline: float
+
+    @property
+    def ratio(self) -> float:
+        """``loss ÷ baseline`` (inf for a rise from 0)."""
+        if self.baseline > 0:
+            return self.loss / self.baseline
+        return 1.0 if self.loss <= self.baseline else math.inf
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What became of one update: ``accepted``, ``down-weighted`` (clipped) or ``rejected`` (left out of the
-    aggregate), why, and its scores (None when not defined: a round of one update has no cosine)."""
+    aggregate), why, and its scores (None when not defined: a round of one update has no cosine; no
+    ``validation`` outside the rounds that validate)."""
 
     verdict: str
     reason: str
     norm_ratio: float | None
     cosine: float | None
+    validation: Validation | None = None
 
     def as_json(self) -> dict[str, Any]:
         def rounded(value: float | None) -> float | None:
             return None if value is None or not math.isfinite(value) else round(value, 6)
 
-        return {
+        body: dict[str, Any] = {
             "verdict": self.verdict,
             "reason": self.reason,
             "norm_ratio": rounded(self.norm_ratio),
             "cosine": rounded(self.cosine),
         }
+        if self.validation is not None:  # a round without validation reports as before
+            body["validation_loss"] = rounded(self.validation.loss)
+            body["loss_ratio"] = rounded(self.validation.ratio)
+        return body
 
 
 def median_norm(norms: Sequence[float]) -> float:
@@ -123,16 +145,22 @@ def clip_scale(norm: float, median: float, factor: float) -> float:
 
 
 def judge(
-    held: Sequence[HeldUpdate], cosines: Sequence[float | None], rule: AggregationRule
+    held: Sequence[HeldUpdate],
+    cosines: Sequence[float | None],
+    rule: AggregationRule,
+    validations: Mapping[str, Validation] | None = None,
 ) -> dict[str, Verdict]:
     """Each held update's verdict (by peer, in order). Rejected, when the rule verifies: a norm over
     ``max_norm_ratio`` × the round's median norm, or, with 3 updates or more, a cosine to the mean of the
-    others under ``min_cosine``. Down-weighted: ``clipped_mean`` clips it (norm over ``clip_factor`` × the
-    median). Otherwise accepted."""
+    others under ``min_cosine``; and, whatever the rule, an update whose ``validations`` entry (the round
+    validated it) shows a held-out loss over ``max_validation_rise`` × the global weights'. Down-weighted:
+    ``clipped_mean`` clips it (norm over ``clip_factor`` × the median). Otherwise accepted."""
     median = median_norm([update.norm for update in held])
     verification = rule.verification
+    validations = validations or {}
     verdicts: dict[str, Verdict] = {}
     for update, cosine in zip(held, cosines, strict=True):
+        validation = validations.get(update.peer)
         if median > 0:
             ratio: float = update.norm / median
         else:
@@ -144,18 +172,24 @@ def judge(
                 if math.isfinite(ratio)
                 else f"its norm is {update.norm:.3g} while the round's median norm is 0"
             )
-            verdicts[update.peer] = Verdict(REJECTED, reason, shown, cosine)
+            verdicts[update.peer] = Verdict(REJECTED, reason, shown, cosine, validation)
         elif rule.verifies and len(held) >= 3 and cosine is not None and cosine < verification.min_cosine:
             reason = (
                 f"its cosine similarity to the mean of the others is {cosine:.3f} "
                 f"(under {verification.min_cosine:g})"
             )
-            verdicts[update.peer] = Verdict(REJECTED, reason, shown, cosine)
+            verdicts[update.peer] = Verdict(REJECTED, reason, shown, cosine, validation)
+        elif validation is not None and not validation.ratio <= verification.max_validation_rise:
+            reason = (
+                f"its update alone raises the held-out loss from {validation.baseline:.4g} to "
+                f"{validation.loss:.4g} (more than {verification.max_validation_rise:g}x)"
+            )
+            verdicts[update.peer] = Verdict(REJECTED, reason, shown, cosine, validation)
         elif rule.name == CLIPPED_MEAN and clip_scale(update.norm, median, rule.clip_factor) < 1.0:
             reason = f"its norm is {ratio:.3g}x the round's median norm: clipped to {rule.clip_factor:g}x"
-            verdicts[update.peer] = Verdict(DOWN_WEIGHTED, reason, shown, cosine)
+            verdicts[update.peer] = Verdict(DOWN_WEIGHTED, reason, shown, cosine, validation)
         else:
-            verdicts[update.peer] = Verdict(ACCEPTED, "", shown, cosine)
+            verdicts[update.peer] = Verdict(ACCEPTED, "", shown, cosine, validation)
     return verdicts
 
 

@@ -177,6 +177,19 @@
       }
     }
 
+    // The cost so far (#job-cost): the snapshot and every live event carry it, read by the server at the push
+    // (each lease's price × its ACTIVE time up to then), so the tooltip says as of when.
+    function renderCost(cost) {
+      var node = document.getElementById("job-cost");
+      var asOf = new Date(cost.as_of);
+      if (!node || isNaN(asOf.getTime())) { return; }
+      node.textContent = "Cost ";
+      node.appendChild(element("strong", cost.credits + " credits"));
+      if (cost.max_cost) { node.appendChild(document.createTextNode(" of its max_cost of " + cost.max_cost + " credits")); }
+      node.title = "each lease's agreed price (credits per hour of a lease) × its ACTIVE time, as of " +
+        asOf.toISOString().slice(0, 19).replace("T", " ") + " UTC (the last live update)";
+    }
+
     function renderHistory() {
       // The template's rows from the same data (snapshot and job events carry the history): every transition,
       // the newest first, with the time the server recorded it.
@@ -328,6 +341,11 @@
     // ended first: its samples, duration and bytes are unknown); "no" while open.
     function applied(round) {
       if (!round.closed) { return "no"; }
+      if (round.discarded) {  // rolled back: the previous weights and momentum stayed
+        var discarded = element("span", "discarded");
+        discarded.title = round.discard_reason || "the parameter server discarded the round";
+        return { node: discarded, className: "error" };
+      }
       if (round.reported) { return "yes"; }
       var node = element("span", "yes, no report");
       node.title = "applied, but the job ended before the parameter server reported the round: its samples, " +
@@ -430,6 +448,7 @@
         state.trainers = event.trainers; state.data = event.data;
         renderTrainers(); renderData();
       }
+      if (event.cost) { renderCost(event.cost); }
       // Other scripts of the page (progress.js) follow the same events.
       document.dispatchEvent(new CustomEvent("hypha:job-event", { detail: event }));
     }

@@ -37,6 +37,7 @@ PASSWORD = "a-live-page-test-password"
 COMPARED = [
     "#job-status",
     "#job-reason",
+    "#job-cost",
     "#live-indicator",
     "#trainers",
     "#rounds",
@@ -158,6 +159,9 @@ def _follow_and_compare(live, context, cluster, spec: dict) -> None:
     assert history[0].split("\t")[1:3] == ["running", "completed"], history
     assert len(history) >= 3, history
     assert fresh_content["live state"] == "finished"
+    # The cost the live page shows came from a live event (issue 18), and the job did cost something.
+    assert "(the last live update)" in live.locator("#job-cost").get_attribute("title")
+    assert fresh_content["#job-cost"] != "Cost 0 credits", fresh_content["#job-cost"]
     assert (fresh_content["cancel hidden"], fresh_content["model link hidden"]) == (True, False)
     ARTIFACTS.mkdir(exist_ok=True)
     live.screenshot(path=str(ARTIFACTS / "dashboard-live-finished.png"), full_page=True)

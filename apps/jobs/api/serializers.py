@@ -456,6 +456,25 @@ class VerdictSerializer(serializers.Serializer):
         help_text="its cosine similarity to the mean of the other updates; null when not measured (fewer "
         "than 3 updates)",
     )
+    validation_loss = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        help_text="the held-out loss of the global weights with this update alone applied; present only in "
+        "rounds that ran the validation step (`rounds.verification.validation_every`)",
+    )
+    loss_ratio = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        help_text="validation_loss ÷ the global weights' held-out loss; over "
+        "`rounds.verification.max_validation_rise` the update is rejected",
+    )
+
+    def to_representation(self, instance: object) -> dict:
+        body = super().to_representation(instance)
+        for name in ("validation_loss", "loss_ratio"):  # only a round that validated has them
+            if isinstance(instance, dict) and name not in instance:
+                body.pop(name, None)
+        return body
 
 
 class RoundSerializer(serializers.ModelSerializer):
@@ -481,6 +500,9 @@ class RoundSerializer(serializers.ModelSerializer):
             "mean_loss",
             "eval_loss",
             "eval_error",
+            "discarded",
+            "discard_reason",
+            "discard_requested_at",
             "trainer_metrics",
             "throughput",
             "created_at",

@@ -17,7 +17,7 @@ from drf_spectacular.utils import (
 )
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action, api_view, renderer_classes
-from rest_framework.exceptions import ParseError, ValidationError
+from rest_framework.exceptions import NotFound, ParseError, ValidationError
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
@@ -34,8 +34,15 @@ from apps.jobs.api.serializers import (
     JobSubmittedSerializer,
     UploadSerializer,
 )
-from apps.jobs.exceptions import JobNotCancellable, SpecError, SpecUnreadable, TransferRefused
-from apps.jobs.models import Job, Task, Upload
+from apps.jobs.exceptions import (
+    JobNotCancellable,
+    RoundNotDiscardable,
+    SpecError,
+    SpecUnreadable,
+    TransferRefused,
+)
+from apps.jobs.models import Job, Round, Task, Upload
+from apps.jobs.training.discard import request_discard
 from apps.jobs.training.uploads import delete_upload
 from apps.leases.models import Lease
 from hypha_site.api import error_responses
@@ -277,6 +284,34 @@ class JobViewSet(
         try:
             services.cancel_job(job, reason=reason)
         except JobNotCancellable as error:
+            return Response({"detail": str(error)}, status=status.HTTP_409_CONFLICT)
+        return Response(JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+    @extend_schema(
+        summary="Discard a job's last closed round",
+        description=(
+            "The job's owner (or staff) discards round `number`, the running job's last closed round: the next "
+            "round closes by going back to the weights and outer momentum of round `number` − 1, its updates "
+            'dropped, and every trainer continues from there (docs/training.md, "Discarding a round"). The '
+            "round's `discard_requested_at` records the request; the next round's `discarded` says whether it "
+            "was taken (the parameter server hears it when that round asks whom to wait for: a round that "
+            "closes before it asks again lets the request lapse). 404: no such closed round. 409, with the "
+            "reason: the job is not running, the round is not its last closed one, is its last round, was "
+            "discarded or asked to be already, or the job overlaps rounds or sends a lossy encoding."
+        ),
+        request=None,
+        parameters=[OpenApiParameter("number", OpenApiTypes.INT, OpenApiParameter.PATH, description="round")],
+        responses={200: JobDetailSerializer, **error_responses(401, 404, 409)},
+    )
+    @action(detail=True, methods=["post"], url_path=r"rounds/(?P<number>[0-9]{1,9})/discard")
+    def discard(self, request: Request, pk: str | None = None, number: str = "") -> Response:
+        job = self.get_object()
+        by = "its owner" if job.owner_id == request.user.pk else str(request.user)
+        try:
+            request_discard(job, int(number), by=by)
+        except Round.DoesNotExist:
+            raise NotFound(f"job {job.pk} has no closed round {number}") from None
+        except RoundNotDiscardable as error:
             return Response({"detail": str(error)}, status=status.HTTP_409_CONFLICT)
         return Response(JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data)
 

@@ -14,15 +14,7 @@ The module needs neither Django nor a database; it imports only pydantic and the
 """
 
 from apps.jobs.exceptions import SpecError
-from apps.jobs.spec.conversions import (
-    field_errors,
-    parse_json,
-    source_reference,
-    to_aggregate_job_json,
-    to_requirements,
-    to_train_job_json,
-)
-from apps.jobs.spec.models import (
+from apps.jobs.spec.base import (
     DEFAULT_ALLOCATION_TIMEOUT,
     DEFAULT_BID,
     DEFAULT_CHECKPOINT_EVERY,
@@ -48,17 +40,27 @@ from apps.jobs.spec.models import (
     PARAMETER_SERVER_EXECUTOR,
     SCHEDULE_TAGS,
     TRAINER_EXECUTOR,
+    Float,
+    Integer,
+    NonEmptyString,
+)
+from apps.jobs.spec.conversions import (
+    field_errors,
+    parse_json,
+    source_reference,
+    to_aggregate_job_json,
+    to_requirements,
+    to_train_job_json,
+)
+from apps.jobs.spec.models import (
     ConfigSource,
     DatasetSpec,
     DiLoCoSpec,
     EvaluationSpec,
-    Float,
     HuggingFaceSource,
     InnerOptimizerSpec,
-    Integer,
     ModelSource,
     ModelSpec,
-    NonEmptyString,
     OuterOptimizerSpec,
     ParameterServerSpec,
     PreprocessorSource,
@@ -66,7 +68,6 @@ from apps.jobs.spec.models import (
     PriceSpec,
     ResourcesSpec,
     RoleSpec,
-    RoundsSpec,
     Schedule,
     TrainerPoolSpec,
     TrainingSpec,
@@ -75,6 +76,7 @@ from apps.jobs.spec.models import (
     WarmupSchedule,
     WarmupStableDecaySchedule,
 )
+from apps.jobs.spec.rounds import RoundsSpec
 from apps.jobs.spec_toml import parse_toml  # noqa: E402
 
 __all__ = [

@@ -8,13 +8,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from apps.jobs.exceptions import SpecError
-from apps.jobs.spec.models import (
+from apps.jobs.spec.base import (
     DEFAULT_CHECKPOINT_EVERY,
     OVERLAP_NONE,
     OVERLAP_STREAMING,
     PARAMETER_SERVER_EXECUTOR,
     SCHEDULE_TAGS,
     TRAINER_EXECUTOR,
+)
+from apps.jobs.spec.models import (
     ConfigSource,
     DiLoCoSpec,
     HuggingFaceSource,
@@ -93,6 +95,8 @@ def _requirement(role: RoleSpec, executor: dict[str, str]) -> dict:
         "executor": dict(executor),
         "bid": role.price.bid,
         "max": role.price.max,
+        # Stored only when set: the requirements of jobs that set none stay as they were.
+        **({"min_reliability": role.min_reliability} if role.min_reliability else {}),
     }
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     Strict,
@@ -18,132 +16,31 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from hypha_tensors.formats import (
-    DEFAULT_BLOCK_SIZE,
-    ENCODINGS,
-    FLOAT32,
-    INT8,
-    MAX_BLOCK_SIZE,
-    MIN_BLOCK_SIZE,
+from apps.jobs.spec.base import (
+    DEFAULT_ALLOCATION_TIMEOUT,
+    DEFAULT_BID,
+    DEFAULT_MAX_PRICE,
+    MAX_ACCUMULATION_STEPS,
+    MAX_ALLOCATION_TIMEOUT,
+    MAX_DATALOADER_WORKERS,
+    MAX_PROCESS_TIMEOUT,
+    MAX_STEPS,
+    MAX_TRAINER_PROCESSES,
+    MAX_TRAINERS,
+    MAX_WEIGHT_DECAY,
+    MIN_ALLOCATION_TIMEOUT,
+    MIN_PROCESS_TIMEOUT,
+    MIXED_PRECISIONS,
+    MODEL_TYPE_ALIASES,
+    MODEL_TYPE_REFUSED,
+    MODEL_TYPES,
+    Float,
+    Integer,
+    NonEmptyString,
+    _Spec,
 )
-from hypha_tensors.fragments import DEFAULT_FRAGMENTS, MAX_FRAGMENTS, MIN_FRAGMENTS
+from apps.jobs.spec.rounds import RoundsSpec
 from worker_daemon.protocol import MAX_DEVICE_MEMORY, MAX_DEVICES
-
-MAX_TRAINERS = 256
-#: Rounds between two full-weight uploads of the checkpoint copy (``rounds.checkpoint_every``).
-DEFAULT_CHECKPOINT_EVERY = 10
-DEFAULT_BID = 100.0
-DEFAULT_MAX_PRICE = 100.0
-#: Seconds a job may wait for its first full allocation before it fails and gives back its leases
-#: (``allocation_timeout``; apps.jobs.allocation), and the bounds of the value.
-DEFAULT_ALLOCATION_TIMEOUT = 600.0
-MIN_ALLOCATION_TIMEOUT = 10
-MAX_ALLOCATION_TIMEOUT = 86_400
-#: The largest value of the executor's i32 schedule fields.
-MAX_STEPS = 2**31 - 1
-
-TRAINER_EXECUTOR = {"class": "train", "name": "diloco-transformer"}
-PARAMETER_SERVER_EXECUTOR = {"class": "aggregate", "name": "parameter-server"}
-
-#: ModelType strings as executors expect them (reference §2.2, with the Python executor's spelling of the three
-#: that Rust spells differently, §9 item 12).
-MODEL_TYPES = (
-    "auto",
-    "pretraining",
-    "causal-lm",
-    "masked-lm",
-    "mask-generation",
-    "seq-2-seq-lm",
-    "sequence-classification",
-    "multiple-choice",
-    "next-sentence-prediction",
-    "token-classification",
-    "question-answering",
-    "text-encoding",
-    "depth-estimation",
-    "image-classification",
-    "video-classification",
-    "keypoint-detection",
-    "keypoint-matching",
-    "object-detection",
-    "image-segmentation",
-    "image-to-image",
-    "semantic-segmentation",
-    "instance-segmentation",
-    "universal-segmentation",
-    "zero-shot-image-classification",
-    "zero-shot-object-detection",
-    "audio-classification",
-    "audio-frame-classification",
-    "ctc",
-    "speech-seq-2-seq",
-    "audio-x-vector",
-    "text-to-spectrogram",
-    "text-to-waveform",
-    "audio-tokenization",
-    "table-question-answering",
-    "document-question-answering",
-    "vision-2-seq",
-    "image-text-to-text",
-    "time-series-prediction",
-)
-#: Rust's serde spelling (and one obvious fix of its typo) → the executor's spelling.
-MODEL_TYPE_ALIASES = {
-    "seq2-seq-lm": "seq-2-seq-lm",
-    "speech-seq2-seq": "speech-seq-2-seq",
-    "vison2-seq": "vision-2-seq",
-    "vision2-seq": "vision-2-seq",
-}
-#: Spellings Hypha's docs use that no executor knows (§9 item 8), and what to write instead.
-MODEL_TYPE_REFUSED = {
-    "vision-classification": "use 'image-classification' (AutoModelForImageClassification)",
-    "torch": "use 'auto', or a task such as 'image-classification' or 'causal-lm'",
-}
-
-#: How a trainer overlaps a round's communication with computation (``rounds.overlap``): ``none`` waits for
-#: each round's result; ``eager`` sends round r's update and trains round r + 1 at once from a proxy of the
-#: global weights, merging round r's result when it arrives (docs/training.md, "Overlap: eager updates");
-#: ``streaming`` syncs one of ``rounds.fragments`` fragments of the model a round and trains on while it
-#: travels, mixing the result in when it arrives (docs/training.md, "Overlap: streaming").
-OVERLAP_NONE = "none"
-OVERLAP_EAGER = "eager"
-OVERLAP_STREAMING = "streaming"
-OVERLAPS = (OVERLAP_NONE, OVERLAP_EAGER, OVERLAP_STREAMING)
-#: The modes whose trainers train the next round while a round's update is out (the control plane counts
-#: those steps ahead, apps.jobs.training.status).
-OVERLAPS_TRAINING_AHEAD = (OVERLAP_EAGER, OVERLAP_STREAMING)
-#: Modes a user may know from the literature that are not built yet, and why they are refused.
-OVERLAP_NOT_AVAILABLE: dict[str, str] = {}
-#: Streaming's mixing factor α by default: a fragment's weights become α·local + (1 − α)·global when its
-#: round's result arrives (the Streaming DiLoCo paper's best value).
-DEFAULT_STREAMING_MIX = 0.5
-
-#: The schedule types of the spec → the ``scheduler`` variant tag of the train job JSON.
-SCHEDULE_TAGS = {"cosine": "cosine-with-warmup", "linear": "linear-with-warmup", "wsd": "wsd"}
-
-#: Training knobs (``training``): their bounds, and the mixed precisions (accelerate's names).
-MAX_WEIGHT_DECAY = 10.0
-MAX_ACCUMULATION_STEPS = 1024
-MAX_DATALOADER_WORKERS = 32
-MAX_TRAINER_PROCESSES = 64
-MIN_PROCESS_TIMEOUT = 10.0
-MAX_PROCESS_TIMEOUT = 86_400.0
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-
-
-# --- the specification ------------------------------------------------------------------------------------
-
-
-class _Spec(BaseModel):
-    # Unknown keys are refused: a misspelt optional key (``learning_rate`` for ``learning-rate``) would otherwise
-    # be silently dropped. Infinite or NaN numbers would poison prices and JSON.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-NonEmptyString = Annotated[str, Field(min_length=1, max_length=500)]
-# Numbers are strict: ``true`` or ``"0.1"`` is a mistake in a spec, not a number (an int is a valid float).
-Float = Annotated[float, Strict()]
-Integer = Annotated[int, Strict()]
 
 
 class HuggingFaceSource(_Spec):
@@ -290,229 +187,6 @@ class OuterOptimizerSpec(_Spec):
     momentum: Float = Field(ge=0, le=1)
 
 
-#: ``rounds.aggregation``: how the parameter server combines a round's updates (parameter_server/aggregation.py;
-#: docs/training.md, "Robust aggregation and verification").
-AGGREGATION_MEAN = "mean"
-AGGREGATIONS = (AGGREGATION_MEAN, "clipped_mean", "trimmed_mean", "median")
-
-
-class VerificationSpec(_Spec):
-    """``rounds.verification``: the parameter server scores each update and rejects outliers (left out of the
-    round's aggregate). On by default for the robust rules, off for ``mean``."""
-
-    enabled: bool | None = Field(
-        default=None, description="Verify each update (default: on for the robust rules, off for mean)."
-    )
-    max_norm_ratio: Float = Field(
-        default=10.0,
-        gt=1,
-        le=1e6,
-        description="Reject an update whose norm is more than this many times the round's median norm.",
-    )
-    min_cosine: Float = Field(
-        default=-0.5,
-        ge=-1,
-        le=1,
-        description="With 3 updates or more, reject one whose cosine similarity to the mean of the others is "
-        "under this.",
-    )
-    max_rejections: Integer | None = Field(
-        default=None,
-        ge=1,
-        le=1000,
-        description="The control plane ends a trainer's lease after this many consecutive rejected rounds "
-        "(default HYPHA_MAX_REJECTIONS, 3).",
-    )
-
-
-class RoundsSpec(_Spec):
-    """How many outer rounds, and how much local work between them: a fixed number of inner steps (H) per
-    trainer, or performance-aware sync after about ``avg_samples_between_updates`` samples over all trainers
-    (fast trainers run more steps than slow ones so that all finish together; ``apps.jobs.sync``)."""
-
-    update_rounds: Integer = Field(ge=1, le=1_000_000)
-    inner_steps: Integer | None = Field(default=None, ge=1, le=MAX_STEPS)
-    avg_samples_between_updates: Integer | None = Field(default=None, ge=1, le=MAX_STEPS)
-    max_batch_size: Integer | None = Field(default=None, ge=1, le=1_000_000)
-    round_timeout: Float = Field(
-        default=120.0,
-        gt=0,
-        le=86_400,
-        description="Seconds the parameter server waits, after a round's first update, for the others.",
-    )
-    weighted: bool = Field(default=True, description="Weight each trainer's update by its samples.")
-    encoding: Literal[ENCODINGS] = Field(  # type: ignore[valid-type]
-        default=FLOAT32,
-        description="How pseudo-gradients and results travel: float32 (exact), float16, bfloat16 or int8 "
-        "(per-block absmax scales), the lossy ones with error feedback (docs/training.md, Encodings).",
-    )
-    encoding_block_size: Integer | None = Field(
-        default=None,
-        ge=MIN_BLOCK_SIZE,
-        le=MAX_BLOCK_SIZE,
-        description=f"int8 only: values per scale (default {DEFAULT_BLOCK_SIZE}).",
-    )
-    overlap: Literal[OVERLAPS] = Field(  # type: ignore[valid-type]
-        default=OVERLAP_NONE,
-        description="How trainers overlap a round's communication with computation: none (wait for each "
-        "round's result), eager (send round r's update and train round r + 1 at once from a proxy of the "
-        "global weights; docs/training.md, Overlap: eager updates) or streaming (each round syncs one of "
-        "`fragments` fragments of the model, in turn, while the trainers train on; docs/training.md, "
-        "Overlap: streaming).",
-    )
-    fragments: Integer | None = Field(
-        default=None,
-        ge=MIN_FRAGMENTS,
-        le=MAX_FRAGMENTS,
-        description=f"streaming only: fragments of the model (default {DEFAULT_FRAGMENTS}); round r syncs "
-        "fragment (r − 1) mod fragments, so each tensor is synced every `fragments` rounds.",
-    )
-    mix: Float | None = Field(
-        default=None,
-        ge=0,
-        lt=1,
-        description=f"streaming only: when a fragment's result arrives its weights become mix × local + "
-        f"(1 − mix) × global (default {DEFAULT_STREAMING_MIX}; 0 replaces them with the global ones).",
-    )
-    checkpoint_every: Integer = Field(
-        default=DEFAULT_CHECKPOINT_EVERY,
-        ge=1,
-        le=1000,
-        description="The parameter server uploads the full weights to the control plane's checkpoint copy "
-        "every this many rounds; the rounds between upload their momentum and result only "
-        "(docs/training.md, A parameter server lost).",
-    )
-    aggregation: Literal[AGGREGATIONS] = Field(  # type: ignore[valid-type]
-        default=AGGREGATION_MEAN,
-        description="How the parameter server combines a round's updates: mean (sample-weighted), clipped_mean "
-        "(each update's norm clipped to clip_factor × the round's median norm), trimmed_mean (per coordinate, "
-        "the trim_fraction largest and smallest values dropped) or median (coordinate-wise); docs/training.md, "
-        "Robust aggregation and verification.",
-    )
-    clip_factor: Float | None = Field(
-        default=None,
-        ge=1,
-        le=1000,
-        description="clipped_mean only: an update's norm is clipped to this × the round's median norm "
-        "(default 2).",
-    )
-    trim_fraction: Float | None = Field(
-        default=None,
-        ge=0,
-        lt=0.5,
-        description="trimmed_mean only: the fraction of values dropped on each side of each coordinate "
-        "(default 0.25; at least one each side with 3 updates or more).",
-    )
-    verification: VerificationSpec | None = Field(
-        default=None,
-        description="Score each update and reject outliers (thresholds; on for the robust rules).",
-    )
-
-    @field_validator("clip_factor", "trim_fraction")
-    @classmethod
-    def _aggregation_options(cls, value: Any, info: ValidationInfo) -> Any:
-        # A field validator (``aggregation`` is declared before them): the error is at the option's own field.
-        wanted = {"clip_factor": "clipped_mean", "trim_fraction": "trimmed_mean"}[info.field_name]
-        aggregation = info.data.get("aggregation")
-        if value is not None and aggregation is not None and aggregation != wanted:
-            raise PydanticCustomError(
-                "aggregation_only",
-                "{name} is an option of aggregation = '{wanted}' (this job's is {aggregation}).",
-                {"name": info.field_name, "wanted": wanted, "aggregation": aggregation},
-            )
-        return value
-
-    @model_serializer(mode="wrap")
-    def _newer_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # The aggregation rule and its options came later: at their defaults they are left out, so that the
-        # stored spec of a job that does not set them stays what it was.
-        data = handler(self)
-        for name in ("aggregation", "clip_factor", "trim_fraction", "verification"):
-            if name in data and data[name] == type(self).model_fields[name].default:
-                del data[name]
-        return data
-
-    def aggregation_json(self) -> dict[str, Any]:
-        """The parameter server's ``rounds`` keys of the aggregation rule: nothing for an unverified mean (the
-        default), so that such a job's JSON is unchanged."""
-        keys: dict[str, Any] = {}
-        if self.aggregation != AGGREGATION_MEAN:
-            keys["aggregation"] = self.aggregation
-        if self.clip_factor is not None:
-            keys["clip_factor"] = self.clip_factor
-        if self.trim_fraction is not None:
-            keys["trim_fraction"] = self.trim_fraction
-        if self.verification is not None:
-            # max_rejections is the control plane's (apps.jobs.training.dispatch), not the parameter server's.
-            keys["verification"] = self.verification.model_dump(exclude={"max_rejections"})
-        return keys
-
-    @model_validator(mode="after")
-    def _one_sync_rule(self) -> RoundsSpec:
-        given = (self.inner_steps is not None) + (self.avg_samples_between_updates is not None)
-        if given != 1:
-            raise PydanticCustomError(
-                "sync_rule",
-                "Give exactly one of inner_steps and avg_samples_between_updates ({given} given).",
-                {"given": "both" if given == 2 else "neither"},
-            )
-        return self
-
-    @field_validator("encoding_block_size")
-    @classmethod
-    def _blocks_of_int8(cls, value: int | None, info: ValidationInfo) -> int | None:
-        encoding = info.data.get("encoding")
-        if value is not None and encoding is not None and encoding != INT8:
-            raise PydanticCustomError(
-                "encoding_block_size",
-                "Only the int8 encoding has blocks (this job's is {encoding}).",
-                {"encoding": encoding},
-            )
-        return value
-
-    @field_validator("fragments", "mix")
-    @classmethod
-    def _streaming_options(cls, value: Any, info: ValidationInfo) -> Any:
-        # A field validator (``overlap`` is declared before them), so that the error is at the option's own
-        # field — next to it in the dashboard, under its key in a TOML — and both are reported.
-        overlap = info.data.get("overlap")
-        if value is not None and overlap is not None and overlap != OVERLAP_STREAMING:
-            raise PydanticCustomError(
-                "streaming_only",
-                "{name} is an option of overlap = 'streaming' (this job's is {overlap}).",
-                {"name": info.field_name, "overlap": overlap},
-            )
-        return value
-
-    @property
-    def fragment_count(self) -> int:
-        """F of a streaming job (its ``fragments`` or the default); 1 otherwise."""
-        if self.overlap != OVERLAP_STREAMING:
-            return 1
-        return self.fragments if self.fragments is not None else DEFAULT_FRAGMENTS
-
-    @property
-    def streaming_mix(self) -> float:
-        return self.mix if self.mix is not None else DEFAULT_STREAMING_MIX
-
-    @field_validator("overlap", mode="before")
-    @classmethod
-    def _overlap_available(cls, value: Any) -> Any:
-        if isinstance(value, str) and value in OVERLAP_NOT_AVAILABLE:
-            raise PydanticCustomError("overlap_not_available", OVERLAP_NOT_AVAILABLE[value])
-        return value
-
-    def encoding_json(self) -> dict[str, Any]:
-        """The job JSON's ``encoding`` and (int8) ``encoding_block_size`` for executors; nothing for float32,
-        the executors' default, so that a float32 job's JSON stays exactly Hypha's."""
-        if self.encoding == FLOAT32:
-            return {}
-        if self.encoding != INT8:
-            return {"encoding": self.encoding}
-        size = self.encoding_block_size if self.encoding_block_size is not None else DEFAULT_BLOCK_SIZE
-        return {"encoding": INT8, "encoding_block_size": size}
-
-
 class EvaluationSpec(_Spec):
     """Held-out slices of the dataset: never trained on; the global model's loss on them is computed after
     every round. Name them by index (``slices``) or hold out the last ``holdout`` slices."""
@@ -624,6 +298,13 @@ class RoleSpec(_Spec):
 
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     price: PriceSpec = Field(default_factory=PriceSpec)
+    min_reliability: Float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Offers from workers whose reliability is below this are declined (0 to 1; a new worker is "
+        "at 0.5; docs/architecture.md, Reputation). 0: any worker.",
+    )
 
 
 class ParameterServerSpec(RoleSpec):
@@ -678,7 +359,7 @@ class DiLoCoSpec(_Spec):
     )
     trainer: RoleSpec = Field(default_factory=RoleSpec)
     parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
-    evaluation: EvaluationSpec | None = None
+    evaluation: EvaluationSpec | None = Field(default=None, validate_default=True)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     seed: Integer = Field(default=0, ge=0, le=2**31 - 1, description="Seeds a model built from a config.")
     allocation_timeout: Float = Field(
@@ -742,6 +423,37 @@ class DiLoCoSpec(_Spec):
                 "training",
                 "mixed_precision fp16 needs a CUDA GPU: ask for one (trainer.resources.gpu or devices above 0), "
                 "or use bf16.",
+            )
+        return value
+
+    @field_validator("evaluation")
+    @classmethod
+    def _loss_checks_have_data(
+        cls, value: EvaluationSpec | None, info: ValidationInfo
+    ) -> EvaluationSpec | None:
+        # The validation step and the discard rule measure the held-out loss: at the parameter server, on the
+        # evaluation data (docs/training.md, Robust aggregation and verification).
+        rounds = info.data.get("rounds")
+        if value is not None or rounds is None:
+            return value
+        verification = rounds.verification
+        wanted = [
+            name
+            for name, given in (
+                (
+                    "rounds.verification.validation_every",
+                    verification is not None and verification.validation_every,
+                ),
+                ("rounds.discard_if_loss_rises", rounds.discard_if_loss_rises is not None),
+            )
+            if given
+        ]
+        if wanted:
+            raise PydanticCustomError(
+                "evaluation_needed",
+                "Evaluation data is needed for {names} (the held-out loss is measured on it): give "
+                "evaluation.slices or evaluation.holdout.",
+                {"names": " and ".join(wanted)},
             )
         return value
 

@@ -16,6 +16,7 @@ from apps.jobs import metrics, observers, sync, throughput
 from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job, Round, Task
 from apps.jobs.spec import OVERLAPS_TRAINING_AHEAD
 from apps.jobs.training import pools, transfers
+from apps.jobs.training.discard import OWNER_DISCARD, pending_discard
 from apps.jobs.training.dispatch import dispatch_trainers, point_trainers
 from apps.jobs.training.plans import Plan, plan
 from apps.jobs.training.reports import own_task
@@ -566,6 +567,9 @@ def _verdicts(value: Any) -> dict:
             "norm_ratio": _finite(body.get("norm_ratio")),
             "cosine": _finite(body.get("cosine")),
         }
+        if "validation_loss" in body:  # a round that validated its updates (the validation step)
+            kept[str(peer)[:64]]["validation_loss"] = _finite(body.get("validation_loss"))
+            kept[str(peer)[:64]]["loss_ratio"] = _finite(body.get("loss_ratio"))
     return kept
 
 
@@ -617,7 +621,8 @@ def _server_status(
 
 def _expectation(task: Task, body: Any) -> dict:
     """The parameter server's round ``body["round"]`` has its first update: whom should it wait for, and
-    when are they due? ``{"type": "Expect", "peers": [worker ids], "due_in": seconds | None}`` — the job's
+    when are they due? ``{"type": "Expect", "peers": [worker ids], "due_in": seconds | None}`` (and
+    ``"discard": n`` while the owner's discard of round n waits to be taken: docs/training.md) — the job's
     live trainers that have not finished the job, and when the last of them is projected to finish its
     steps (``None`` when unknown; the parameter server then keeps its ``round_timeout``)."""
     job = task.job
@@ -667,12 +672,16 @@ def _expectation(task: Task, body: Any) -> dict:
         due = sync.due_in(
             _projected(rows, now=now), remaining_steps=remaining, now=now, default=sync.STEPS_CAP - 1
         )
-    return {
+    reply: dict[str, Any] = {
         "type": "Expect",
         "peers": peers,
         "due_in": None if due is None else round(due, 3),
         "samples": counted,
     }
+    discard = pending_discard(job, number)
+    if discard is not None:  # the owner discards the last closed round (apps/jobs/training/discard.py)
+        reply["discard"] = discard
+    return reply
 
 
 def _record_round(task: Task, body: Any) -> dict:
@@ -723,19 +732,21 @@ def _record_round(task: Task, body: Any) -> dict:
     eval_error = body.get("eval_error")
     # Why there is no eval loss (a NaN model, no eval data): shown, not a silent null.
     round_.eval_error = eval_error[:500] if isinstance(eval_error, str) and round_.eval_loss is None else ""
+    discarded = body.get("discarded")
+    # The step thrown away (its held-out loss rose, or it was not finite): the weights stayed as they were.
+    round_.discarded = isinstance(discarded, str) and bool(discarded)
+    round_.discard_reason = discarded[:500] if isinstance(discarded, str) else ""
     round_.save()
     observers.round_recorded(round_)
+    observers.round_reported(round_)
     evaluation = f", eval loss {round_.eval_loss:.4f}" if round_.eval_loss is not None else ""
     if round_.eval_error:
         evaluation = f", no eval loss: {round_.eval_error[:300]}"
     left_out = f", {len(round_.left_out)} left out" if round_.left_out else ""
-    discarded = body.get("discarded")
-    if isinstance(discarded, str) and discarded:
-        # The parameter server threw the round's outer step away (its result was not finite): the weights
-        # stayed as they were. Said on the job page, not hidden behind "applied".
-        outcome = f"discarded, weights kept ({discarded[:300]})"
-    else:
-        outcome = "applied"
+    # A discarded round is said on the job page, not hidden behind "applied".
+    outcome = f"discarded, weights kept ({round_.discard_reason[:300]})" if round_.discarded else "applied"
+    if round_.discarded and round_.discard_reason.startswith(OWNER_DISCARD):  # gone back, not kept
+        outcome = f"discarded ({round_.discard_reason[:300]})"
     job.transition(
         Job.Status.RUNNING,
         reason=f"RUNNING: round {number} of {update_rounds} {outcome} "

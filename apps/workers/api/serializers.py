@@ -15,7 +15,7 @@ from apps.accounting import services as accounting
 from apps.accounting.api.serializers import EARNINGS_HELP, credits_field
 from apps.leases.models import Lease
 from apps.workers import services
-from apps.workers.models import Reachable, Worker
+from apps.workers.models import Reachable, Worker, WorkerRecord
 from hypha_site.api import EnumField, ExecutorSerializer, ResourcesSerializer, StrictSerializer
 from worker_daemon.protocol import PRICE_MEANING
 
@@ -58,13 +58,40 @@ class DeviceSerializer(serializers.Serializer):
     name = serializers.CharField(read_only=True, help_text="its name, as configured (may be empty)")
 
 
+class ReputationSerializer(serializers.ModelSerializer):
+    """A worker's record (docs/architecture.md, "Reputation"): what became of its updates and leases, the jobs it
+    served, its speed against its benchmark, and the reliability the market ranks and filters its offers by."""
+
+    reliability = serializers.FloatField(
+        read_only=True,
+        help_text="(accepted + down_weighted/2 + leases_completed + 1) / (all updates and leases + 2), in (0, 1): "
+        "0.5 for a new worker; the market divides an offer's price per capacity by it (relative to 0.5) and "
+        "declines offers below a job's min_reliability",
+    )
+
+    class Meta:
+        model = WorkerRecord
+        fields = [
+            "reliability",
+            "updates_accepted",
+            "updates_down_weighted",
+            "updates_rejected",
+            "leases_completed",
+            "leases_lost",
+            "jobs_served",
+            "speed_vs_benchmark",
+            "speed_rounds",
+        ]
+        read_only_fields = fields
+
+
 class PublicWorkerSerializer(serializers.ModelSerializer):
     """A worker of the pool as any signed-in user sees it: what it offers, and nothing of who runs it.
 
     Its public facts are its name, presence, capacity, executors, price floor and benchmark score, and the live
     leases of *your own* jobs on it. Never its owner, its token or the token's state, its presence log, its
     benchmark's details (device names, library versions, error text) or another user's leases: a user must not
-    learn who runs a worker, nor another user's jobs through it. (A reputation joins these when there is one.)
+    learn who runs a worker, nor another user's jobs through it, nor its reputation (its owner's business).
     """
 
     status = EnumField(Worker.Status, read_only=True, help_text="online while its daemon is connected")
@@ -146,6 +173,9 @@ class WorkerSerializer(PublicWorkerSerializer):
     )
     leases = WorkerLeaseSerializer(source="live_leases", many=True, read_only=True)
     earnings = serializers.SerializerMethodField(help_text=EARNINGS_HELP)
+    reputation = serializers.SerializerMethodField(
+        help_text="its record and reliability (docs/architecture.md, Reputation); its owner and staff only"
+    )
     benchmark = serializers.JSONField(
         read_only=True,
         help_text="the last benchmark's details: device, device_name, model, parameters, batch_size, "
@@ -177,10 +207,17 @@ class WorkerSerializer(PublicWorkerSerializer):
             "created_at",
             "leases",
             "earnings",
+            "reputation",
         ]
         read_only_fields = fields
 
     VIEW = "full"
+
+    @extend_schema_field(ReputationSerializer)
+    def get_reputation(self, worker: Worker) -> dict:
+        # No record yet: all zero, at the prior.
+        record = getattr(worker, "record", None) or WorkerRecord(worker=worker)
+        return ReputationSerializer(record).data
 
     @extend_schema_field(credits_field())
     def get_earnings(self, worker: Worker) -> str:

@@ -78,7 +78,7 @@ class WorkerViewSet(
             return Worker.objects.none()
         # Each lease's job, for the public view: it keeps only the caller's own jobs' leases.
         live = Lease.objects.filter(status__in=Lease.LIVE).select_related("job").order_by("created_at")
-        workers = Worker.objects.select_related("owner").prefetch_related(
+        workers = Worker.objects.select_related("owner", "record").prefetch_related(
             Prefetch("leases", queryset=live, to_attr="live_leases")
         )
         user = self.request.user

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from decimal import Decimal
 from types import SimpleNamespace
 
 import pytest
@@ -136,6 +137,31 @@ async def test_trainer_progress_is_throttled_per_job(
     assert (trainer_a_first["steps_total"], trainer_a_first["samples_total"]) == (1, 4)
     assert (trainer_a_second["steps_total"], trainer_a_second["samples_total"]) == (3, 12)
     assert trainer_a_second["last_loss"] == 4.0
+
+
+async def test_the_snapshot_and_a_progress_event_carry_the_jobs_cost(
+    browser_socket, training_job, online_rigs, job_owner
+):
+    # given: Ada's job page is open (the snapshot: its cost at the socket's start)
+    connected, _, socket = await browser_socket(f"/ws/dashboard/jobs/{training_job.pk}/", user=job_owner)
+    assert connected
+    snapshot = json.loads(await socket.receive_from(timeout=TIMEOUT))
+    live._last_progress.clear()
+
+    # when: a trainer reports a step
+    def step() -> None:
+        status(
+            online_rigs[0], task_of(training_job, online_rigs[0]), {"status": {"batch_size": 4, "loss": 4.0}}
+        )
+
+    await database_sync_to_async(step)()
+    event = await next_event(socket, "progress")
+
+    # then: both frames carry the cost so far (read at the send; the fixture's leases run on the real clock)
+    for frame in (snapshot, event):
+        assert set(frame["cost"]) == {"credits", "max_cost", "as_of"}
+        assert Decimal(frame["cost"]["credits"]) >= 0 and frame["cost"]["max_cost"] is None
+    assert event["cost"]["as_of"] >= snapshot["cost"]["as_of"]
 
 
 async def test_a_cancelled_job_is_announced_to_its_page(browser_socket, training_job, job_owner):

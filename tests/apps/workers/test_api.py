@@ -40,6 +40,18 @@ def worker_body(worker: Worker, *, leases: list) -> dict:
         "created_at": iso(worker.created_at),
         "leases": leases,
         "earnings": "0.000000",
+        # A worker with no record yet: all zero, at the prior (tests/apps/workers/test_reputation.py).
+        "reputation": {
+            "reliability": 0.5,
+            "updates_accepted": 0,
+            "updates_down_weighted": 0,
+            "updates_rejected": 0,
+            "leases_completed": 0,
+            "leases_lost": 0,
+            "jobs_served": 0,
+            "speed_vs_benchmark": None,
+            "speed_rounds": 0,
+        },
     }
 
 
