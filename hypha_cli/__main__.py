@@ -29,7 +29,8 @@ download their models, list workers. Log in once with `hypha login --server URL`
 EPILOG = f"""\
 exit codes:
   {ExitCode.OK:<3d} success; `watch`: the job completed
-  {ExitCode.REFUSED:<3d} the server refused the request (invalid spec, not cancellable, no model yet);
+  {ExitCode.REFUSED:<3d} the server refused the request (invalid spec, not cancellable, round not
+      discardable, no model yet);
       `watch`: the job failed
   {ExitCode.CANCELLED:<3d} `watch`: the job was cancelled
   {ExitCode.AUTHENTICATION:<3d} not logged in, or the server refused the token (HTTP 401/403)
@@ -90,6 +91,16 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _round_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 999_999_999:  # the URL takes nine digits; round 0 has no round before it
+        raise argparse.ArgumentTypeError(f"must be from 1 to 999999999: {text!r}")
     return value
 
 
@@ -253,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     cancel = command("cancel", "cancel a job", json_help="print the cancelled job as JSON")
     cancel.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+
+    discard = command(
+        "discard",
+        "discard a running job's latest closed round: the next round goes back to the round before it",
+        json_help="print the job as JSON",
+    )
+    discard.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+    discard.add_argument("round", metavar="ROUND", type=_round_number, help="the round's number")
 
     download = command(
         "download",

@@ -105,6 +105,18 @@ class HyphaClient:
         """Cancel a job; the job afterwards."""
         return self._object(self._send("POST", f"/api/jobs/{job_id}/cancel/", job_id=job_id))
 
+    def discard_round(self, job_id: str, number: int) -> dict[str, Any]:
+        """Discard round ``number``, the running job's latest closed round; the job afterwards. A 409 (not
+        discardable) is a :class:`RefusedError` with the server's reason."""
+        try:
+            response = self._send("POST", f"/api/jobs/{job_id}/rounds/{number}/discard/", job_id=job_id)
+        except JobNotFoundError:
+            # The server's 404 is for a missing job and a missing closed round alike.
+            raise JobNotFoundError(
+                f"no job {job_id} with a closed round {number} on {self.server} (or it is not one of yours)"
+            ) from None
+        return self._object(response)
+
     def task_log(self, job_id: str, task_id: str) -> str:
         """A task's full log as the control plane keeps it (its newest part, past the server's cap)."""
         return self._send("GET", f"/api/jobs/{job_id}/tasks/{task_id}/log", job_id=job_id).text

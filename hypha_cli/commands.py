@@ -290,6 +290,21 @@ def cancel(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
     return ExitCode.OK
 
 
+def discard(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    """Ask the server to discard a round (docs/training.md, "Discarding a round"); a refusal (409) exits 1
+    with the server's reason."""
+    with _client(arguments, environ=environ, transport=transport) as client:
+        job = client.discard_round(arguments.job_id, arguments.round)
+    if arguments.json:
+        output.print_json(job)
+    else:
+        print(
+            f"job {job['id']}: round {arguments.round} will be discarded: the next round goes back to the "
+            f"weights and momentum of round {arguments.round - 1}"
+        )
+    return ExitCode.OK
+
+
 def download(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
     directory = Path(arguments.output)
     with _client(arguments, environ=environ, transport=transport) as client:
@@ -386,6 +401,7 @@ COMMANDS = {
     "show": show,
     "watch": watch,
     "cancel": cancel,
+    "discard": discard,
     "download": download,
     "logs": logs,
     "workers": workers,

@@ -105,9 +105,15 @@ def _visible_job(request: HttpRequest, job_id) -> Job:
 @dashboard_login_required
 def job_detail(request: HttpRequest, job_id) -> HttpResponse:
     job = _visible_job(request, job_id)
+    snapshot = snapshots.job_snapshot(job)
+    owner = job.owner_id == request.user.pk
     context = {
         "job": job,
-        "snapshot": snapshots.job_snapshot(job),
+        "snapshot": snapshot,
+        # The owner's Discard button: the API's URL (round 0 for the number, the page's script puts the round's)
+        # and the round it shows on now; the script keeps it right as rounds close (docs/dashboard.md).
+        "discard_url": reverse("job-discard", kwargs={"pk": job.pk, "number": "0"}) if owner else "",
+        "discard_round": _discardable_round(snapshot) if owner else None,
         "websocket_path": f"/ws/dashboard/jobs/{job.pk}/",
         "model_url": reverse("job-model", kwargs={"pk": job.pk}),
         # The page's script links each worker to its page: this URL with the worker's id for the zero UUID.
@@ -115,6 +121,22 @@ def job_detail(request: HttpRequest, job_id) -> HttpResponse:
         **snapshots.job_page(job),
     }
     return render(request, "dashboard/job.html", context)
+
+
+def _discardable_round(snapshot: dict) -> int | None:
+    """The round an owner may discard (the API checks again): a running job's latest closed round, when it is
+    neither discarded nor asked to be and is not the job's last round. Refusals the page cannot see (the job's
+    overlap or encoding) come back as the API's 409 reason."""
+    job = snapshot["job"]
+    closed = [round_ for round_ in snapshot["rounds"] if round_["closed"]]
+    if job["status"] != Job.Status.RUNNING or not closed:
+        return None
+    last = max(closed, key=lambda round_: round_["number"])
+    if last["discarded"] or last["discard_requested_at"]:
+        return None
+    if job["update_rounds"] and last["number"] >= job["update_rounds"]:
+        return None
+    return last["number"]
 
 
 @dashboard_login_required

@@ -3,12 +3,14 @@
 A job asking for more workers than the fleet has was accepted, held the leases it could get and re-advertised
 the rest for ever, keeping those workers from every other job. Two rules stop that:
 
-* **At submission** (:func:`submission_warnings`) each role is compared with the connected workers that fit
-  it (:func:`apps.market.targeting.could_serve`: its executor, its reachability policy, a price floor at most
-  its bid, its resources within the worker's capacity — whether the worker is busy now does not count, it
-  may be free soon). Fewer than the role needs, or fewer than the roles need together (a worker offering its
-  whole capacity holds one lease at a time), is a warning: the job is still accepted, since workers may
-  connect, but its submission says so (the 201 body's ``warnings``, a status event, ``hypha submit``).
+* **At submission** (:func:`submission_warnings`) each role is compared with the connected workers that fit it
+  (:func:`apps.market.targeting.could_serve`: its executor, its reachability policy, a price floor at most its
+  bid, its resources within the worker's capacity, its reliability at least the role's ``min_reliability`` —
+  whether the worker is busy now does not count, it may be free soon; the workers below the minimum are
+  counted apart, :func:`reliability_note`). Fewer than the role needs, or fewer than the roles need together
+  (a worker offering its whole capacity holds one lease at a time), is a warning: the job is still accepted,
+  since workers may connect, but its submission says so (the 201 body's ``warnings``, a status event,
+  ``hypha submit``).
 * **The deadline** (:func:`due_for_timeout`): a job that has never been fully allocated
   ``allocation_timeout`` seconds after its submission (spec, default 600) gives back every lease it holds
   and fails with what it had (``apps.jobs.services.tick_market``). Once it was fully allocated the deadline
@@ -43,20 +45,13 @@ def fleet_warnings(
     fitting: dict[str, set] = {}
     for requirement in requirements:
         fitting[requirement.role] = {
-            candidate.worker_id
-            for candidate in candidates
-            if targeting.could_serve(
-                candidate,
-                resources=requirement.resources,
-                executors={requirement.executor.key()},
-                bid=requirement.bid,
-                reachable=requirement.reachable,
-                devices=targeting.DeviceRequest(count=requirement.devices, memory=requirement.device_memory),
-            )
+            candidate.worker_id for candidate in candidates if _fits(requirement, candidate)
         }
         fit = len(fitting[requirement.role])
         if fit < requirement.count:
-            warnings.append(_role_warning(requirement, fit))
+            warning = _role_warning(requirement, fit)
+            below = reliability_note(requirement, candidates)
+            warnings.append(f"{warning} ({below})" if below else warning)
     if warnings:
         return warnings
     needed = sum(requirement.count for requirement in requirements)
@@ -74,6 +69,32 @@ def fleet_warnings(
             "capacity holds one)"
         )
     return warnings
+
+
+def reliability_note(requirement: RoleRequirement, candidates: Sequence[targeting.Candidate]) -> str:
+    """How many of the connected workers ``candidates`` would fit the role but for its ``min_reliability``
+    ("" when none): the owner learns why the role waits, not the other owners' workers' reliabilities."""
+    if requirement.min_reliability <= 0:
+        return ""
+    loose = dataclasses.replace(requirement, min_reliability=0.0)
+    below = sum(_fits(loose, candidate) and not _fits(requirement, candidate) for candidate in candidates)
+    if not below:
+        return ""
+    singular = ROLE_LABELS.get(requirement.role, (requirement.role,))[0]
+    workers = "1 connected worker that fits" if below == 1 else f"{below} connected workers that fit"
+    return (
+        f"{workers} the {singular} role {'is' if below == 1 else 'are'} below its min_reliability "
+        f"{requirement.min_reliability:g} (docs/architecture.md, Reputation)"
+    )
+
+
+def waiting_for_reliability(job: Job, role: str) -> str:
+    """:func:`reliability_note` for ``job``'s ``role`` and the workers connected now; no query when the role
+    asks for no minimum."""
+    requirement = job.requirement(role)
+    if requirement.min_reliability <= 0:
+        return ""
+    return reliability_note(requirement, market.connected_candidates())
 
 
 def submission_warnings(job: Job) -> list[str]:
@@ -133,6 +154,18 @@ def timeout_reason(job: Job) -> str:
     if warnings:
         reason += f" ({'; '.join(warnings)})"
     return reason
+
+
+def _fits(requirement: RoleRequirement, candidate: targeting.Candidate) -> bool:
+    return targeting.could_serve(
+        candidate,
+        resources=requirement.resources,
+        executors={requirement.executor.key()},
+        bid=requirement.bid,
+        reachable=requirement.reachable,
+        devices=targeting.DeviceRequest(count=requirement.devices, memory=requirement.device_memory),
+        min_reliability=requirement.min_reliability,
+    )
 
 
 def _role_warning(requirement: RoleRequirement, fit: int) -> str:

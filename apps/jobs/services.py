@@ -642,6 +642,11 @@ def _waiting_note(job: Job) -> str:
             # free resources (apps.market.targeting) — the owner should know it waits for workers, not offers.
             nobody = "; no connected worker can take it" if not ad.targets else ""
             notes.append(f"advertising {ad.wanted} {label} (attempt {ad.attempt + 1}{nobody})")
+        if len(ad.targets) < ad.wanted:
+            # Workers below the role's min_reliability are not asked: say so, or the owner sees no reason.
+            below = allocation.waiting_for_reliability(job, ad.role)
+            if below:
+                notes.append(below)
     return "; ".join(notes)
 
 

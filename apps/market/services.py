@@ -1,14 +1,15 @@
 """Market workflows: advertising a role, taking offers, and choosing the winners.
 
 Selection (reference §3.4, improved): offers above the advertisement's private ``max_price``, or from a worker
-below the role's ``min_reliability``, are declined on arrival; the rest are ranked by *price per weighted
-capacity* adjusted by the worker's reliability (lower wins; the capacity counted is what the worker's benchmark
-supports at the fleet's rate, within the operator's cap: :mod:`apps.market.targeting`, "Measured capacity"; the
-reliability: :func:`offer_score`, docs/architecture.md "Reputation"), at most one offer per worker per
-advertisement (a database constraint), and the best ``wanted`` ones have their TEMPORARY leases activated; an
-advert's reachability policy (``any``, ``prefer``, ``require``: :mod:`apps.market.targeting`, "Reachability")
-refuses or re-orders them. An advertisement settles as soon as it has as many open offers as it wants, or when
-its window closes; if it is still short it re-advertises after a bounded exponential backoff.
+below the role's ``min_reliability`` (such a worker is not sent the advert either), are declined on arrival;
+the rest are ranked by *price per weighted capacity* adjusted by the worker's reliability (lower wins; the
+capacity counted is what the worker's benchmark supports at the fleet's rate, within the operator's cap:
+:mod:`apps.market.targeting`, "Measured capacity"; the reliability: :func:`offer_score`, docs/architecture.md
+"Reputation"), at most one offer per worker per advertisement (a database constraint), and the best ``wanted``
+ones have their TEMPORARY leases activated; an advert's reachability policy (``any``, ``prefer``, ``require``:
+:mod:`apps.market.targeting`, "Reachability") refuses or re-orders them. An advertisement settles as soon as
+it has as many open offers as it wants, or when its window closes; if it is still short it re-advertises after
+a bounded exponential backoff.
 
 These functions decide and record; they tell daemons what happened (after commit) but leave the job's
 status to :mod:`apps.jobs.services`, which calls them.
@@ -127,6 +128,7 @@ def _choose_targets(ad: Advertisement, *, now, exclude: frozenset = frozenset())
         asked=ad.asked,
         reachable=ad.reachable,
         devices=device_request(ad),
+        min_reliability=min_reliability(ad),
     )
     ad.targets = [str(worker_id) for worker_id in targets]
     ad.asked = targeting.count_asked(ad.asked, targets)
@@ -134,7 +136,7 @@ def _choose_targets(ad: Advertisement, *, now, exclude: frozenset = frozenset())
 
 def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidate]:
     """Every connected worker with a valid token (or only ``worker_id``), with what its live leases leave free
-    (two queries)."""
+    and its reliability (three queries: its record is joined in)."""
     now = now or timezone.now()
     workers = Worker.objects.filter(status=Worker.Status.ONLINE, token_revoked_at__isnull=True)
     if worker_id is not None:
@@ -153,14 +155,26 @@ def connected_candidates(*, now=None, worker_id=None) -> list[targeting.Candidat
             reachable=worker.reachable,
             devices=tuple(worker.device_list()),
             held_devices=frozenset(held.get(worker.pk, ())),
+            reliability=worker.reliability,
         )
-        for worker in workers.only(*_CANDIDATE_FIELDS)
+        for worker in workers.select_related("record").only(*_CANDIDATE_FIELDS, *_RECORD_FIELDS)
     ]
 
 
 #: What the market reads of a worker: its declared resources, the operator's caps, its terms and benchmark.
 _CAPACITY_FIELDS = ("cpu", "memory", "storage", "gpu", *Worker.CAP_FIELDS.values(), "benchmark_score")
 _CANDIDATE_FIELDS = ("id", *_CAPACITY_FIELDS, "executors", "price_floor", "strategy", "reachable", "devices")
+#: What its reliability is computed from (``apps.workers.models.WorkerRecord.reliability``).
+_RECORD_FIELDS = tuple(
+    f"record__{name}"
+    for name in (
+        "updates_accepted",
+        "updates_down_weighted",
+        "updates_rejected",
+        "leases_completed",
+        "leases_lost",
+    )
+)
 
 
 def fleet_yardstick() -> targeting.Yardstick | None:
@@ -181,7 +195,9 @@ def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
     ads = list(
         Advertisement.objects.filter(
             status=Advertisement.Status.OPEN, next_attempt_at__isnull=True, window_closes_at__gt=now
-        ).order_by("created_at")[:200]
+        )
+        .select_related("job")
+        .order_by("created_at")[:200]
     )
     if not ads:
         return []
@@ -199,8 +215,14 @@ def open_advertisements(worker: Worker) -> list[protocol.Advertisement]:
             bid=ad.bid,
             reachable=ad.reachable,
             devices=device_request(ad),
+            min_reliability=min_reliability(ad),
         )
     ]
+
+
+def min_reliability(ad: Advertisement) -> float:
+    """The reliability a worker needs for the advert's role (its job's ``min_reliability``; 0: any)."""
+    return ad.job.requirement(ad.role).min_reliability
 
 
 def device_request(ad: Advertisement) -> targeting.DeviceRequest:
@@ -300,7 +322,7 @@ def _decline_reason(ad: Advertisement, worker: Worker, message: protocol.Offer) 
     below the role's ``min_reliability`` (a new worker is at the prior, 0.5); "" when it is not."""
     if message.price > ad.max_price:
         return "price above what the job pays"
-    minimum = ad.job.requirement(ad.role).min_reliability
+    minimum = min_reliability(ad)
     if worker.reliability < minimum:
         return (
             f"the worker's reliability {worker.reliability:.3f} is below the job's minimum {minimum:g} "

@@ -60,6 +60,10 @@ result crosses twice, so the job prefers reachable ones. The advert's policy:
   worker, only reachable offers settle the advert before its window closes (an unreachable one must not win
   by coming first: ``apps.market.services``);
 * ``require`` — only workers declared reachable (:func:`is_reachable`) are asked and their offers taken.
+
+**Reputation.** A role's ``min_reliability`` (docs/architecture.md, "Reputation") is part of "could offer": a
+worker below it is not asked (the market would decline its offer on arrival), and the fleet check counts it
+apart so that the job's status says why it waits (``apps.jobs.allocation``).
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class Candidate:
     #: Its devices (GPUs) as its daemon declared them, and the indices its live leases hold.
     devices: tuple[Device, ...] = ()
     held_devices: frozenset[int] = frozenset()
+    #: Its reliability (``apps.workers.models.Worker.reliability``); a new worker is at the prior, 0.5.
+    reliability: float = 0.5
 
     def free_devices(self) -> list[Device]:
         return [device for device in self.devices if device.index not in self.held_devices]
@@ -192,11 +198,19 @@ def could_offer(
     bid: float,
     reachable: str = ANY,
     devices: DeviceRequest = NO_DEVICES,
+    min_reliability: float = 0.0,
 ) -> bool:
     """Whether the worker's daemon would offer on the advert, and the market would take the offer (under the
-    advert's reachability policy ``reachable``; ``devices`` free on it)."""
+    advert's reachability policy ``reachable``; ``devices`` free on it; the worker at least at the role's
+    ``min_reliability``)."""
     if not could_serve(
-        candidate, resources=resources, executors=executors, bid=bid, reachable=reachable, devices=devices
+        candidate,
+        resources=resources,
+        executors=executors,
+        bid=bid,
+        reachable=reachable,
+        devices=devices,
+        min_reliability=min_reliability,
     ):
         return False
     if choose_devices(candidate.free_devices(), count=devices.count, memory=devices.memory) is None:
@@ -212,11 +226,15 @@ def could_serve(
     bid: float,
     reachable: str = ANY,
     devices: DeviceRequest = NO_DEVICES,
+    min_reliability: float = 0.0,
 ) -> bool:
     """Whether the worker fits the role at all — :func:`could_offer` once its leases end: the executors, the
-    reachability policy, ``bid`` at least its floor and ``resources`` within its capacity (what it holds now
+    reachability policy, its reliability at least the role's ``min_reliability`` (the market would decline
+    its offer on arrival), ``bid`` at least its floor and ``resources`` within its capacity (what it holds now
     does not count). The submission's fleet check (``apps.jobs.allocation``) counts these workers."""
     if not set(executors) <= candidate.executors:
+        return False
+    if candidate.reliability < min_reliability:
         return False
     if reachable == REQUIRE and not is_reachable(candidate.reachable):
         return False
@@ -262,11 +280,13 @@ def choose_targets(
     rng: random.Random | None = None,
     reachable: str = ANY,
     devices: DeviceRequest = NO_DEVICES,
+    min_reliability: float = 0.0,
 ) -> list[uuid.UUID]:
     """The workers to send an advert attempt to, best rank first (see the module docstring).
 
     ``asked`` counts how many earlier attempts of the advert each worker (by ``str`` of its id) was sent;
-    ``reachable`` is the advert's reachability policy.
+    ``reachable`` is the advert's reachability policy; a worker below the role's ``min_reliability`` is not
+    asked (its offer would only be declined).
     """
     rng = rng or random.Random()
     asked = asked or {}
@@ -294,6 +314,7 @@ def choose_targets(
                 bid=bid,
                 reachable=reachable,
                 devices=devices,
+                min_reliability=min_reliability,
             )
         ),
         key=lambda item: item[:5],

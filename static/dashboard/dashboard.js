@@ -338,7 +338,8 @@
     }
 
     // Applied: "yes"; "yes, no report" for a round its checkpoint closed whose report never came (the job
-    // ended first: its samples, duration and bytes are unknown); "no" while open.
+    // ended first: its samples, duration and bytes are unknown); "no" while open. The owner's Discard button
+    // follows it on the round that may be discarded.
     function applied(round) {
       if (!round.closed) { return "no"; }
       if (round.discarded) {  // rolled back: the previous weights and momentum stayed
@@ -346,11 +347,80 @@
         discarded.title = round.discard_reason || "the parameter server discarded the round";
         return { node: discarded, className: "error" };
       }
-      if (round.reported) { return "yes"; }
-      var node = element("span", "yes, no report");
-      node.title = "applied, but the job ended before the parameter server reported the round: its samples, " +
-        "duration and bytes are unknown";
-      return node;
+      var node = element("span", round.reported ? "yes" : "yes, no report");
+      if (!round.reported) {
+        node.title = "applied, but the job ended before the parameter server reported the round: its samples, " +
+          "duration and bytes are unknown";
+      }
+      if (round.number !== discardableRound()) { return round.reported ? "yes" : node; }
+      var cell = element("span");
+      cell.appendChild(node);
+      cell.appendChild(document.createTextNode(" "));
+      var button = element("button", "Discard", "danger small discard-round");
+      button.type = "button";
+      button.dataset.round = round.number;
+      button.title = "the next round goes back to the weights and momentum of the round before this one";
+      cell.appendChild(button);
+      return cell;
+    }
+
+    // The owner's Discard (docs/dashboard.md, "Discarding a round"): the page gives the API's URL (round 0 in
+    // it) and the CSRF token to the job's owner only; the POST goes with the session and the token, as the
+    // cancel form does. The button is on a running job's latest closed round, when it is neither discarded
+    // nor asked to be and is not the job's last round (apps/dashboard/views.py, _discardable_round); the API
+    // checks again and its refusal (409) is shown with its reason.
+    var roundsCard = document.getElementById("rounds-card");
+    var discardUrl = roundsCard ? roundsCard.dataset.discardUrl : "";
+
+    function discardableRound() {
+      if (!discardUrl || !state.job || state.job.status !== "running") { return null; }
+      var closed = sortedRounds().filter(function (round) { return round.closed; });
+      var last = closed[closed.length - 1];
+      if (!last || last.discarded || last.discard_requested_at) { return null; }
+      if (state.job.update_rounds && last.number >= state.job.update_rounds) { return null; }
+      return last.number;
+    }
+
+    function showDiscardMessage(text, failed) {
+      var message = document.getElementById("discard-message");
+      message.textContent = text;
+      message.className = failed ? "small error" : "small";
+      message.hidden = false;
+    }
+
+    function discard(number, button) {
+      if (!window.confirm("Discard round " + number + "? The next round goes back to the weights and momentum " +
+          "of round " + (number - 1) + ": the steps of both rounds are undone.")) { return; }
+      button.disabled = true;
+      fetch(discardUrl.replace(/\/0\/discard\/$/, "/" + number + "/discard/"), {
+        method: "POST",
+        credentials: "same-origin",
+        headers: { "X-CSRFToken": roundsCard.dataset.csrfToken, "Accept": "application/json" }
+      }).then(function (response) {
+        return response.json().catch(function () { return {}; }).then(function (body) {
+          if (!response.ok) {
+            button.disabled = false;
+            showDiscardMessage("Round " + number + " was not discarded: " +
+              (typeof body.detail === "string" ? body.detail : "HTTP " + response.status), true);
+            return;
+          }
+          var answered = (body.rounds || []).filter(function (round) { return round.number === number; })[0];
+          if (answered) { upsertRound(answered); }
+          showDiscardMessage("Round " + number + " will be discarded: the next round goes back to the weights " +
+            "and momentum of round " + (number - 1) + ".", false);
+          renderRounds();
+        });
+      }).catch(function () {
+        button.disabled = false;
+        showDiscardMessage("Round " + number + " was not discarded: the server could not be reached.", true);
+      });
+    }
+
+    if (discardUrl) {
+      document.getElementById("rounds").addEventListener("click", function (event) {
+        var button = event.target.closest("button.discard-round");
+        if (button && !button.disabled) { discard(Number(button.dataset.round), button); }
+      });
     }
 
     // The round's encoding and path: "int8 · relay 12.3 MB" (bytes through the relay) or "float32 · direct".
@@ -440,6 +510,7 @@
         if (event.events) { state.events = event.events; }
         state.workers = Object.assign(state.workers || {}, event.workers || {});
         renderHead(); renderLeases(); renderProblems(); renderLogs(); renderTrainers(); renderData(); renderHistory();
+        if (discardUrl) { renderRounds(); }  // the Discard button is on a running job's rounds only
       } else if (event.type === "round") {
         upsertRound(event.round);
         state.trainers = event.trainers; state.data = event.data;
