@@ -317,6 +317,7 @@ class RoundCoordinator(OwnerDiscard):
         """Note that ``peer``'s update for the open round was refused (reported in ``refused``)."""
         if self._round is not None and self._round.number == round_number and not self._round.closing:
             self._round.refused[peer] = reason
+            self._close_if_answered(self._round)
 
     def count_bytes_in(self, round_number: int, size: int) -> None:
         """Add ``size`` body bytes received for ``round_number`` (accepted or not) to its report."""
@@ -343,6 +344,7 @@ class RoundCoordinator(OwnerDiscard):
             except TensorRefused as error:
                 current.refused[peer] = str(error)
                 logger.warning("round %d: update from %s refused: %s", round_number, peer, error)
+                self._close_if_answered(current)
                 raise UpdateRefused(str(error)) from None
             # A decoded view stays one: reading its tensors here would decode them all at once.
             floating: Mapping[str, torch.Tensor] = (
@@ -361,6 +363,7 @@ class RoundCoordinator(OwnerDiscard):
             except UpdateRefused as refusal:
                 current.refused[peer] = str(refusal)
                 logger.warning("round %d: update from %s refused: %s", round_number, peer, refusal)
+                self._close_if_answered(current)
                 raise
             current.norms.append(norm)
             current.participants.append(peer)
@@ -375,9 +378,7 @@ class RoundCoordinator(OwnerDiscard):
                 len(current.expected),
                 weight,
             )
-            if set(current.expected) <= set(current.participants):
-                self._start_closing(current, "every expected trainer sent its update")
-            elif len(current.participants) == 1:
+            if not self._close_if_answered(current) and len(current.participants) == 1:
                 current.first_update_at = self._clock()
                 current.timer = asyncio.get_running_loop().call_later(
                     self.round_timeout,
@@ -484,8 +485,7 @@ class RoundCoordinator(OwnerDiscard):
         current.expected = self._told = told
         # A replacement trainer may send from now on (and in later rounds).
         self.expected = tuple(dict.fromkeys([*self.expected, *told]))
-        if set(current.expected) <= set(current.participants) and current.participants:
-            self._start_closing(current, "every trainer still training sent its update")
+        if self._close_if_answered(current, "every trainer still training sent its update"):
             return
         if timeout is None or current.first_update_at is None:
             return
@@ -499,6 +499,19 @@ class RoundCoordinator(OwnerDiscard):
                 current,
                 f"the expected trainers were due {timeout:.1f} s after the first update's report",
             )
+
+    def _close_if_answered(
+        self, current: OpenRound, why: str = "every expected trainer sent its update"
+    ) -> bool:
+        """Start closing ``current`` when every trainer it expects answered — its update accepted, or refused
+        (a trainer whose update is refused sends no other for the round: its executor stops) — and at least
+        one was accepted; whether it did."""
+        if current.closing or not current.participants:
+            return False
+        if not set(current.expected) <= {*current.participants, *current.refused}:
+            return False
+        self._start_closing(current, why if not current.refused else f"{why} (or was refused)")
+        return True
 
     def _on_timeout(self, current: OpenRound, why: str) -> None:
         if self._round is current and not current.closing:

@@ -107,12 +107,20 @@ def cosines_to_others(
     updates: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str], norms: Sequence[float]
 ) -> list[float | None]:
     """Each update's cosine similarity to the sum (so the mean, unweighted) of the others, over ``names``:
-    ``<x_i, S − x_i> / (|x_i| · |S − x_i|)`` with ``S`` the sum of all, ``norms`` the updates' L2 norms.
+    ``<x_i, S − c_i·x_i> / (|x_i| · |S − c_i·x_i|)`` with ``S = Σ c_j·x_j``, ``norms`` the updates' L2 norms
+    and ``c_j = min(1, median norm / |x_j|)``: in the reference each update counts with its norm clipped to
+    the round's median norm, so that one large update cannot turn the others' mean against every honest
+    update (a reversed update 5× the others', under the norm limit, would otherwise make the honest ones look
+    reversed: bench/robustness.py). The cosine's own update is not clipped (a positive scale keeps its
+    direction).
     Read a tensor name at a time (every update's tensor of it), summed in float64 a slice of :data:`SLICE`
     values at a time. None where it is not defined: fewer than 2 updates, a zero update or zero others."""
     count = len(updates)
     if count < 2:
         return [None] * count
+    median = median_norm(norms)
+    clipped = [clip_scale(norm, median, 1.0) if median > 0 else 1.0 for norm in norms]
+    scales = torch.tensor(clipped, dtype=torch.float64).unsqueeze(1)
     dots = [0.0] * count
     others_squared = [0.0] * count
     for name in names:
@@ -120,6 +128,7 @@ def cosines_to_others(
         size = tensors[0].numel()
         for start in range(0, size, SLICE):
             stack = torch.stack([tensor[start : start + SLICE] for tensor in tensors]).to(torch.float64)
+            stack.mul_(scales)  # each clipped to the median norm; the cosine's own direction is unchanged
             total = stack.sum(dim=0)
             for index in range(count):
                 others = total - stack[index]
@@ -128,7 +137,8 @@ def cosines_to_others(
         del tensors
     cosines: list[float | None] = []
     for index in range(count):
-        denominator = norms[index] * math.sqrt(others_squared[index])
+        # stack[index] was c_i·x_i: its norm is c_i·|x_i|
+        denominator = clipped[index] * norms[index] * math.sqrt(others_squared[index])
         if not denominator > 0 or not math.isfinite(denominator):
             cosines.append(None)
         else:

@@ -279,3 +279,23 @@ async def test_a_verified_mean_without_outliers_is_the_plain_mean_bit_for_bit():
     assert all(torch.equal(results[0].update[name], results[1].update[name]) for name in ("w", "b"))
     assert all(torch.equal(plain.weights[name], verified.weights[name]) for name in ("w", "b"))
     assert set(results[1].verdicts) == set(PEERS[:3])
+
+
+def test_a_reversed_update_five_times_as_large_does_not_make_the_honest_updates_look_reversed():
+    # Three honest updates sharing a direction (pairwise cosines about 0.5) and one trainer sending its own
+    # update reversed and 5x: under the norm limit, so only the cosine can catch it. Against the plain mean of
+    # the others, every honest update's "others" held the -5x one and pointed away from it (the
+    # bench/robustness.py finding: honest updates rejected with it); each update now counts in the reference
+    # with its norm clipped to the round's median.
+    generator = torch.Generator().manual_seed(7)
+    shared = torch.randn(256, generator=generator)
+    honest = [shared + torch.randn(256, generator=generator) for _ in range(4)]
+    rows = [row.tolist() for row in honest[:3]] + [(-5.0 * honest[3]).tolist()]
+    updates = held(rows)
+    cosines = cosines_to_others([u.update for u in updates], ["x"], [u.norm for u in updates])
+    assert all(cosine is not None and cosine > 0.2 for cosine in cosines[:3]), cosines
+    assert cosines[3] is not None and cosines[3] < -0.4, cosines
+    strict = AggregationRule(CLIPPED_MEAN, verification=Verification(min_cosine=-0.3))
+    verdicts = judge(updates, cosines, strict)
+    assert [verdicts[u.peer].verdict for u in updates] == ["accepted", "accepted", "accepted", "rejected"]
+    assert "cosine similarity to the mean of the others" in verdicts["peer-3"].reason

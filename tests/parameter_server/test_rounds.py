@@ -313,3 +313,21 @@ async def test_a_step_past_a_float16_models_range_is_discarded_and_the_next_roun
         (1, 60000.0, None)
     ]
     assert (rounds.rounds_completed, rounds.open_round, rounds.failure.done()) == (1, 2, False)
+
+
+@pytest.mark.parametrize("refused_first", [True, False])
+async def test_a_refused_update_counts_as_its_trainers_answer_and_the_round_closes_without_waiting(
+    refused_first,
+):
+    # A trainer whose update is refused does not send another for the round (its bridge logs the 4xx);
+    # the round closed only at its timeout (bench/robustness.py: a 30 s timeout made 3 rounds take 2 min).
+    rounds = coordinator(round_timeout=3600.0)
+    if refused_first:
+        rounds.record_refusal(BOB, 1, "not safetensors: header too large")  # the server's refusals
+        await rounds.submit(ALICE, 1, delta([0.2, 0.2], [0.0]), samples=1)
+    else:
+        await rounds.submit(ALICE, 1, delta([0.2, 0.2], [0.0]), samples=1)
+        rounds.record_refusal(BOB, 1, "not safetensors: header too large")
+    result = await next_published(rounds)
+    assert result.participants == (ALICE,)
+    assert BOB in result.refused

@@ -545,8 +545,15 @@ async def test_x_samples_is_bounded_by_the_jobs_cap_and_the_control_planes_count
     tmp_path, bridge, status_backend, receiver
 ):
     # given: a cap of 100 samples per update in the job, and the control plane's count of each trainer's samples
-    status_backend.expect = {"type": "Expect", "peers": [ALICE, BOB], "due_in": None, "samples": {ALICE: 32}}
-    document = aggregate_job(peers=[ALICE, BOB], update_rounds=1, round_timeout=600.0)
+    # A refused update is its trainer's answer for the round (the daemon never resends one after a 4xx): carol,
+    # still training, keeps the round open for this test's resends.
+    status_backend.expect = {
+        "type": "Expect",
+        "peers": [ALICE, BOB, CAROL],
+        "due_in": None,
+        "samples": {ALICE: 32},
+    }
+    document = aggregate_job(peers=[ALICE, BOB, CAROL], update_rounds=1, round_timeout=600.0)
     document["executor"]["config"]["rounds"]["max_samples_per_update"] = 100
     job = parse_job(document)
     service = asyncio.create_task(run(job, settings(tmp_path / "work", bridge, receiver), asyncio.Event()))
@@ -579,8 +586,9 @@ async def test_x_samples_is_bounded_by_the_jobs_cap_and_the_control_planes_count
         # within both: accepted (bob's count is not given: the cap bounds it)
         assert await alice.send(1, body, samples=32) == 200
         assert await Trainer(session, ready["url"], BOB).send(1, body, samples=100) == 200
+        assert await Trainer(session, ready["url"], CAROL).send(1, body, samples=1) == 200
         (report,) = await status_backend.wait_for("round", timeout=20)
         assert (await alice.get("rounds/1/result?wait=20"))[0] == 200
         assert await asyncio.wait_for(service, 30) == 0
 
-    assert (report["participants"], report["samples"], report["refused"]) == ([ALICE, BOB], 132, {})
+    assert (report["participants"], report["samples"], report["refused"]) == ([ALICE, BOB, CAROL], 133, {})
