@@ -64,12 +64,21 @@ floor = 50
 PARAMETER_SERVER_BID = 40.0
 
 
-def worker_toml(*, slowdown: float = 1.0, parameter_server_only: bool = False, benchmark: bool = True) -> str:
+def worker_toml(
+    *,
+    slowdown: float = 1.0,
+    parameter_server_only: bool = False,
+    benchmark: bool = True,
+    byzantine: str = "",
+) -> str:
     """A daemon config template (``{work_dir}`` left to fill in): :data:`WORKER_TOML`, deliberately
-    ``slowdown`` times slower, or a daemon that only runs parameter servers (and answers their low bid)."""
+    ``slowdown`` times slower, or a daemon that only runs parameter servers (and answers their low bid).
+    ``byzantine`` (an experiment knob: ``"scale:K"``, ``"sign_flip"``, ``"random"``, ``"zero"``) makes its
+    trainers send corrupted pseudo-gradients (``worker_daemon/executors/byzantine.py``)."""
     text = WORKER_TOML.replace(
         'work_dir = "{work_dir}"\n',
-        f'work_dir = "{{work_dir}}"\nslowdown = {slowdown}\nbenchmark = {str(benchmark).lower()}\n',
+        f'work_dir = "{{work_dir}}"\nslowdown = {slowdown}\nbenchmark = {str(benchmark).lower()}\n'
+        + (f"byzantine = {json.dumps(byzantine)}\n" if byzantine else ""),
     )
     if parameter_server_only:
         text = text.replace("price = 100\nfloor = 50", f"price = {PARAMETER_SERVER_BID:g}\nfloor = 0")
