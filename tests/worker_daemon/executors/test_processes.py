@@ -113,14 +113,23 @@ async def test_two_processes_with_half_the_batch_each_send_the_one_process_pseud
     # AdamW's first steps turn rounding noise on a gradient that is zero in exact arithmetic (attention's key
     # bias: softmax ignores a constant added to every key's logit) into steps of ~lr·g/ε ≈ 1e-5. A real
     # difference (a wrong share, a doubled schedule step, unsynchronised weights) moves elements by ~lr = 1e-3.
+    # Those key biases (the middle third of each c_attn.bias) are held to the 5e-5 bound only: a CI run saw 46
+    # elements of the whole model over 2e-6, past the 0.1 % the rest is held to.
     for sent_1, sent_2 in zip(one.sent, two.sent, strict=True):
         assert sorted(sent_2.tensors) == sorted(sent_1.tensors)
         loose = total = 0
+        where: dict[str, int] = {}
         for name, expected in sent_1.tensors.items():
             torch.testing.assert_close(sent_2.tensors[name], expected, rtol=0, atol=5e-5)
-            loose += int(((sent_2.tensors[name] - expected).abs() > 2e-6).sum())
+            over = (sent_2.tensors[name] - expected).abs() > 2e-6
+            if name.endswith("attn.c_attn.bias"):
+                third = expected.numel() // 3
+                over[third : 2 * third] = False
+            if int(over.sum()):
+                where[name] = int(over.sum())
+            loose += int(over.sum())
             total += expected.numel()
-        assert loose <= total // 1000, f"{loose} of {total} elements differ by more than 2e-6"
+        assert loose <= total // 1000, f"{loose} of {total} elements differ by more than 2e-6: {where}"
         largest = max(float(tensor.abs().max()) for tensor in sent_1.tensors.values())
         assert largest > 1e-4  # a real step was taken: equal zeros would prove nothing
     metrics = [p["metrics"]["metrics"] for p in two.progress if kind(p) == "metrics"]
