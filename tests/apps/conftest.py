@@ -22,6 +22,7 @@ mode does outside a server (the tests run no Celery worker process).
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 from django.conf import settings as django_settings
@@ -236,4 +237,18 @@ def offer_on(
         price=price,
         resources=resources,
         benchmark_score=benchmark_score,
+    )
+
+
+def benchmark(score: float) -> protocol.BenchmarkResult:
+    """A worker's benchmark result of ``score`` samples/s (the ranking and reputation tests' workers)."""
+    return protocol.BenchmarkResult(
+        score=score,
+        device="cuda",
+        model="tiny-gpt-2x128",
+        parameters=445952,
+        batch_size=8,
+        steps=40,
+        step_seconds=8 / score,
+        measured_at=datetime(2026, 11, 22, 3, 0, tzinfo=UTC),
     )

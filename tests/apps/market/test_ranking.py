@@ -4,7 +4,6 @@ a daemon that declares the most the protocol accepts, with an ordinary benchmark
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
 
 import pytest
 
@@ -12,26 +11,12 @@ from apps.jobs.models import TRAINER
 from apps.market import services as market
 from apps.market import targeting
 from apps.market.models import Offer
-from tests.apps.conftest import CAPACITY, advert, connect, offer_on
-from worker_daemon import protocol
+from tests.apps.conftest import CAPACITY, advert, benchmark, connect, offer_on
 from worker_daemon.protocol import Resources
 
 #: The most a hello may declare (worker_daemon.protocol.MAX_DECLARED).
 MAXIMA = Resources(cpu=4096, memory=16384, storage=10_000_000, gpu=65536)
 TRAIN = ("train", "diloco-transformer")
-
-
-def benchmark(score: float) -> protocol.BenchmarkResult:
-    return protocol.BenchmarkResult(
-        score=score,
-        device="cuda",
-        model="tiny-gpt-2x128",
-        parameters=445952,
-        batch_size=8,
-        steps=40,
-        step_seconds=8 / score,
-        measured_at=datetime(2026, 11, 22, 3, 0, tzinfo=UTC),
-    )
 
 
 def candidate(name: str, capacity: Resources, score: float | None) -> targeting.Candidate:

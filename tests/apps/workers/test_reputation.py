@@ -7,7 +7,6 @@ ranks and filters offers by, and who may see it.
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
 
 import pytest
 
@@ -16,12 +15,11 @@ from apps.jobs.models import PARAMETER_SERVER, TRAINER, Job
 from apps.market import services as market
 from apps.market.models import Offer
 from apps.workers.models import RELIABILITY_PRIOR, Worker, WorkerRecord
-from tests.apps.conftest import REQUIREMENTS, advert, offer_on
+from tests.apps.conftest import REQUIREMENTS, advert, benchmark, offer_on
 from tests.apps.dashboard.conftest import browser
 from tests.apps.jobs.conftest import data_node  # noqa: F401 (a fixture)
 from tests.apps.jobs.test_round_verdicts import EIGHT_ROUNDS, verdict
 from tests.apps.jobs.test_training import create_running_job, ready, status, task_of
-from worker_daemon import protocol
 
 
 @pytest.fixture
@@ -60,19 +58,6 @@ def counts(accepted=0, down_weighted=0, rejected=0, completed=0, lost=0, served=
         "lost": lost,
         "served": served,
     }
-
-
-def benchmark(score: float) -> protocol.BenchmarkResult:
-    return protocol.BenchmarkResult(
-        score=score,
-        device="cuda",
-        model="tiny-gpt-2x128",
-        parameters=445952,
-        batch_size=8,
-        steps=40,
-        step_seconds=8 / score,
-        measured_at=datetime(2026, 11, 22, 3, 0, tzinfo=UTC),
-    )
 
 
 # --- the record, moved by the workflows ----------------------------------------------------------------------
