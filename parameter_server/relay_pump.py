@@ -95,8 +95,12 @@ class RelayPump:
         self._results: dict[int, asyncio.Task[Any]] = {}
         #: Model-file keys this pump published, oldest first (older ones go when a newer one is published).
         self._published_models: dict[str, list[str]] = {}
-        self.bytes_in = 0
-        self.bytes_out = 0
+        #: Bytes through the relay by round (an update's download, a result's upload), and the rest (model
+        #: files asked for): a round's report takes its own rounds' bytes, not a next round's update that
+        #: arrived before the report went out (a CI run counted three updates in a two-trainer round).
+        self._in_by_round: dict[int, int] = {}
+        self._out_by_round: dict[int, int] = {}
+        self._out_other = 0
 
     def start(self) -> None:
         """Start consuming updates and answering wants (in the background; :meth:`aclose` stops them)."""
@@ -117,11 +121,27 @@ class RelayPump:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
 
-    def take_bytes(self) -> tuple[int, int]:
-        """(bytes in, bytes out) through the relay since the last call."""
-        taken = (self.bytes_in, self.bytes_out)
-        self.bytes_in = self.bytes_out = 0
-        return taken
+    def count_in(self, round_number: int, size: int) -> None:
+        """``size`` bytes of a round ``round_number`` update came in through the relay."""
+        self._in_by_round[round_number] = self._in_by_round.get(round_number, 0) + size
+
+    def count_out(self, round_number: int | None, size: int) -> None:
+        """``size`` bytes went out through the relay: round ``round_number``'s result, or (None) a model file."""
+        if round_number is None:
+            self._out_other += size
+        else:
+            self._out_by_round[round_number] = self._out_by_round.get(round_number, 0) + size
+
+    def take_bytes(self, round_number: int) -> tuple[int, int]:
+        """(bytes in, bytes out) through the relay for rounds up to ``round_number`` not taken yet, the model
+        files sent since the last call counted out; a later round's bytes stay for its own report."""
+        bytes_in = sum(self._in_by_round.pop(n) for n in [n for n in self._in_by_round if n <= round_number])
+        bytes_out = sum(
+            self._out_by_round.pop(n) for n in [n for n in self._out_by_round if n <= round_number]
+        )
+        bytes_out += self._out_other
+        self._out_other = 0
+        return bytes_in, bytes_out
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -204,7 +224,7 @@ class RelayPump:
             except RelayError as error:
                 return 422, {"error": "relay_download_failed", "detail": str(error)}
             size = body_path.stat().st_size
-            self.bytes_in += size
+            self.count_in(round_number, size)
             token = sign_transfer_token(
                 self.transfer_key,
                 {
@@ -253,7 +273,7 @@ class RelayPump:
         except (RelayError, FileNotFoundError) as error:
             logger.error("relay: cannot publish %s: %s", key, error)
             return
-        self.bytes_out += size
+        self.count_out(result.round_number, size)
         logger.info("relay: published %s (%d bytes)", key, size)
         # Model files published before this round hold older weights: a trainer asking now must get the
         # new ones (it asks again, and the answer is this round's).
@@ -304,7 +324,7 @@ class RelayPump:
         except RelayError as error:
             logger.error("relay: cannot publish %s: %s", key, error)
             return
-        self.bytes_out += path.stat().st_size
+        self.count_out(None, path.stat().st_size)
         published = self._published_models.setdefault(filename, [])
         if key not in published:
             published.append(key)

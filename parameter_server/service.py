@@ -610,7 +610,7 @@ class ParameterServer:
         relay_in = relay_out = 0
         if self.relay is not None:
             await self.relay.settle(result.round_number)  # the result's upload counts in its round
-            relay_in, relay_out = self.relay.take_bytes()
+            relay_in, relay_out = self.relay.take_bytes(result.round_number)
         body = {
             "round": result.round_number,
             "participants": list(result.participants),
