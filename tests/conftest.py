@@ -7,6 +7,7 @@ every test, the worker daemon's too, which run without Django: import Django and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -17,6 +18,39 @@ if TYPE_CHECKING:
 
     from apps.jobs.models import Job
     from apps.workers.models import Worker
+
+# ======================================================================================================
+# CI's two runs (tests/modes.py): the worker daemon's, data node's, CLI's, tensor format's and parameter
+# server's tests run in the embedded run only — unless they use the control plane's database (a django_db
+# mark, or a fixture of pytest-django's that needs it): the rest do not depend on the control plane's mode,
+# and running them twice cost CI ~5 minutes of its 45.
+# ======================================================================================================
+
+_MODE_INDEPENDENT_DIRS = ("worker_daemon", "data_node", "hypha_cli", "hypha_tensors", "parameter_server")
+#: pytest-django's autouse fixtures request django_db_blocker for every test: only these say a test uses it.
+_CONTROL_PLANE_FIXTURES = frozenset({"db", "transactional_db", "live_server"})
+
+
+def _uses_the_control_plane(item: pytest.Item) -> bool:
+    return item.get_closest_marker("django_db") is not None or bool(
+        _CONTROL_PLANE_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.modes import services_mode
+
+    if not services_mode():
+        return
+    tests_dir = Path(__file__).resolve().parent
+    skip = pytest.mark.skip(
+        reason="runs in embedded mode only: it does not use the control plane, whose mode is all that differs"
+    )
+    for item in items:
+        relative = Path(item.path).resolve().relative_to(tests_dir)
+        if relative.parts[0] in _MODE_INDEPENDENT_DIRS and not _uses_the_control_plane(item):
+            item.add_marker(skip)
+
 
 # ======================================================================================================
 # Personas of the REST API and admin tests (apps/*/api, apps/*/admin.py)

@@ -20,28 +20,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.modes import services_mode
 from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.protocol import sign_transfer_token
-
-HERE = Path(__file__).resolve().parent
-#: The tests here that involve the control plane (and so its mode); every other one tests the parameter server
-#: alone, which is the same whatever the control plane's database and channel layer, and runs in CI's embedded
-#: run only (tests/modes.py: CI must stay under 45 minutes).
-WITH_THE_CONTROL_PLANE = {"test_checkpoint_copies.py"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not services_mode():
-        return
-    skip = pytest.mark.skip(
-        reason="runs in embedded mode only: the parameter server alone does not depend on the control plane's mode"
-    )
-    for item in items:
-        path = Path(item.path).resolve()
-        if path.parent == HERE and path.name not in WITH_THE_CONTROL_PLANE:
-            item.add_marker(skip)
-
 
 JOB_ID = "5b0f1f0e-2f7c-4a43-9b8e-3a1c2d4e5f60"
 OTHER_JOB_ID = "00000000-0000-4000-8000-000000000000"
