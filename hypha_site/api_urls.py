@@ -9,6 +9,7 @@ from apps.accounting.api.views import MeView
 from apps.datasets import views as dataset_views
 from apps.datasets.api.publish import PublishCompleteView, PublishView
 from apps.datasets.api.views import DatasetViewSet
+from apps.jobs.api.inference import InferenceJobView, JobResultView, job_results_download
 from apps.jobs.api.views import (
     JobCheckpointDownloadView,
     JobCheckpointUploadView,
@@ -32,6 +33,10 @@ router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("uploads", UploadViewSet, basename="upload")
 urlpatterns = [
     path("me/", MeView.as_view(), name="me"),
+    # Before the router's routes: its job detail route would take "inference" for a job id.
+    path("jobs/inference/", InferenceJobView.as_view(), name="job-inference"),
+    path("jobs/<uuid:pk>/results/", job_results_download, name="job-results"),
+    path("jobs/<uuid:pk>/results/<int:index>/", JobResultView.as_view(), name="job-result"),
     path("jobs/<uuid:pk>/model", job_model_download, name="job-model"),
     path("jobs/<uuid:pk>/tasks/<uuid:task_id>/log", job_task_log, name="job-task-log"),
     path("jobs/<uuid:pk>/model/<str:filename>", JobModelView.as_view(), name="job-model-file"),

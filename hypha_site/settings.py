@@ -465,6 +465,9 @@ HYPHA_MAX_TOML_BYTES = env_int("HYPHA_MAX_TOML_BYTES", 64 * 1024, minimum=4096, 
 HYPHA_MAX_INPUT_DEPTH = env_int("HYPHA_MAX_INPUT_DEPTH", 32, minimum=8, maximum=256)
 #: The largest file of a final model the parameter server may upload (bytes).
 HYPHA_MAX_MODEL_FILE_BYTES = env_int("HYPHA_MAX_MODEL_FILE_BYTES", 20 << 30, minimum=1 << 20, maximum=1 << 40)
+#: The largest result file an inference worker may upload for one slice (bytes; PUT /api/jobs/{id}/results/{index}/,
+#: docs/inference.md): past it a 413 and nothing is kept.
+HYPHA_MAX_RESULT_BYTES = env_int("HYPHA_MAX_RESULT_BYTES", 1 << 30, minimum=1 << 10, maximum=1 << 40)
 #: Users' uploads (POST /api/uploads/): the largest file, and each user's quota in bytes and in number of
 #: uploads (a refused upload is a 413 and leaves nothing behind; DELETE /api/uploads/<id>/ frees room).
 HYPHA_MAX_UPLOAD_BYTES = env_int("HYPHA_MAX_UPLOAD_BYTES", 10 << 30, minimum=1 << 20, maximum=1 << 40)

@@ -18,10 +18,11 @@ Accepted keys (Hypha's worker keys, reference §7.3; the original's example file
     price = 100.0                    # under "whole": the counter-offer, price = max(price, bid)
     floor = 100.0                    # bids below it are ignored
     strategy = { type = "whole" }    # or "flexible"; the bare string strategy = "whole" works too
-    [[executors]]                    # default: the built-in trainer and the parameter server
+    [[executors]]                    # default: the built-in trainer, the parameter server, inference
     class = "train"
     name = "diloco-transformer"
-    runtime = "process"              # or "parameter-server", or "trainer" (ours: the built-in trainer)
+    runtime = "process"              # or "parameter-server", "trainer" (ours: the built-in trainer), or
+                                     # "inference" (ours: the built-in batch inference executor)
     cmd = "uv"                       # process only, required there
     args = ["..."]                   # process only, optional
     env = { HF_HOME = "/data/hf" }   # ours: added to the task's environment (see ExecutorConfig)
@@ -235,8 +236,10 @@ class ExecutorConfig(_ConfigModel):
 
     Runtimes: ``process`` runs ``cmd`` + ``args`` as configured (Hypha's; e.g. ``accelerate launch`` of an
     executor); ``parameter-server`` the built-in parameter server (Hypha's); ``trainer`` (ours) the built-in
-    DiLoCo trainer, ``python -m worker_daemon.executors.training``, in one process without a launcher. The
-    two built-in runtimes start from a warm spare when the daemon has one (``warm_start``).
+    DiLoCo trainer, ``python -m worker_daemon.executors.training``, in one process without a launcher;
+    ``inference`` (ours) the batch inference executor, ``python -m worker_daemon.executors.inference``
+    (class ``inference``, name ``batch-inference``: docs/inference.md). The trainer and the parameter server
+    start from a warm spare when the daemon has one (``warm_start``); inference always starts cold.
 
     ``env`` (ours, not Hypha's): string variables added to the task's environment, over the daemon's own; the
     names of :data:`RESERVED_ENVIRONMENT` are refused. A task of an executor with an ``env`` always starts a
@@ -247,7 +250,7 @@ class ExecutorConfig(_ConfigModel):
 
     executor_class: str = Field(alias="class", min_length=1, max_length=64)
     name: str = Field(min_length=1, max_length=128)
-    runtime: Literal["process", "parameter-server", "trainer"]
+    runtime: Literal["process", "parameter-server", "trainer", "inference"]
     cmd: str | None = Field(default=None, min_length=1)
     args: list[str] = Field(default_factory=list)
     #: Ours: variables added to the task's environment (any runtime), over the daemon's own.
@@ -346,13 +349,14 @@ ACCELERATE_LAUNCH_OPTIONS = (
 
 def default_executors() -> list[ExecutorConfig]:
     """The executors of a daemon that configures none: the built-in trainer (runtime ``trainer``: one process,
-    no ``accelerate launch``, which would import torch and accelerate only to start a second interpreter) and
-    the parameter server. The trainer reads its job from ``$JOB_JSON``, not from a command line, which is
+    no ``accelerate launch``, which would import torch and accelerate only to start a second interpreter),
+    the parameter server, and the batch inference executor (runtime ``inference``, docs/inference.md). The trainer reads its job from ``$JOB_JSON``, not from a command line, which is
     visible to every user in ``ps``. A multi-process trainer is a ``process`` executor running
     ``accelerate launch --num_processes N -m worker_daemon.executors.training …``."""
     return [
         ExecutorConfig(executor_class="train", name="diloco-transformer", runtime="trainer"),
         ExecutorConfig(executor_class="aggregate", name="parameter-server", runtime="parameter-server"),
+        ExecutorConfig(executor_class="inference", name="batch-inference", runtime="inference"),
     ]
 
 

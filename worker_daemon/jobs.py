@@ -15,6 +15,9 @@ spec's class and ``descriptor.name`` is configured), :class:`JobManager`:
      (compact JSON of the spec) replaced in every argument;
    * runtime ``trainer``: ``python -m worker_daemon.executors.training --socket … --work-dir …`` (the job in
      ``$JOB_JSON``), one process, no launcher;
+   * runtime ``inference``: ``python -m worker_daemon.executors.inference --socket … --work-dir …`` (the job
+     in ``$JOB_JSON``), with an :class:`~worker_daemon.bridge.remote.results.InferenceBackend` (a task of
+     executor class ``inference``, whatever its runtime: docs/inference.md);
    * runtime ``parameter-server``: ``python -m parameter_server --socket … --work-dir … --job-file … --host …
      --port … [--public-url …]`` (the job JSON in ``<work dir>/.job.json``, 0600: it holds slice tokens, which
      ``ps`` would show to every user on a command line) with ``HYPHA_TRANSFER_KEY``, ``HYPHA_TRANSFER_TOKEN``,
@@ -60,6 +63,7 @@ from worker_daemon import protocol, telemetry
 from worker_daemon.bridge import BridgeServer, serve_bridge
 from worker_daemon.bridge.authorisation import DEFAULT_GRACE as DEFAULT_AUTH_GRACE
 from worker_daemon.bridge.remote import RemoteBackend
+from worker_daemon.bridge.remote.results import INFERENCE_CLASS, InferenceBackend
 from worker_daemon.config import (
     DEVICE_VARIABLE,
     PRIVATE_ENVIRONMENT,
@@ -104,6 +108,8 @@ SHUTDOWN_REASON = "daemon shutting down"
 
 #: What runtime ``trainer`` runs: the built-in DiLoCo trainer.
 TRAINER_MODULE = "worker_daemon.executors.training"
+#: What runtime ``inference`` runs: the built-in batch inference executor (docs/inference.md).
+INFERENCE_MODULE = "worker_daemon.executors.inference"
 
 _PLACEHOLDER = re.compile(r"\{(SOCKET_PATH|WORK_DIR|JOB_JSON)\}")
 
@@ -528,7 +534,9 @@ class JobManager:
             "auth_grace": auth_grace(),
             **self.backend_options,
         }
-        task.backend = RemoteBackend(
+        # An inference task's slices and results follow the inference contract (docs/inference.md).
+        backend_class = InferenceBackend if task.executor.executor_class == INFERENCE_CLASS else RemoteBackend
+        task.backend = backend_class(
             task_id=dispatch.task_id,
             job_id=str(dispatch.job_id),
             link=self.link,
@@ -607,8 +615,9 @@ class JobManager:
         if executor.runtime == "process":
             assert executor.cmd is not None
             return [executor.cmd, *(substitute(argument, values) for argument in executor.args)], environment
-        if executor.runtime == "trainer":
-            argv = [sys.executable, "-m", TRAINER_MODULE, "--socket", values["SOCKET_PATH"]]
+        if executor.runtime in ("trainer", "inference"):
+            module = TRAINER_MODULE if executor.runtime == "trainer" else INFERENCE_MODULE
+            argv = [sys.executable, "-m", module, "--socket", values["SOCKET_PATH"]]
             return [*argv, "--work-dir", values["WORK_DIR"]], environment
         settings = self.config.parameter_server
         job_file = task.work_dir / JOB_FILE

@@ -15,6 +15,9 @@ the rest for ever, keeping those workers from every other job. Two rules stop th
   ``allocation_timeout`` seconds after its submission (spec, default 600) gives back every lease it holds
   and fails with what it had (``apps.jobs.services.tick_market``). Once it was fully allocated the deadline
   no longer applies: a lease lost later is replaced as before (docs/architecture.md, "Job lifecycle").
+
+While a job allocates, :func:`waiting_note` and :func:`loss_note` say in its status reason what its open
+adverts wait for and why a role is short again.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from collections.abc import Sequence
 
 from django.utils import timezone
 
-from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, RoleRequirement
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, TRAINER, Job, RoleRequirement
 from apps.leases.models import Lease
 from apps.market import services as market
 from apps.market import targeting
+from apps.market.models import Advertisement
 
 #: States a job waits for its first full allocation in (``allocated_at`` is still empty).
 WAITING_STATES = (Job.Status.PENDING, Job.Status.ALLOCATING)
@@ -100,7 +104,7 @@ def waiting_for_reliability(job: Job, role: str) -> str:
 def submission_warnings(job: Job) -> list[str]:
     """:func:`fleet_warnings` for ``job`` and the workers connected now (two queries). An elastic pool is
     warned about only when the fleet cannot serve its ``min`` trainers: it starts with those."""
-    requirements = [job.requirement(role) for role in ROLES]
+    requirements = [job.requirement(role) for role in job.roles]
     requirements = [
         dataclasses.replace(requirement, count=job.min_trainers)
         if requirement.role == TRAINER
@@ -135,6 +139,15 @@ def is_due(job: Job) -> bool:
 
 def timeout_reason(job: Job) -> str:
     """The FAILED reason of a job that missed its deadline: what it held, and why the fleet falls short now."""
+    if job.kind == Job.Kind.INFERENCE:
+        requirement = job.requirement(job.roles[0])
+        leased = job.leases.filter(role=requirement.role, status=Lease.Status.ACTIVE).count()
+        held = (
+            f"{leased} of {requirement.count} {ROLE_LABELS[requirement.role][requirement.count != 1]} leased"
+        )
+        warnings = submission_warnings(job)
+        suffix = f" ({'; '.join(warnings)})" if warnings else ""
+        return f"FAILED: not fully allocated within {job.allocation_timeout:g} s: {held}{suffix}"
     have = {
         role: job.leases.filter(role=role, status=Lease.Status.ACTIVE).count()
         for role in (TRAINER, PARAMETER_SERVER)
@@ -193,3 +206,46 @@ def _roles_phrase(requirements: Sequence[RoleRequirement]) -> str:
             else f"{requirement.count} {plural if requirement.count != 1 else singular}"
         )
     return " and ".join(parts)
+
+
+def waiting_note(job: Job) -> str:
+    """What the job's open adverts wait for (offers, workers, reliability), for its ALLOCATING reason."""
+    notes = []
+    for ad in job.advertisements.filter(status=Advertisement.Status.OPEN).order_by("role"):
+        label = ROLE_LABELS.get(ad.role, (ad.role, ad.role))[1 if ad.wanted != 1 else 0]
+        if ad.next_attempt_at is not None:
+            # An absolute time keeps the reason stable between refreshes (one JobEvent per attempt).
+            nobody = " (no connected worker could take it)" if not ad.targets else ""
+            notes.append(
+                f"not enough offers for {ad.wanted} {label} after attempt {ad.attempt + 1}{nobody}; "
+                f"re-advertising at {ad.next_attempt_at:%H:%M:%S} UTC"
+            )
+        else:
+            # The attempt went to no daemon: none connected has the executor, a floor within the bid and the
+            # free resources (apps.market.targeting) — the owner should know it waits for workers, not offers.
+            nobody = "; no connected worker can take it" if not ad.targets else ""
+            notes.append(f"advertising {ad.wanted} {label} (attempt {ad.attempt + 1}{nobody})")
+        if len(ad.targets) < ad.wanted:
+            # Workers below the role's min_reliability are not asked: say so, or the owner sees no reason.
+            below = waiting_for_reliability(job, ad.role)
+            if below:
+                notes.append(below)
+    return "; ".join(notes)
+
+
+def loss_note(job: Job, short_roles: set[str]) -> str:
+    """Why a role is short again: the last ACTIVE lease of a short role that ended, if any."""
+    lost = (
+        job.leases.filter(
+            role__in=short_roles,
+            activated_at__isnull=False,
+            status__in=(Lease.Status.EXPIRED, Lease.Status.RELEASED),
+        )
+        .select_related("worker")
+        .order_by("-ended_at")
+        .first()
+    )
+    if lost is None:
+        return ""
+    label = ROLE_LABELS.get(lost.role, (lost.role,))[0]
+    return f"{label} lease on {lost.worker.name} {lost.status} at {lost.ended_at:%H:%M:%S} UTC: {lost.status_reason}"

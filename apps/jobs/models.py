@@ -1,4 +1,5 @@
-"""Jobs: a DiLoCo training run and what it needs from the market (N trainers + 1 parameter server).
+"""Jobs: a DiLoCo training run (N trainers + 1 parameter server) or a batch inference job (N inference
+workers, docs/inference.md), and what it needs from the market.
 
 State machine (every transition records a :class:`JobEvent`; ``status_reason`` always says why)::
 
@@ -27,12 +28,21 @@ from worker_daemon.protocol import ExecutorDescriptor, Resources
 
 TRAINER = "trainer"
 PARAMETER_SERVER = "parameter_server"
+#: The one role of a batch inference job (docs/inference.md): N workers, each processing slice after slice.
+INFERENCE = "inference"
+#: The roles of a training job (``Job.roles`` is a job's own: an inference job has only :data:`INFERENCE`).
 ROLES = (TRAINER, PARAMETER_SERVER)
-ROLE_LABELS = {TRAINER: ("trainer", "trainers"), PARAMETER_SERVER: ("parameter server", "parameter servers")}
+INFERENCE_ROLES = (INFERENCE,)
+ROLE_LABELS = {
+    TRAINER: ("trainer", "trainers"),
+    PARAMETER_SERVER: ("parameter server", "parameter servers"),
+    INFERENCE: ("inference worker", "inference workers"),
+}
 
 DEFAULT_EXECUTORS = {
     TRAINER: {"class": "train", "name": "diloco-transformer"},
     PARAMETER_SERVER: {"class": "aggregate", "name": "parameter-server"},
+    INFERENCE: {"class": "inference", "name": "batch-inference"},
 }
 
 
@@ -65,6 +75,10 @@ class Job(models.Model):
         CANCELLED = "cancelled", "cancelled"
         FAILED = "failed", "failed"
 
+    class Kind(models.TextChoices):
+        TRAINING = "training", "training"
+        INFERENCE = "inference", "inference"
+
     FINAL = (Status.COMPLETED, Status.CANCELLED, Status.FAILED)
     TRANSITIONS = {
         Status.PENDING: {Status.ALLOCATING, Status.CANCELLED, Status.FAILED},
@@ -90,6 +104,8 @@ class Job(models.Model):
     name = models.CharField(max_length=200, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     status_reason = models.CharField(max_length=500, blank=True)
+    #: A DiLoCo training run, or a batch inference job (``spec`` is then an ``InferenceSpec``, docs/inference.md).
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.TRAINING)
     num_trainers = models.PositiveIntegerField(default=2)
     #: ``{role: {"resources": {...}, "executor": {"class", "name"}, "bid": float, "max": float}}``, and the
     #: parameter server's ``"reachable"``: "prefer" | "require" | "any" (absent: "prefer")
@@ -140,11 +156,21 @@ class Job(models.Model):
         pool = (self.spec or {}).get("trainers") or {}
         return min(int(pool.get("min") or self.num_trainers), self.num_trainers)
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles this job advertises and leases."""
+        return INFERENCE_ROLES if self.kind == self.Kind.INFERENCE else ROLES
+
     def requirement(self, role: str) -> RoleRequirement:
         entry = self.requirements[role]
+        count = 1
+        if role == TRAINER:
+            count = self.num_trainers
+        elif role == INFERENCE:
+            count = int((self.spec or {}).get("workers") or self.num_trainers)
         return RoleRequirement(
             role=role,
-            count=self.num_trainers if role == TRAINER else 1,
+            count=count,
             resources=Resources.model_validate(entry["resources"]),
             executor=ExecutorDescriptor.model_validate(entry.get("executor") or DEFAULT_EXECUTORS[role]),
             bid=float(entry["bid"]),
@@ -453,3 +479,38 @@ class MetricSeries(models.Model):
 
     def __str__(self) -> str:
         return f"metric series of task {self.task_id}"
+
+
+class InferenceResult(models.Model):
+    """The stored result of one slice of an inference job (docs/inference.md): exactly one per slice, written
+    with the slice's ASSIGNED → USED in one transaction. Its file is ``HYPHA_DATA_DIR/<path>``."""
+
+    class Format(models.TextChoices):
+        SAFETENSORS = "safetensors", "safetensors"
+        JSONL = "jsonl", "jsonl"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="inference_results")
+    job_slice = models.OneToOneField(
+        "datasets.JobSlice", on_delete=models.CASCADE, related_name="inference_result"
+    )
+    index = models.PositiveIntegerField(help_text="The slice's index in its dataset.")
+    #: The lease (and its worker) that computed it; kept null once those are deleted.
+    lease = models.ForeignKey(
+        "leases.Lease", on_delete=models.SET_NULL, null=True, blank=True, related_name="inference_results"
+    )
+    worker = models.ForeignKey(
+        "workers.Worker", on_delete=models.SET_NULL, null=True, blank=True, related_name="inference_results"
+    )
+    sha256 = models.CharField(max_length=64)
+    size = models.PositiveBigIntegerField()
+    format = models.CharField(max_length=16, choices=Format.choices)
+    #: Relative to ``HYPHA_DATA_DIR``.
+    path = models.CharField(max_length=500)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="jobs_one_result_per_slice")]
+
+    def __str__(self) -> str:
+        return f"result of slice {self.index} of job {self.job_id}"

@@ -16,9 +16,9 @@ from django.utils import timezone
 
 from apps.accounting import services as accounting
 from apps.datasets import services as dataset_services
-from apps.jobs import allocation, budgets, spec_checks, tasks, training
+from apps.jobs import allocation, budgets, inference, spec_checks, tasks, training
 from apps.jobs.exceptions import JobNotCancellable, JobTransitionRefused
-from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, JobEvent, Task
+from apps.jobs.models import INFERENCE, PARAMETER_SERVER, ROLE_LABELS, TRAINER, Job, JobEvent, Task
 from apps.jobs.spec import DEFAULT_ALLOCATION_TIMEOUT
 from apps.jobs.training import problems as transfer_problems
 from apps.leases import services as lease_services
@@ -58,6 +58,7 @@ def create_job(
     requirements: dict,
     spec: dict | None = None,
     allocation_timeout: float = DEFAULT_ALLOCATION_TIMEOUT,
+    kind: str = Job.Kind.TRAINING,
 ) -> Job:
     """Create a job (PENDING) and queue its allocation. ``requirements`` must already be validated.
 
@@ -73,6 +74,7 @@ def create_job(
             name=name,
             num_trainers=num_trainers,
             requirements=requirements,
+            kind=kind,
             spec=spec or {},
             status=Job.Status.PENDING,
             status_reason="PENDING: waiting to be advertised",
@@ -136,7 +138,7 @@ def allocate(job_id) -> None:
         job = Job.objects.select_for_update().filter(pk=job_id).first()
         if job is None or job.status not in ALLOCATING_STATES:
             return
-        for role in ROLES:
+        for role in job.roles:
             requirement = job.requirement(role)
             missing = requirement.count - _active_count(job, role) if training.replaces(job, role) else 0
             ad = job.advertisements.filter(role=role, status=Advertisement.Status.OPEN).first()
@@ -165,7 +167,7 @@ def refresh_status(job: Job) -> None:
     """Recompute the job's allocation status and its visible reason from its leases and adverts."""
     if job.status not in ALLOCATING_STATES:
         return
-    counts = {role: (_active_count(job, role), job.requirement(role).count) for role in ROLES}
+    counts = {role: (_active_count(job, role), job.requirement(role).count) for role in job.roles}
     summary = ", ".join(
         f"{have} of {want} {ROLE_LABELS[role][1] if want != 1 else ROLE_LABELS[role][0]}"
         for role, (have, want) in counts.items()
@@ -188,10 +190,10 @@ def refresh_status(job: Job) -> None:
     else:
         target = Job.Status.ALLOCATING
         reason = f"ALLOCATING: {summary} leased"
-        waiting = _waiting_note(job)
+        waiting = allocation.waiting_note(job)
         if waiting:
             reason += f"; {waiting}"
-        loss = _loss_note(job, {role for role, (have, want) in counts.items() if have < want})
+        loss = allocation.loss_note(job, {role for role, (have, want) in counts.items() if have < want})
         if loss:
             reason += f" — {loss}"
     if job.status == Job.Status.RUNNING and training.is_training_job(job):
@@ -202,6 +204,9 @@ def refresh_status(job: Job) -> None:
             if joined:
                 job.transition(Job.Status.RUNNING, reason=f"RUNNING: {joined} replacement trainer(s) joined")
         return
+    if job.status == Job.Status.RUNNING and inference.is_inference_job(job):
+        inference.dispatch_replacements(job)  # the others go on; a new lease's worker joins at once
+        return
     if job.status == Job.Status.RUNNING and target == Job.Status.RUNNING:
         return  # a running job's reason tells its training progress; a lease refresh must not replace it
     try:
@@ -210,9 +215,9 @@ def refresh_status(job: Job) -> None:
         logger.info("job %s: status not refreshed (%s)", job.pk, job.status)
         return
     if target == Job.Status.ALLOCATED:
-        problem = training.start(job)
+        problem = (inference if inference.is_inference_job(job) else training).start(job)
         if problem is not None:
-            _end_job(job, Job.Status.FAILED, reason=f"FAILED: cannot start training: {problem}")
+            _end_job(job, Job.Status.FAILED, reason=f"FAILED: cannot start {job.kind}: {problem}")
 
 
 def cancel_job(job: Job, *, reason: str = "cancelled by its owner") -> Job:
@@ -450,6 +455,10 @@ def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protoc
         probed = training.transfers.probe(url)
     with transaction.atomic():
         role, job_id = training.task_role(worker, message.task_id)
+        if role == INFERENCE:  # informative only: counted on the task, nothing in the job moves
+            return protocol.StatusReply(
+                request_id=message.request_id, reply=inference.handle_status(worker, message)
+            )
         if role == PARAMETER_SERVER:
             # Its reports dispatch trainers and move the job: lock order job → task. A trainer's per-step
             # report locks only its own task row, so trainers never queue behind one another on the job.
@@ -468,6 +477,8 @@ def status_reported(*, worker: Worker, message: protocol.StatusReport) -> protoc
 
 
 def slice_requested(*, worker: Worker, message: protocol.FetchSlice) -> protocol.SliceAssigned:
+    if inference.is_inference_task(worker, message.task_id):
+        return inference.assign_slice(worker, message)
     return training.assign_slice(worker, message)
 
 
@@ -486,6 +497,21 @@ def checkpoint_uploaded(
 ) -> dict:
     """Store one file of a round the job's parameter server saves (TransferRefused when refused)."""
     return training.store_checkpoint_file(job, round_number, filename, token, chunks, limit=limit)
+
+
+def result_uploaded(*, job: Job, index: int, headers: dict, token: str | None, chunks, limit: int) -> tuple:
+    """Store the result of slice ``index`` an inference worker uploads (``headers``: the ``sha256``,
+    ``result_format`` and ``declared_size`` it declares); the job completes with its last slice. Returns
+    ``(entry, created)``; TransferRefused when refused (:func:`apps.jobs.inference.receive`)."""
+    received = inference.receive(job, index, token=token, chunks=chunks, limit=limit, **headers)
+    with transaction.atomic():
+        _lock_job(job.pk)
+        entry, created = inference.accept(job, received)
+        if created and inference.all_done(job):
+            _end_job(
+                Job.objects.get(pk=job.pk), Job.Status.COMPLETED, reason=inference.completion_reason(job)
+            )
+    return entry, created
 
 
 def _complete_or_fail(job: Job, *, stragglers: bool = False) -> None:
@@ -624,48 +650,6 @@ def _lock_job_of_advertisement(advertisement_id) -> None:
 
 def _active_count(job: Job, role: str) -> int:
     return job.leases.filter(role=role, status=Lease.Status.ACTIVE).count()
-
-
-def _waiting_note(job: Job) -> str:
-    notes = []
-    for ad in job.advertisements.filter(status=Advertisement.Status.OPEN).order_by("role"):
-        label = ROLE_LABELS.get(ad.role, (ad.role, ad.role))[1 if ad.wanted != 1 else 0]
-        if ad.next_attempt_at is not None:
-            # An absolute time keeps the reason stable between refreshes (one JobEvent per attempt).
-            nobody = " (no connected worker could take it)" if not ad.targets else ""
-            notes.append(
-                f"not enough offers for {ad.wanted} {label} after attempt {ad.attempt + 1}{nobody}; "
-                f"re-advertising at {ad.next_attempt_at:%H:%M:%S} UTC"
-            )
-        else:
-            # The attempt went to no daemon: none connected has the executor, a floor within the bid and the
-            # free resources (apps.market.targeting) — the owner should know it waits for workers, not offers.
-            nobody = "; no connected worker can take it" if not ad.targets else ""
-            notes.append(f"advertising {ad.wanted} {label} (attempt {ad.attempt + 1}{nobody})")
-        if len(ad.targets) < ad.wanted:
-            # Workers below the role's min_reliability are not asked: say so, or the owner sees no reason.
-            below = allocation.waiting_for_reliability(job, ad.role)
-            if below:
-                notes.append(below)
-    return "; ".join(notes)
-
-
-def _loss_note(job: Job, short_roles: set[str]) -> str:
-    """Why a role is short again: the last ACTIVE lease of a short role that ended, if any."""
-    lost = (
-        job.leases.filter(
-            role__in=short_roles,
-            activated_at__isnull=False,
-            status__in=(Lease.Status.EXPIRED, Lease.Status.RELEASED),
-        )
-        .select_related("worker")
-        .order_by("-ended_at")
-        .first()
-    )
-    if lost is None:
-        return ""
-    label = ROLE_LABELS.get(lost.role, (lost.role,))[0]
-    return f"{label} lease on {lost.worker.name} {lost.status} at {lost.ended_at:%H:%M:%S} UTC: {lost.status_reason}"
 
 
 def _lease_info(lease: Lease, now) -> protocol.LeaseInfo:

@@ -212,10 +212,20 @@ def test_defaults_without_a_file(monkeypatch, tmp_path):
             "args": [],
             "env": {},
         },
+        # the built-in batch inference executor (issue 19)
+        {
+            "class": "inference",
+            "name": "batch-inference",
+            "runtime": "inference",
+            "cmd": None,
+            "args": [],
+            "env": {},
+        },
     ]
     assert [d.key() for d in config.descriptors()] == [
         ("train", "diloco-transformer"),
         ("aggregate", "parameter-server"),
+        ("inference", "batch-inference"),
     ]
     assert config.warm_start is True
 
@@ -246,7 +256,8 @@ def test_relative_work_dir_is_resolved_against_the_working_directory(tmp_path, m
 
 def test_an_empty_executor_list_means_the_defaults(tmp_path):
     config = load_config(write(tmp_path, "executors = []\n"), environ={})
-    assert [e.name for e in config.executors] == ["diloco-transformer", "parameter-server"]
+    assert [e.name for e in config.executors] == ["diloco-transformer", "parameter-server", "batch-inference"]
+    assert [e.runtime for e in config.executors] == ["trainer", "parameter-server", "inference"]
 
 
 # --- strategy -----------------------------------------------------------------------------------------------
@@ -294,7 +305,7 @@ def test_strategy_as_table_or_bare_string(tmp_path, toml, strategy):
         ),
         (
             '[[executors]]\nclass = "train"\nname = "t"\nruntime = "docker"\n',
-            "executors[0].runtime: Input should be 'process', 'parameter-server' or 'trainer' (got 'docker')",
+            "executors[0].runtime: Input should be 'process', 'parameter-server', 'trainer' or 'inference' (got 'docker')",
         ),
         ('[[executors]]\nname = "t"\nruntime = "parameter-server"\n', "executors[0].class: Field required"),
         (
@@ -471,7 +482,8 @@ def test_config_built_in_code_fills_defaults_too(tmp_path):
     assert config.capacity == protocol.Resources(cpu=4, memory=8, storage=10, gpu=0)
     assert config.summary() == (
         f"work_dir={tmp_path} resources=cpu:4 memory:8GB storage:10GB gpu:0GB price=100 floor=100 "
-        "strategy=whole executors=[train/diloco-transformer, aggregate/parameter-server]"
+        "strategy=whole executors=[train/diloco-transformer, aggregate/parameter-server, "
+        "inference/batch-inference]"
     )
 
 

@@ -66,6 +66,7 @@ async def test_daemon_says_hello_with_its_token(control_plane, daemons, worker_c
         "executors": [
             {"class": "train", "name": "diloco-transformer"},
             {"class": "aggregate", "name": "parameter-server"},
+            {"class": "inference", "name": "batch-inference"},
         ],
         "price_floor": 100.0,
         "strategy": "whole",

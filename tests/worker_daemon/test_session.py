@@ -47,6 +47,7 @@ def test_hello_claims_only_active_leases(session, make):
         "executors": [
             {"class": "train", "name": "diloco-transformer"},
             {"class": "aggregate", "name": "parameter-server"},
+            {"class": "inference", "name": "batch-inference"},
         ],
         "price_floor": 100.0,
         "strategy": "whole",

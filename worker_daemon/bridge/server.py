@@ -3,7 +3,8 @@
 Endpoints (§1.3 of the protocol reference)::
 
     GET  /openapi.json         a minimal OpenAPI document
-    POST /resources/fetch      body: a bare Reference (uri | huggingface | scheduler | parameter-server)
+    POST /resources/fetch      body: a bare Reference (uri | huggingface | scheduler | parameter-server;
+                               a uri may be a path on the control plane: :func:`is_control_plane_path`)
                                → [{"path": "artifacts/<name>", "size": n}, ...]
     POST /resources/send       body: {"resource": <peers>, "path": "<file>"}
                                → 200 with an empty body at once; the transfer runs in the background
@@ -74,6 +75,12 @@ OPENAPI_DOCUMENT: dict[str, Any] = {
         "/status/send": {"post": {"summary": "Report progress; returns the scheduler's reply"}},
     },
 }
+
+
+def is_control_plane_path(value: str) -> bool:
+    """Our extension: a ``uri`` that is a path (``/api/uploads/<id>/content/``, an inference job's uploaded
+    model) names a file on the control plane, which the backend fetches with the task's transfer token."""
+    return value.startswith("/") and not value.startswith("//")
 
 
 def _compact(value: Any) -> str:
@@ -246,7 +253,9 @@ class BridgeServer:
             raise _shape_error(error) from None
         if isinstance(reference, PeersReference):
             raise InvalidRequest("unsupported strategy")
-        if isinstance(reference, UriReference) and not reference.value.startswith(("http://", "https://")):
+        if isinstance(reference, UriReference) and not (
+            reference.value.startswith(("http://", "https://")) or is_control_plane_path(reference.value)
+        ):
             raise InvalidRequest(f"unsupported uri scheme: {reference.value!r}")
         if isinstance(reference, HuggingFaceReference):
             if not reference.repository.strip():

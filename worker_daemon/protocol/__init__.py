@@ -564,7 +564,9 @@ class StatusReply(_Message):
 
 class SliceAssigned(_Message):
     """The answer to :class:`FetchSlice`: a slice (``index`` with its size, digest and the URLs that serve it),
-    or none for now (``index`` is None; ask again after ``retry_in`` seconds), or an ``error``."""
+    or none for now (``index`` is None; ask again after ``retry_in`` seconds), or an ``error``. ``done``
+    (inference tasks): no slice is left for this task, for good: every slice is USED or its own (the bridge
+    answers the executor's fetch with ``[]``); slices another live lease holds are a ``retry_in``."""
 
     type: Literal["slice_assigned"] = "slice_assigned"
     request_id: uuid.UUID
@@ -575,6 +577,7 @@ class SliceAssigned(_Message):
     urls: list[str] = Field(default_factory=list)
     retry_in: float | None = Field(default=None, ge=0)
     error: str | None = None
+    done: bool = False
 
 
 class RunBenchmark(_Message):

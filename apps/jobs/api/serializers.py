@@ -9,12 +9,13 @@ from rest_framework import serializers
 from apps.accounting import services as accounting
 from apps.accounting.api.serializers import COST_HELP, credits_field
 from apps.datasets import services as dataset_services
+from apps.jobs import inference, throughput
 from apps.jobs import services as job_services
 from apps.jobs import spec as job_spec
-from apps.jobs import throughput
 from apps.jobs.exceptions import SpecError
 from apps.jobs.models import (
     DEFAULT_EXECUTORS,
+    INFERENCE,
     PARAMETER_SERVER,
     ROLES,
     TRAINER,
@@ -373,10 +374,18 @@ class JobSerializer(serializers.ModelSerializer):
 
     owner = serializers.CharField(source="owner.username", read_only=True, help_text="the owner's username")
     status = EnumField(Job.Status, read_only=True)
-    trainer = serializers.SerializerMethodField()
-    parameter_server = serializers.SerializerMethodField()
+    kind = EnumField(Job.Kind, read_only=True, help_text="training (DiLoCo) or inference (docs/inference.md)")
+    trainer = serializers.SerializerMethodField(help_text="a training job's trainer role; null for inference")
+    parameter_server = serializers.SerializerMethodField(
+        help_text="a training job's parameter server role; null for inference"
+    )
+    inference = serializers.SerializerMethodField(
+        help_text="an inference job's worker role (docs/inference.md); null for training"
+    )
     spec = serializers.DictField(
-        read_only=True, help_text="the rest of the DiLoCo specification, as submitted"
+        read_only=True,
+        help_text="the rest of the DiLoCo specification, as submitted (an inference job's: its inference "
+        "specification, docs/inference.md)",
     )
     leases = JobLeaseSerializer(many=True, read_only=True)
 
@@ -388,9 +397,11 @@ class JobSerializer(serializers.ModelSerializer):
             "owner",
             "status",
             "status_reason",
+            "kind",
             "num_trainers",
             "trainer",
             "parameter_server",
+            "inference",
             "spec",
             "leases",
             "created_at",
@@ -401,13 +412,17 @@ class JobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
         extra_kwargs = {"allocation_timeout": {"help_text": ALLOCATION_TIMEOUT_HELP}}
 
-    @extend_schema_field(RoleRequirementSerializer)
-    def get_trainer(self, job: Job) -> dict:
-        return submitted_role(job, TRAINER)
+    @extend_schema_field(RoleRequirementSerializer(allow_null=True))
+    def get_trainer(self, job: Job) -> dict | None:
+        return submitted_role(job, TRAINER) if TRAINER in job.roles else None
 
-    @extend_schema_field(ParameterServerRoleSerializer)
-    def get_parameter_server(self, job: Job) -> dict:
-        return submitted_role(job, PARAMETER_SERVER)
+    @extend_schema_field(ParameterServerRoleSerializer(allow_null=True))
+    def get_parameter_server(self, job: Job) -> dict | None:
+        return submitted_role(job, PARAMETER_SERVER) if PARAMETER_SERVER in job.roles else None
+
+    @extend_schema_field(RoleRequirementSerializer(allow_null=True))
+    def get_inference(self, job: Job) -> dict | None:
+        return submitted_role(job, INFERENCE) if INFERENCE in job.roles else None
 
 
 class ThroughputSerializer(serializers.Serializer):
@@ -619,8 +634,19 @@ class TaskSerializer(serializers.ModelSerializer):
         return TransferProblemSerializer(shown, many=True).data
 
 
+class InferenceProgressSerializer(serializers.Serializer):
+    """An inference job's slices with a stored result, of all its slices."""
+
+    slices_done = serializers.IntegerField()
+    slices_total = serializers.IntegerField()
+
+
 class JobDetailSerializer(JobSerializer):
     """A job with its leases, tasks, rounds, data-slice progress, model files and the history of its status."""
+
+    progress = serializers.SerializerMethodField(
+        help_text="an inference job's slices done (their results stored) of all; null for a training job"
+    )
 
     transfer_problems = serializers.SerializerMethodField(
         help_text="peers (parameter server, data nodes) the job's running or failed tasks cannot reach, the "
@@ -661,10 +687,15 @@ class JobDetailSerializer(JobSerializer):
             "rounds",
             "throughput",
             "data",
+            "progress",
             "model_files",
             "events",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(InferenceProgressSerializer(allow_null=True))
+    def get_progress(self, job: Job) -> dict | None:
+        return inference.progress(job) if inference.is_inference_job(job) else None
 
     @extend_schema_field(JobTransferProblemSerializer(many=True))
     def get_transfer_problems(self, job: Job) -> list[dict]:

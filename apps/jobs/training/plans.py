@@ -50,4 +50,4 @@ def plan(job: Job) -> Plan:
 
 
 def is_training_job(job: Job) -> bool:
-    return bool(job.spec)
+    return bool(job.spec) and job.kind != Job.Kind.INFERENCE

@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import Count, Sum
 
 from apps.jobs.exceptions import TransferRefused
-from apps.jobs.models import PARAMETER_SERVER, Job, Upload
+from apps.jobs.models import INFERENCE, PARAMETER_SERVER, Job, Upload
 from apps.jobs.training.storage import MODEL_FILENAME, write_stream
 from apps.jobs.training.tokens import transfer_key
 from worker_daemon import protocol
@@ -114,7 +114,8 @@ def resolve_upload(owner, reference: str) -> Upload | None:
 
 
 def authorise_upload_download(upload: Upload, *, user, token: str | None) -> None:
-    """Its owner (or staff) may download an upload, and so may the parameter server of a job built from it."""
+    """Its owner (or staff) may download an upload, and so may the parameter server (or an inference worker)
+    of a job built from it."""
     if user is not None and user.is_authenticated:
         if user.pk == upload.owner_id or user.is_staff:
             return
@@ -138,5 +139,5 @@ def authorise_upload_download(upload: Upload, *, user, token: str | None) -> Non
     except protocol.TransferTokenError as error:
         raise TransferRefused(str(error), status=401) from None
     source = (job.spec.get("model") or {}).get("source") or {}
-    if claims.get("role") != PARAMETER_SERVER or source.get("file") != str(upload.pk):
+    if claims.get("role") not in (PARAMETER_SERVER, INFERENCE) or source.get("file") != str(upload.pk):
         raise TransferRefused("this token does not grant access to this upload", status=403)
