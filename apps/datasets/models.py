@@ -185,6 +185,19 @@ class JobSlice(models.Model):
             refused=f"only a slice assigned to lease {lease.pk} can be acknowledged by it",
         )
 
+    def reopen(self, lease, *, reason: str) -> None:
+        """ASSIGNED → AVAILABLE by the live lease it was assigned to: it computed the slice, and the slice
+        waits for another worker's computation (an inference job's verification, docs/inference.md)."""
+        self._transition(
+            from_status=self.Status.ASSIGNED,
+            allowed_from=Q(assigned_lease=lease),
+            changes={"status": self.Status.AVAILABLE, "assigned_lease": None, "assigned_at": None},
+            event=SliceEvent.Kind.RELEASED,
+            lease=lease,
+            refused=f"only a slice assigned to lease {lease.pk} can be reopened by it",
+            detail=reason,
+        )
+
     def release(self, lease, *, reason: str = "lease ended before the acknowledgement") -> None:
         """ASSIGNED → AVAILABLE, when the lease it was assigned to has ended (expired or released) unacknowledged."""
         from apps.leases.models import Lease

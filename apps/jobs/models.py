@@ -482,18 +482,28 @@ class MetricSeries(models.Model):
 
 
 class InferenceResult(models.Model):
-    """The stored result of one slice of an inference job (docs/inference.md): exactly one per slice, written
-    with the slice's ASSIGNED → USED in one transaction. Its file is ``HYPHA_DATA_DIR/<path>``."""
+    """One computation of one slice of an inference job (docs/inference.md): its file is
+    ``HYPHA_DATA_DIR/<path>``. An unverified slice has one, ACCEPTED when stored; a verified slice has one per
+    worker that computed it, PENDING until a second computation is compared with it, then ACCEPTED (they
+    agree) or DISPUTED (they do not: a third worker decides, and the loser is REJECTED). The slice is USED once
+    it has an accepted result; the earliest accepted one is the slice's result."""
 
     class Format(models.TextChoices):
         SAFETENSORS = "safetensors", "safetensors"
         JSONL = "jsonl", "jsonl"
 
+    class Status(models.TextChoices):
+        PENDING = "pending", "pending"
+        ACCEPTED = "accepted", "accepted"
+        DISPUTED = "disputed", "disputed"
+        REJECTED = "rejected", "rejected"
+
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="inference_results")
-    job_slice = models.OneToOneField(
-        "datasets.JobSlice", on_delete=models.CASCADE, related_name="inference_result"
+    job_slice = models.ForeignKey(
+        "datasets.JobSlice", on_delete=models.CASCADE, related_name="inference_results"
     )
     index = models.PositiveIntegerField(help_text="The slice's index in its dataset.")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACCEPTED)
     #: The lease (and its worker) that computed it; kept null once those are deleted.
     lease = models.ForeignKey(
         "leases.Lease", on_delete=models.SET_NULL, null=True, blank=True, related_name="inference_results"
@@ -509,8 +519,14 @@ class InferenceResult(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        ordering = ["job", "index"]
-        constraints = [models.UniqueConstraint(fields=["job", "index"], name="jobs_one_result_per_slice")]
+        ordering = ["job", "index", "created_at"]
+        constraints = [
+            # A worker computes a slice once: a second computation must come from another worker.
+            models.UniqueConstraint(
+                fields=["job", "index", "worker"], name="jobs_one_result_per_slice_worker"
+            )
+        ]
+        indexes = [models.Index(fields=["job", "status", "index"])]
 
     def __str__(self) -> str:
-        return f"result of slice {self.index} of job {self.job_id}"
+        return f"{self.status} result of slice {self.index} of job {self.job_id}"

@@ -173,6 +173,7 @@ _RECORD_FIELDS = tuple(
         "updates_rejected",
         "leases_completed",
         "leases_lost",
+        "results_lost",
     )
 )
 

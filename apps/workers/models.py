@@ -296,6 +296,11 @@ class WorkerRecord(models.Model):
     jobs_served = models.PositiveIntegerField(
         default=0, help_text="Jobs whose end its leases saw through (a job counts once per worker)."
     )
+    results_lost = models.PositiveIntegerField(
+        default=0,
+        help_text="Inference results that lost a verification: another worker's computation of the same slice "
+        "agreed with a third, and its own did not (docs/inference.md, Verification).",
+    )
     speed_rounds = models.PositiveIntegerField(
         default=0, help_text="Rounds in which its speed against its benchmark was measured."
     )
@@ -322,6 +327,7 @@ class WorkerRecord(models.Model):
             + self.updates_rejected
             + self.leases_completed
             + self.leases_lost
+            + self.results_lost
         )
 
     @property
@@ -329,11 +335,12 @@ class WorkerRecord(models.Model):
         """The Bayesian-smoothed share of its events that went well, in (0, 1)::
 
             reliability = (accepted + down_weighted / 2 + leases_completed + k·p)
-                          / (accepted + down_weighted + rejected + leases_completed + leases_lost + k)
+                          / (accepted + down_weighted + rejected + leases_completed + leases_lost
+                             + results_lost + k)
 
         with the prior ``p`` = :data:`RELIABILITY_PRIOR` (0.5) weighing as ``k`` = :data:`RELIABILITY_PRIOR_WEIGHT`
         (2) events. A new worker is at 0.5; each accepted update or completed lease moves it up, each rejected
-        (or refused) update or lost lease down, a down-weighted update counts half. It never reaches 0 or 1.
+        (or refused) update, lost lease or lost inference result down, a down-weighted update counts half. It never reaches 0 or 1.
         """
         return (self.successes + RELIABILITY_PRIOR_WEIGHT * RELIABILITY_PRIOR) / (
             self.events + RELIABILITY_PRIOR_WEIGHT

@@ -4,7 +4,9 @@
   down-weighted or rejected (refused on arrival counts as rejected; in an unverified round, averaged counts as
   accepted), and its measured speed against its benchmark;
 * the end of an ACTIVE lease (``apps.jobs.services._end_lease``): completed when its job's end ended it, lost
-  otherwise; a job counts as served once the worker's last lease on it completed.
+  otherwise; a job counts as served once the worker's last lease on it completed;
+* an inference result that lost a verification (``apps.jobs.inference.verification``): counted as it is
+  rejected, which happens once per result.
 
 Counters move with ``F()`` updates in the caller's transaction, so concurrent reports never lose a count, and a
 report sent again is counted once (:class:`~apps.workers.models.CountedRound`). The formula of the reliability
@@ -68,6 +70,12 @@ def lease_ended(lease: Lease, *, with_its_job: bool) -> None:
     )
     if not still_held.exists():
         _add("jobs_served", [lease.worker_id])
+
+
+def results_lost(worker_ids: list) -> None:
+    """Count one lost inference result against each entry of ``worker_ids`` (a worker twice: twice)."""
+    for worker_id in worker_ids:
+        _add("results_lost", [worker_id])
 
 
 def _first_count(round_: Round) -> bool:

@@ -135,5 +135,7 @@ def slice_counts(job: Job) -> tuple[int, int]:
 
 
 def progress(job: Job) -> dict:
+    from apps.jobs.inference import verification
+
     done, total = slice_counts(job)
-    return {"slices_done": done, "slices_total": total}
+    return {"slices_done": done, "slices_total": total, **verification.counts(job)}

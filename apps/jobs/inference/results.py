@@ -4,7 +4,10 @@ A worker sends the result of slice ``index`` with its task's transfer token (``P
 /api/jobs/{id}/results/{index}/``, docs/inference.md). :func:`receive` checks who sends it and writes the body
 to a partial file, outside any transaction (a result may be large); :func:`accept` then, under the job's lock
 (``apps.jobs.services.result_uploaded``), moves it into place, records the :class:`InferenceResult` and marks
-the slice USED, all in one transaction: a slice is USED exactly when its one result is stored.
+the slice USED, all in one transaction: a slice is USED exactly when its accepted result is stored. A verified
+slice (:mod:`.verification`) is computed by two different workers first: the first computation is PENDING and
+the slice goes back to AVAILABLE for another worker; it is USED once two computations agree. Downloads serve
+each slice's accepted result only.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from pathlib import Path
 from django.conf import settings
 
 from apps.datasets.models import JobSlice
+from apps.jobs import observers
 from apps.jobs.exceptions import TransferRefused
-from apps.jobs.inference.dispatch import EPOCH, slice_counts
+from apps.jobs.inference import verification
+from apps.jobs.inference.dispatch import EPOCH, slice_counts, spec_of
 from apps.jobs.models import INFERENCE, InferenceResult, Job, Task
 from apps.jobs.training.storage import write_stream
 from apps.jobs.training.tokens import transfer_key
 from apps.leases.models import Lease
+from apps.workers import reputation
 from worker_daemon import protocol
 
 FORMATS = tuple(InferenceResult.Format.values)
@@ -46,10 +52,12 @@ class Received:
     size: int
     format: str
     partial: Path | None
+    #: The stored result's status (a repeat's; a new one's is set by :func:`accept`).
+    status: str = ""
 
     @property
     def entry(self) -> dict:
-        return {"index": self.index, "sha256": self.sha256, "size": self.size}
+        return {"index": self.index, "sha256": self.sha256, "size": self.size, "status": self.status}
 
 
 def inference_task(job: Job, token: str | None) -> Task:
@@ -95,10 +103,14 @@ def receive(
     job_slice = JobSlice.objects.filter(job=job, epoch=EPOCH, slice__index=index).first()
     if job_slice is None:
         raise TransferRefused(f"job {job.pk} has no slice {index}", status=404)
-    stored = InferenceResult.objects.filter(job=job, index=index).first()
+    stored = _own_result(job, index, task.lease)
     if stored is not None:
         if stored.lease_id == task.lease_id and stored.sha256 == sha256:
-            return Received(task, index, sha256, stored.size, stored.format, partial=None)
+            return Received(
+                task, index, sha256, stored.size, stored.format, partial=None, status=stored.status
+            )
+        raise TransferRefused(f"slice {index} has a stored result of this worker already", status=409)
+    if job_slice.status == JobSlice.Status.USED:
         raise TransferRefused(f"slice {index} has a stored result already", status=409)
     if job.status != Job.Status.RUNNING:
         raise TransferRefused(f"job {job.pk} is {job.status}", status=409)
@@ -121,10 +133,21 @@ def receive(
     return Received(task, index, sha256, written["size"], result_format, partial=partial)
 
 
+def _own_result(job: Job, index: int, lease: Lease) -> InferenceResult | None:
+    """The result of slice ``index`` this lease's worker computed, if any (a worker computes a slice once)."""
+    return (
+        InferenceResult.objects.filter(job=job, index=index, worker_id=lease.worker_id).first()
+        or InferenceResult.objects.filter(job=job, index=index, lease=lease).first()
+    )
+
+
 def accept(job: Job, received: Received) -> tuple[dict, bool]:
     """Store a received result (the caller holds the job's lock, in a transaction): ``(entry, created)``.
 
-    Checked again here: another upload of the slice may have been accepted while this one was written."""
+    Checked again here: another upload of the slice may have been accepted while this one was written. An
+    unverified slice's result is ACCEPTED and the slice USED; a verified slice's is compared with the other
+    workers' (:func:`.verification.settle`): the slice is USED once two agree, else it goes back to AVAILABLE
+    for another worker, and the workers whose results lost are counted (once: each result is settled once)."""
     if received.partial is None:
         return received.entry, False
     try:
@@ -133,25 +156,32 @@ def accept(job: Job, received: Received) -> tuple[dict, bool]:
             .filter(job=job, epoch=EPOCH, slice__index=received.index)
             .first()
         )
-        stored = InferenceResult.objects.filter(job=job, index=received.index).first()
         lease = received.task.lease
+        stored = _own_result(job, received.index, lease)
         if stored is not None:
             if stored.lease_id == lease.pk and stored.sha256 == received.sha256:
-                return received.entry, False
-            raise TransferRefused(f"slice {received.index} has a stored result already", status=409)
+                return {**received.entry, "status": stored.status}, False
+            raise TransferRefused(
+                f"slice {received.index} has a stored result of this worker already", status=409
+            )
         if (
             job_slice is None
             or job_slice.status != JobSlice.Status.ASSIGNED
             or job_slice.assigned_lease_id != lease.pk
         ):
             raise TransferRefused(f"slice {received.index} is not assigned to this worker", status=409)
-        name = f"{received.index}.{received.format}"
+        earlier = InferenceResult.objects.filter(job=job, index=received.index).count()
+        # A verified slice's later computations get a number of their own: none overwrites another.
+        suffix = f".{earlier + 1}" if earlier else ""
+        name = f"{received.index}{suffix}.{received.format}"
         received.partial.replace(results_directory(job.pk) / name)
-        job_slice.ack(lease)
-        InferenceResult.objects.create(
+        checks = spec_of(job).verification
+        verified = verification.is_verified(job.pk, received.index, checks.fraction)
+        result = InferenceResult.objects.create(
             job=job,
             job_slice=job_slice,
             index=received.index,
+            status=InferenceResult.Status.PENDING if verified else InferenceResult.Status.ACCEPTED,
             lease=lease,
             worker_id=lease.worker_id,
             sha256=received.sha256,
@@ -159,9 +189,19 @@ def accept(job: Job, received: Received) -> tuple[dict, bool]:
             format=received.format,
             path=f"results/{job.pk}/{name}",
         )
+        if verified:
+            losers = verification.settle(job, result, checks)
+            reputation.results_lost([loser.worker_id for loser in losers if loser.worker_id])
+        if result.status == InferenceResult.Status.ACCEPTED:
+            job_slice.ack(lease)
+        else:
+            job_slice.reopen(
+                lease, reason=f"computed ({result.status}); another worker computes it for verification"
+            )
+        observers.task_progress(received.task, state_changed=True)  # the job page's slices done, after commit
     finally:
         received.partial.unlink(missing_ok=True)
-    return received.entry, True
+    return {**received.entry, "status": result.status}, True
 
 
 def all_done(job: Job) -> bool:
@@ -175,20 +215,30 @@ def completion_reason(job: Job) -> str:
     return f"COMPLETED: {done} of {total} slices processed"
 
 
+def accepted(job: Job):
+    """The job's accepted results, the earliest of each slice first (a verified slice has two that agree)."""
+    return InferenceResult.objects.filter(job=job, status=InferenceResult.Status.ACCEPTED).order_by(
+        "index", "created_at", "pk"
+    )
+
+
 def result_file(job: Job, index: int) -> tuple[Path, str] | None:
-    """(path, download name) of slice ``index``'s stored result, or ``None``."""
-    stored = InferenceResult.objects.filter(job=job, index=index).first()
+    """(path, download name) of slice ``index``'s accepted result, or ``None``."""
+    stored = accepted(job).filter(index=index).first()
     if stored is None:
         return None
     return Path(settings.HYPHA_DATA_DIR) / stored.path, f"{stored.index}.{stored.format}"
 
 
 def archive(job: Job) -> Path:
-    """A zip of every stored result of ``job`` (``<index>.<format>``) and a ``manifest.json`` of them.
+    """A zip of each slice's accepted result of ``job`` (``<index>.<format>``) and a ``manifest.json`` of them.
 
-    Results are only ever added, so their count names the archive: it is built once per count (a download of
-    an older one goes on from its open file)."""
-    results = list(InferenceResult.objects.filter(job=job).select_related("worker").order_by("index"))
+    Accepted results are only ever added, so their count names the archive: it is built once per count (a
+    download of an older one goes on from its open file)."""
+    results: list[InferenceResult] = []
+    for result in accepted(job):
+        if not results or results[-1].index != result.index:
+            results.append(result)
     directory = results_directory(job.pk)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"results-{len(results)}.zip"

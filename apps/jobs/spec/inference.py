@@ -72,6 +72,21 @@ class InferenceModelSpec(_Spec):
     )
 
 
+class VerificationSpec(_Spec):
+    """Golem's verification (docs/inference.md, "Verification"): ``fraction`` of the slices, chosen from the
+    job's id and the slice's index, are computed by two different workers and compared — generated tokens
+    exactly, tensors within ``tolerance`` — and a disagreement is settled by a third."""
+
+    fraction: Float = Field(default=0.0, ge=0, le=1, description="Share of slices computed twice (0–1).")
+    tolerance: Float = Field(
+        default=1e-4,
+        ge=0,
+        le=1e6,
+        description="Largest difference |a − b| ≤ tolerance + tolerance·|b| between two workers' tensors "
+        "that still agree (JSON Lines results must be equal).",
+    )
+
+
 class InferenceSpec(_Spec):
     """A batch inference job: the model, the dataset whose slices are the units of work, the task, and the
     ``workers`` that process slices in parallel, each with what ``worker`` asks of it and pays."""
@@ -89,6 +104,7 @@ class InferenceSpec(_Spec):
         description="Seconds after submission by which every worker must have been leased once, or the job "
         "gives back the leases it holds and fails.",
     )
+    verification: VerificationSpec = Field(default_factory=VerificationSpec)
 
 
 # --- parsing ----------------------------------------------------------------------------------------------
@@ -114,13 +130,24 @@ def parse_json(data: Any) -> InferenceSpec:
     if not isinstance(data, dict):
         raise SpecError([{"field": "", "message": "A specification must be a JSON object."}])
     try:
-        return InferenceSpec.model_validate(data)
+        parsed = InferenceSpec.model_validate(data)
     except ValidationError as error:
         errors = []
         for line in error.errors(include_url=False):
             message = "Unknown key." if line["type"] == "extra_forbidden" else line["msg"]
             errors.append({"field": _field_path(tuple(line["loc"])), "message": message})
         raise SpecError(errors) from None
+    # A verified slice needs a second worker to compute it (and a third to settle a disagreement).
+    if parsed.verification.fraction > 0 and parsed.workers < 2:
+        raise SpecError(
+            [
+                {
+                    "field": "verification.fraction",
+                    "message": "Verification needs at least 2 workers (3 to settle a disagreement).",
+                }
+            ]
+        )
+    return parsed
 
 
 # --- what a spec becomes ----------------------------------------------------------------------------------

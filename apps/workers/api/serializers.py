@@ -64,7 +64,7 @@ class ReputationSerializer(serializers.ModelSerializer):
 
     reliability = serializers.FloatField(
         read_only=True,
-        help_text="(accepted + down_weighted/2 + leases_completed + 1) / (all updates and leases + 2), in (0, 1): "
+        help_text="(accepted + down_weighted/2 + leases_completed + 1) / (all updates, leases and lost inference results + 2), in (0, 1): "
         "0.5 for a new worker; the market divides an offer's price per capacity by it (relative to 0.5) and "
         "declines offers below a job's min_reliability",
     )
@@ -79,6 +79,7 @@ class ReputationSerializer(serializers.ModelSerializer):
             "leases_completed",
             "leases_lost",
             "jobs_served",
+            "results_lost",
             "speed_vs_benchmark",
             "speed_rounds",
         ]

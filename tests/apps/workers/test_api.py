@@ -49,6 +49,7 @@ def worker_body(worker: Worker, *, leases: list) -> dict:
             "leases_completed": 0,
             "leases_lost": 0,
             "jobs_served": 0,
+            "results_lost": 0,
             "speed_vs_benchmark": None,
             "speed_rounds": 0,
         },

@@ -229,6 +229,7 @@ def test_a_workers_reputation_is_shown_to_its_owner_and_staff_only(leased_job, b
         "leases_completed": 1,
         "leases_lost": 0,
         "jobs_served": 1,
+        "results_lost": 0,
         "speed_vs_benchmark": None,
         "speed_rounds": 0,
     }
