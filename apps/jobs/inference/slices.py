@@ -3,19 +3,18 @@
 Unlike a trainer's, an inference worker's slice is not acknowledged when it is fetched: it becomes USED only
 when its result is stored (:mod:`.results`), so a worker lost before that gives it back (its lease's ASSIGNED
 slices return to AVAILABLE) and another worker computes it. When nothing is AVAILABLE the answer says whether
-to ask again (slices are held by other live leases: one may be lost) or that the worker is ``done``.
+to ask again (slices are held by other live leases: one may be lost) or that the worker is ``done``. A slice
+this worker has computed already (it waits for another worker's computation to verify it) is never handed to
+it again: it asks again while such slices are left.
 """
 
 from __future__ import annotations
 
-from django.db import transaction
-
 from apps.datasets.models import JobSlice
-from apps.jobs.exceptions import TaskRefused
 from apps.jobs.inference.dispatch import EPOCH, spec_of
 from apps.jobs.models import INFERENCE, Job, Task
 from apps.jobs.training.dispatch import slice_urls
-from apps.jobs.training.reports import own_task
+from apps.jobs.training.slices import answer_slice_request
 from apps.leases.models import Lease
 from worker_daemon import protocol
 
@@ -31,26 +30,15 @@ def is_inference_task(worker, task_id) -> bool:
 def assign_slice(worker, message: protocol.FetchSlice) -> protocol.SliceAssigned:
     """Claim the next slice for the inference task, or say when to ask again, or that it is done (never
     raises for a bad request). A repeated request (same id, after a reconnect) gets the same answer."""
-
-    def refused(text: str) -> protocol.SliceAssigned:
-        return protocol.SliceAssigned(request_id=message.request_id, dataset=message.dataset, error=text)
-
-    with transaction.atomic():
-        try:
-            task = own_task(worker, message.task_id, lock=True)
-        except TaskRefused as error:
-            return refused(str(error))
-        if task.last_slice_request == message.request_id and task.last_slice_reply:
-            return protocol.SliceAssigned.model_validate(task.last_slice_reply)
-        reply = _assign_slice(task, message, refused)
-        Task.objects.filter(pk=task.pk).update(
-            last_slice_request=message.request_id, last_slice_reply=reply.model_dump(mode="json")
-        )
-        return reply
+    return answer_slice_request(worker, message, _assign_slice)
 
 
 def _assign_slice(task: Task, message: protocol.FetchSlice, refused) -> protocol.SliceAssigned:
     job = task.job
+    if task.role == INFERENCE and job.status == Job.Status.COMPLETED:
+        # Another worker stored the last result while this one asked: nothing is left, which is no error (its
+        # executor exits 0 on it).
+        return protocol.SliceAssigned(request_id=message.request_id, dataset=message.dataset, done=True)
     if task.role != INFERENCE or not task.is_live or job.status != Job.Status.RUNNING:
         return refused(f"task {task.pk} is not a running inference task")
     name = spec_of(job).dataset.name
@@ -64,6 +52,8 @@ def _assign_slice(task: Task, message: protocol.FetchSlice, refused) -> protocol
     rows = JobSlice.objects.filter(job=job, epoch=EPOCH)
     candidate = (
         rows.filter(status=JobSlice.Status.AVAILABLE)
+        # A slice waiting for its verification's second (or third) computation goes to another worker.
+        .exclude(inference_results__worker_id=lease.worker_id)
         .select_for_update(skip_locked=True, of=("self",))
         .select_related("slice__dataset")
         .order_by("slice__index")

@@ -22,6 +22,12 @@ SLICE_RETRY_SECONDS = 1.0
 
 def assign_slice(worker, message: protocol.FetchSlice) -> protocol.SliceAssigned:
     """Claim the next slice for the trainer task, or say when to ask again (never raises for a bad request)."""
+    return answer_slice_request(worker, message, _assign_slice)
+
+
+def answer_slice_request(worker, message: protocol.FetchSlice, assign) -> protocol.SliceAssigned:
+    """``assign(task, message, refused)``'s answer for the worker's own task, under the task's lock, or a
+    refusal; a repeated request (same id, after a reconnect) gets the same answer, not a second claim."""
 
     def refused(text: str) -> protocol.SliceAssigned:
         return protocol.SliceAssigned(request_id=message.request_id, dataset=message.dataset, error=text)
@@ -34,7 +40,7 @@ def assign_slice(worker, message: protocol.FetchSlice) -> protocol.SliceAssigned
         if task.last_slice_request == message.request_id and task.last_slice_reply:
             # A repeat after a reconnect: the same answer, not a second claim.
             return protocol.SliceAssigned.model_validate(task.last_slice_reply)
-        reply = _assign_slice(task, message, refused)
+        reply = assign(task, message, refused)
         Task.objects.filter(pk=task.pk).update(
             last_slice_request=message.request_id, last_slice_reply=reply.model_dump(mode="json")
         )

@@ -19,9 +19,7 @@ from apps.leases.models import Lease
 from apps.market.models import Advertisement
 from tests.apps.jobs.inference_helpers import (
     BODY,
-    connect_inference_rigs,
     fetch,
-    lease_workers,
     submit,
     task_of,
     token_of,
@@ -35,20 +33,6 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture(autouse=True)
 def _data_dir(settings, tmp_path):
     settings.HYPHA_DATA_DIR = tmp_path
-
-
-@pytest.fixture
-def inference_rigs(rig_a, rig_b, rig_c):
-    return connect_inference_rigs([rig_a, rig_b, rig_c])
-
-
-@pytest.fixture
-def running(alice, data_node, inference_rigs, sent, django_capture_on_commit_callbacks) -> Job:
-    """Alice's inference job on tiny-text (4 slices), its 2 workers (rig-a, rig-b) leased and dispatched."""
-    response = submit(alice.client, django_capture_on_commit_callbacks)
-    assert response.status_code == 201, response.content
-    job = Job.objects.get(pk=response.json()["id"])
-    return lease_workers(job, inference_rigs[:2], django_capture_on_commit_callbacks)
 
 
 # --- submission ---------------------------------------------------------------------------------------------
@@ -67,7 +51,7 @@ def test_a_submission_creates_an_inference_job_with_its_slices_and_advertises_it
     assert (body["kind"], body["name"], body["progress"]) == (
         "inference",
         "embed-tiny",
-        {"slices_done": 0, "slices_total": 4},
+        {"slices_done": 0, "slices_total": 4, "verified": 0, "disputed": 0, "rejected": 0},
     )
     assert job.kind == Job.Kind.INFERENCE
     assert (body["trainer"], body["parameter_server"]) == (None, None)
@@ -251,8 +235,9 @@ def test_a_result_is_stored_and_its_slice_used_and_a_repeat_changes_nothing(
     again = upload(client, running, 0, body, token=token_of(sent, running, rig_a))
 
     # then
-    assert (first.status_code, first.json()) == (201, {"index": 0, "sha256": digest, "size": len(body)})
-    assert (again.status_code, again.json()) == (200, {"index": 0, "sha256": digest, "size": len(body)})
+    entry = {"index": 0, "sha256": digest, "size": len(body), "status": "accepted"}
+    assert (first.status_code, first.json()) == (201, entry)
+    assert (again.status_code, again.json()) == (200, entry)
     (stored,) = InferenceResult.objects.filter(job=running)
     assert (stored.index, stored.sha256, stored.size, stored.format, stored.worker_id) == (
         0,
@@ -392,7 +377,10 @@ def test_the_job_completes_with_its_last_result_and_every_result_downloads(
     last = upload(client, running, 3, bodies[3], token=token_of(sent, running, rig_b))
 
     # then: COMPLETED, its leases released, its tasks over
-    assert (detail["kind"], detail["progress"]) == ("inference", {"slices_done": 3, "slices_total": 4})
+    assert (detail["kind"], detail["progress"]) == (
+        "inference",
+        {"slices_done": 3, "slices_total": 4, "verified": 0, "disputed": 0, "rejected": 0},
+    )
     assert last.status_code == 201
     running.refresh_from_db()
     assert (running.status, running.status_reason) == (
@@ -404,6 +392,9 @@ def test_the_job_completes_with_its_last_result_and_every_result_downloads(
     assert alice.client.get(f"/api/jobs/{running.pk}/").json()["progress"] == {
         "slices_done": 4,
         "slices_total": 4,
+        "verified": 0,
+        "disputed": 0,
+        "rejected": 0,
     }
     # a repeat of the last upload after completion is still answered as stored
     assert upload(client, running, 3, bodies[3], token=token_of(sent, running, rig_b)).status_code == 200

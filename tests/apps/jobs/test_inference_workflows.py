@@ -19,7 +19,6 @@ from apps.market.models import Advertisement
 from tests.apps.conftest import advert, offer_on
 from tests.apps.jobs.inference_helpers import (
     BODY,
-    connect_inference_rigs,
     fetch,
     lease_workers,
     submit,
@@ -35,19 +34,6 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture(autouse=True)
 def _data_dir(settings, tmp_path):
     settings.HYPHA_DATA_DIR = tmp_path
-
-
-@pytest.fixture
-def inference_rigs(rig_a, rig_b, rig_c):
-    return connect_inference_rigs([rig_a, rig_b, rig_c])
-
-
-@pytest.fixture
-def running(alice, data_node, inference_rigs, sent, django_capture_on_commit_callbacks) -> Job:
-    response = submit(alice.client, django_capture_on_commit_callbacks)
-    assert response.status_code == 201, response.content
-    job = Job.objects.get(pk=response.json()["id"])
-    return lease_workers(job, inference_rigs[:2], django_capture_on_commit_callbacks)
 
 
 def test_a_lost_workers_slices_go_back_and_a_replacement_joins_while_the_others_go_on(
@@ -219,3 +205,21 @@ def test_an_inference_tasks_progress_is_counted_on_the_task_and_answered_ok(runn
     assert (task.status, task.samples_total, task.steps_total) == (Task.Status.RUNNING, 11, 2)
     running.refresh_from_db()
     assert running.status == Job.Status.RUNNING
+
+
+def test_a_worker_that_asks_after_the_job_completed_is_told_it_is_done_not_refused(
+    running, inference_rigs, sent, client
+):
+    # A CI-like e2e run: one worker stored the job's last result; the other's next claim was refused ("not a
+    # running inference task"), which its bridge turned into a 500 and its executor into exit code 3.
+    rig_a, rig_b, _ = inference_rigs
+    token = token_of(sent, running, rig_a)
+    for _ in range(4):
+        index = fetch(running, rig_a).index
+        assert upload(client, running, index, b"done", token=token).status_code == 201
+    running.refresh_from_db()
+    assert running.status == Job.Status.COMPLETED
+
+    reply = fetch(running, rig_b)
+
+    assert (reply.done, reply.error, reply.index) == (True, None, None)
