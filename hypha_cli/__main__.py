@@ -1,4 +1,5 @@
-"""``hypha``: submit, watch, cancel and download DiLoCo jobs and list workers from the command line.
+"""``hypha``: submit, watch, cancel and download DiLoCo and batch inference jobs and list workers from the
+command line.
 
 The arguments are parsed before anything heavy is imported (httpx, rich), so ``--help`` and usage errors are
 instant; the commands live in :mod:`hypha_cli.commands`.
@@ -23,8 +24,9 @@ PROG = "hypha"
 OVERLAPS = ("none", "eager", "streaming")
 
 DESCRIPTION = """\
-The command line of a Hypha control plane: submit DiLoCo training jobs, watch them learn, cancel them,
-download their models, list workers. Log in once with `hypha login --server URL`."""
+The command line of a Hypha control plane: submit DiLoCo training jobs and batch inference jobs, watch
+them, cancel them, download their models and results, list workers. Log in once with
+`hypha login --server URL`."""
 
 EPILOG = f"""\
 exit codes:
@@ -34,7 +36,8 @@ exit codes:
       `watch`: the job failed
   {ExitCode.CANCELLED:<3d} `watch`: the job was cancelled
   {ExitCode.AUTHENTICATION:<3d} not logged in, or the server refused the token (HTTP 401/403)
-  {ExitCode.NOT_FOUND:<3d} no such job, or not one of yours (HTTP 404); `logs --task`: no such task
+  {ExitCode.NOT_FOUND:<3d} no such job, or not one of yours (HTTP 404); `logs --task`: no such task;
+      `results --slice`: no result for that slice (yet)
   {ExitCode.WRONG_SERVER:<3d} wrong server: cannot connect or no answer in time, or not a Hypha control plane
   {ExitCode.SERVER_ERROR:<3d} the server failed (HTTP 5xx) or answered something unexpected
   {ExitCode.USAGE:<3d} usage error: bad flags or arguments, unreadable file, no server configured
@@ -101,6 +104,16 @@ def _round_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if not 1 <= value <= 999_999_999:  # the URL takes nine digits; round 0 has no round before it
         raise argparse.ArgumentTypeError(f"must be from 1 to 999999999: {text!r}")
+    return value
+
+
+def _slice_index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= 2**31 - 1:  # the server's slice indices
+        raise argparse.ArgumentTypeError(f"must be from 0 to {2**31 - 1}: {text!r}")
     return value
 
 
@@ -190,13 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     submit = command(
         "submit",
-        "submit a DiLoCo job from a spec file; prints the job id",
+        "submit a DiLoCo or batch inference job from a spec file; prints the job id",
         json_help="print the created job as JSON (a refusal: the API's error body)",
     )
     submit.add_argument(
         "file",
         metavar="FILE",
-        help="the spec: JSON (.json) or Hypha scheduler TOML (.toml); - for stdin (JSON)",
+        help="the spec: JSON (.json) or Hypha scheduler TOML (.toml); - for stdin (JSON). An inference job "
+        '(a TOML job table with type = "inference", a JSON spec with a "task") goes to /api/jobs/inference/',
     )
     submit.add_argument("--name", metavar="NAME", help="the job's name (overrides a name in a JSON spec)")
     submit.add_argument(
@@ -250,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     watch = command(
         "watch",
-        "follow a job until it ends; exit 0 completed, 1 failed, 2 cancelled",
+        "follow a job until it ends (rounds; an inference job: slices done/total and an ETA); exit 0 "
+        "completed, 1 failed, 2 cancelled",
         json_help="print nothing while watching, then the final job as JSON",
     )
     watch.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
@@ -283,6 +298,23 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="DIR", default=".", help="directory to save in (default: .)"
     )
     download.add_argument("--extract", action="store_true", help="also unpack the zip into DIR/model-<ID>/")
+
+    results = command(
+        "results",
+        "save an inference job's results: every one so far as a zip (with manifest.json), or one slice's",
+        json_help='print {"path", "bytes", "slice"} as JSON',
+    )
+    results.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id")
+    results.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="the file to write, or a directory to save the server's file name in "
+        "(default: ./results-<ID>.zip, or ./<N>.safetensors|jsonl with --slice)",
+    )
+    results.add_argument(
+        "--slice", type=_slice_index, metavar="N", help="only slice N's result file (N from 0)"
+    )
 
     logs = command(
         "logs",

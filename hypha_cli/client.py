@@ -89,12 +89,15 @@ class HyphaClient:
         """A job with its rounds, tasks, data progress and model files."""
         return self._object(self._send("GET", f"/api/jobs/{job_id}/", job_id=job_id))
 
-    def submit(self, *, content: bytes, content_type: str, name: str | None) -> dict[str, Any]:
-        """Submit a DiLoCo spec (``application/json`` or ``application/toml``); the created job."""
+    def submit(
+        self, *, content: bytes, content_type: str, name: str | None, endpoint: str = "/api/jobs/diloco/"
+    ) -> dict[str, Any]:
+        """Submit a spec (``application/json`` or ``application/toml``) to ``endpoint`` (DiLoCo's, or
+        ``/api/jobs/inference/``); the created job."""
         params = {"name": name} if name is not None and content_type == "application/toml" else None
         response = self._send(
             "POST",
-            "/api/jobs/diloco/",
+            endpoint,
             content=content,
             headers={"Content-Type": content_type},
             params=params,
@@ -124,14 +127,40 @@ class HyphaClient:
     def download_model(self, job_id: str, directory: Path) -> Path:
         """Save the job's model zip in ``directory`` (created if needed); its path. The file appears only
         once complete (written under a temporary name, then renamed); a failed download leaves nothing."""
+        return self._download(f"/api/jobs/{job_id}/model", job_id, directory, f"model-{job_id}.zip")
+
+    def download_results(
+        self, job_id: str, directory: Path, *, name: str | None = None, index: int | None = None
+    ) -> Path:
+        """Save an inference job's results in ``directory``: every result so far as one zip (with its
+        ``manifest.json``), or slice ``index``'s result file alone; saved as ``name``, else as the server
+        names it. Written as :meth:`download_model` writes. A job or slice without results is a
+        :class:`JobNotFoundError`; a training job's (409) a :class:`RefusedError`."""
+        if index is None:
+            path, fallback = f"/api/jobs/{job_id}/results/", f"results-{job_id}.zip"
+        else:
+            path, fallback = f"/api/jobs/{job_id}/results/{index}/", f"{index}.result"
+        try:
+            return self._download(path, job_id, directory, fallback, name=name)
+        except JobNotFoundError:
+            if index is None:
+                raise
+            raise JobNotFoundError(
+                f"job {job_id} has no result for slice {index} on {self.server} (not yet, no such slice, or "
+                "not one of your jobs)"
+            ) from None
+
+    def _download(
+        self, url: str, job_id: str, directory: Path, fallback: str, *, name: str | None = None
+    ) -> Path:
         partial: Path | None = None
         try:
-            with self._http.stream("GET", f"/api/jobs/{job_id}/model") as response:
+            with self._http.stream("GET", url) as response:
                 if not response.is_success:
                     response.read()
                     self._check(response, job_id=job_id)
-                name = _attachment_name(response.headers.get("Content-Disposition", ""))
-                destination = directory / (name or f"model-{job_id}.zip")
+                name = name or _attachment_name(response.headers.get("Content-Disposition", ""))
+                destination = directory / (name or fallback)
                 partial = directory / f".{destination.name}.part"
                 try:
                     directory.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hypha_cli import config, output
+from hypha_cli import config, inference, output
 from hypha_cli import knobs as knob_options
 from hypha_cli.client import HyphaClient
 from hypha_cli.exceptions import (
@@ -93,7 +93,7 @@ def logout(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
 
 
 def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
-    content, content_type = read_spec(
+    content, content_type, kind = read_spec(
         arguments.file,
         name=arguments.name,
         encoding=arguments.encoding,
@@ -105,7 +105,12 @@ def submit(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpo
     )
     with _client(arguments, environ=environ, transport=transport) as client:
         try:
-            job = client.submit(content=content, content_type=content_type, name=arguments.name)
+            job = client.submit(
+                content=content,
+                content_type=content_type,
+                name=arguments.name,
+                endpoint=inference.ENDPOINTS[kind],
+            )
         except RefusedError as refused:
             if arguments.json and refused.body is not None:
                 output.print_json(refused.body)
@@ -130,18 +135,37 @@ def read_spec(
     fragments: int | None = None,
     mix: float | None = None,
     knobs: dict[str, Any] | None = None,
-) -> tuple[bytes, str]:
-    """The request body and content type of a spec file: TOML by its ``.toml`` suffix, else JSON (checked
+) -> tuple[bytes, str, str]:
+    """The request body, content type and kind (:mod:`hypha_cli.inference`: training or inference) of a spec
+    file: TOML by its ``.toml`` suffix, else JSON (checked
     here, so a syntax error names its line; ``--name``, ``--encoding``, ``--encoding-block-size``,
     ``--overlap``, ``--fragments`` and ``--mix`` are set in it: ``rounds.encoding``,
     ``rounds.encoding_block_size``, ``rounds.overlap``, ``rounds.fragments``, ``rounds.mix``; the server checks
     them, fragments and mix being streaming's alone). ``knobs``: the training knobs' options
-    (:mod:`hypha_cli.knobs`), set in a JSON spec, refused for a TOML one."""
+    (:mod:`hypha_cli.knobs`), set in a JSON spec, refused for a TOML one; all but ``--name`` are training's
+    and refused for an inference spec."""
     try:
         raw = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
     except OSError as error:
         raise UsageError(f"cannot read {file}: {error.strerror or error}") from None
+    training_options = {
+        "--encoding": encoding,
+        "--encoding-block-size": block_size,
+        "--overlap": overlap,
+        "--fragments": fragments,
+        "--mix": mix,
+    }
+    training_options.update({f"--{key.replace('_', '-')}": value for key, value in (knobs or {}).items()})
+
+    def refuse_training_options() -> None:
+        given = [option for option, value in training_options.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: training options; {file} is an inference job")
+
     if file.lower().endswith(".toml"):
+        if inference.toml_kind(raw) == inference.INFERENCE:
+            refuse_training_options()
+            return raw, "application/toml", inference.INFERENCE
         if encoding is not None or block_size is not None:
             # Rewriting the user's TOML would lose its comments and layout: the key goes in the file.
             raise UsageError(
@@ -159,7 +183,7 @@ def read_spec(
                 'mix = A (with overlap = "streaming") under [scheduler.job.rounds]'
             )
         knob_options.refuse_for_toml(knobs or {})
-        return raw, "application/toml"
+        return raw, "application/toml", inference.TRAINING
     try:
         spec = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -170,6 +194,9 @@ def read_spec(
         )
     if name is not None:
         spec["name"] = name
+    if inference.json_kind(spec) == inference.INFERENCE:
+        refuse_training_options()
+        return json.dumps(spec).encode(), "application/json", inference.INFERENCE
     rounds_options = {
         "encoding": encoding,
         "encoding_block_size": block_size,
@@ -187,7 +214,7 @@ def read_spec(
             )
         rounds.update({key: value for key, value in rounds_options.items() if value is not None})
     knob_options.apply(spec, knobs or {}, file=file)
-    return json.dumps(spec).encode(), "application/json"
+    return json.dumps(spec).encode(), "application/json", inference.TRAINING
 
 
 def jobs(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
@@ -228,6 +255,8 @@ def show(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport
         spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
         limit = f" (max_cost {output.credits_text(spec['max_cost'])})" if spec.get("max_cost") else ""
         console.print(f"cost: {output.credits_text(job['cost'])}{limit}", markup=False)
+    if inference.is_inference(job):
+        console.print(inference.progress_line(job), markup=False)
     data = job.get("data") or {}
     if data:
         console.print(
@@ -276,7 +305,7 @@ def watch(arguments: argparse.Namespace, *, environ: Mapping[str, str], transpor
     if arguments.json:
         output.print_json(job)
     else:
-        print(output.job_summary(job))
+        print(inference.summary(job) if inference.is_inference(job) else output.job_summary(job))
     return WATCH_EXIT_CODES[job["status"]]
 
 
@@ -322,6 +351,24 @@ def download(arguments: argparse.Namespace, *, environ: Mapping[str, str], trans
         print(archive)
         if extracted:
             print(extracted)
+    return ExitCode.OK
+
+
+def results(arguments: argparse.Namespace, *, environ: Mapping[str, str], transport: Any) -> int:
+    """Save an inference job's results: every one so far as a zip (with ``manifest.json``), or with
+    ``--slice N`` that slice's result file (``N.safetensors`` or ``N.jsonl``). ``-o`` is the file to write, or
+    a directory (an existing one, or a path ending in ``/``) to save the server's file name in."""
+    target = Path(arguments.output) if arguments.output else Path(".")
+    if arguments.output and not (target.is_dir() or arguments.output.endswith(("/", "\\"))):
+        directory, name = target.parent, target.name
+    else:
+        directory, name = target, None
+    with _client(arguments, environ=environ, transport=transport) as client:
+        saved = client.download_results(arguments.job_id, directory, name=name, index=arguments.slice)
+    if arguments.json:
+        output.print_json({"path": str(saved), "bytes": saved.stat().st_size, "slice": arguments.slice})
+    else:
+        print(saved)
     return ExitCode.OK
 
 
@@ -403,6 +450,7 @@ COMMANDS = {
     "cancel": cancel,
     "discard": discard,
     "download": download,
+    "results": results,
     "logs": logs,
     "workers": workers,
 }

@@ -1,4 +1,5 @@
-"""``hypha watch``: poll a job until it ends, showing its rounds as they close.
+"""``hypha watch``: poll a job until it ends, showing its rounds as they close (an inference job: its slices
+done of total, with an ETA).
 
 Polling backs off (``MIN_INTERVAL`` × 1.5 per unchanged answer, up to ``MAX_INTERVAL``) and returns to the
 fast interval whenever the job changed, so a busy job is followed closely and an idle one costs little.
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from hypha_cli import output
+from hypha_cli import inference, output
 from hypha_cli.exceptions import ServerError, WrongServerError
 
 MIN_INTERVAL = 0.5
@@ -69,7 +70,7 @@ def _fingerprint(job: dict[str, Any]) -> tuple:
     steps = tuple(task.get("steps_total") for task in job.get("tasks") or [])
     rounds = output.closed_rounds(job)
     evaluated = sum(1 for round_ in rounds if not output.eval_pending(round_))
-    return (job.get("status"), job.get("status_reason"), len(rounds), evaluated, steps)
+    return (job.get("status"), job.get("status_reason"), len(rounds), evaluated, steps, inference.slices(job))
 
 
 class _Changes:
@@ -80,6 +81,7 @@ class _Changes:
         self.status: tuple[str | None, str | None] | None = None
         self.rounds: set[int] = set()
         self.pending_evals: set[int] = set()
+        self.slices: tuple[int, int] | None = None
 
     def new_status(self, job: dict[str, Any]) -> str | None:
         current = (job.get("status"), job.get("status_reason"))
@@ -105,9 +107,20 @@ class _Changes:
         self.pending_evals.difference_update(r.get("number") for r in arrived)
         return arrived
 
+    def new_slices(self, job: dict[str, Any]) -> str | None:
+        """An inference job's ``slices done/total · ETA`` when its count of done slices changed."""
+        current = inference.slices(job)
+        if current is None or current == self.slices:
+            return None
+        self.slices = current
+        return inference.progress_line(job)
+
     def lines(self, job: dict[str, Any]) -> list[str]:
         """What to print for this answer: the status when it changed, each newly closed round, each eval
-        that arrived after its round was printed."""
+        that arrived after its round was printed; an inference job's slices when more are done."""
+        if inference.is_inference(job):
+            status, slices = self.new_status(job), self.new_slices(job)
+            return [line for line in (status, slices) if line]
         total = output.rounds_total(job)
         status = self.new_status(job)
         late = [output.eval_line(round_, total) for round_ in self.new_evals(job)]  # older rounds first
@@ -192,6 +205,9 @@ class ProgressReporter:
     def update(self, job: dict[str, Any]) -> None:
         for line in self.changes.lines(job):
             self.progress.console.print(line, markup=False, highlight=False)
+        if inference.is_inference(job):
+            self._update_slices(job)
+            return
         total = output.rounds_total(job)
         rounds = output.closed_rounds(job)
         info = f"loss {output.loss_text(output.last_loss(job))}"
@@ -219,6 +235,27 @@ class ProgressReporter:
             job=job,
         )
         self.progress.refresh()  # drawn now, not at the next tick: each answer is seen, however fast they come
+
+    def _update_slices(self, job: dict[str, Any]) -> None:
+        """An inference job's bar: ``slices done/total``, the elapsed time and the ETA."""
+        counts = inference.slices(job)
+        description = str(job.get("status"))
+        done = inference.slices_text(job)
+        eta = inference.eta_seconds(job)
+        info = f"ETA {output.duration_text(eta)}" if eta is not None else ""
+        elapsed = len(output.duration_text(output.elapsed_seconds(job)))
+        fixed = 1 + len(description) + len(done) + max(elapsed, 8) + len(info) + self.GAPS
+        self.bar.bar_width = max(self.MIN_BAR, min(40, self.console.width - fixed))
+        self.progress.update(
+            self.task,
+            description=description,
+            total=counts[1] if counts else None,
+            completed=counts[0] if counts else 0,
+            rounds=done,
+            info=info,
+            job=job,
+        )
+        self.progress.refresh()
 
     def retrying(self, error: Exception, delay: float) -> None:
         self.progress.console.print(f"{error}; retrying in {delay:.1f}s", markup=False, highlight=False)

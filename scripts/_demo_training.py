@@ -8,7 +8,11 @@ eval arrives later), downloads the final model and ends with one JSON line::
     {"job": ..., "status": "completed", "rounds": ..., "first_round_loss": ..., "final_loss": ...,
      "eval_loss": ..., "model": "<path>"}
 
-Exit code 0 when the job completed, 1 otherwise (with the logs' tails on stderr).
+With ``--inference`` a batch inference job follows over the trained model (``scripts/_demo_inference.py``)
+and the JSON line gains ``"inference": {"job", "status", "slices", "slices_total", "seconds", "results",
+"workers"}``; ``--inference-only`` runs that job alone, over the demo's model built from its config.
+
+Exit code 0 when the job (every job) completed, 1 otherwise (with the logs' tails on stderr).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.cluster import diloco_spec, dump, prepare_stdlib_text, summary, training_cluster  # noqa: E402
+from scripts import _demo_inference  # noqa: E402
 
 
 def log(text: str) -> None:
@@ -101,6 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "demo-output", help="where the model goes")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, work dirs)")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="then run a batch inference job (embed) over the trained model; its results zip goes to --output",
+    )
+    parser.add_argument(
+        "--inference-only",
+        action="store_true",
+        help="no training: only the inference job, over the demo's model built from its config (untrained)",
+    )
     args = parser.parse_args(argv)
     if args.trainers < 1 or args.rounds < 1 or args.inner_steps < 1:
         parser.error("--trainers, --rounds and --inner-steps must be at least 1")
@@ -115,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"starting the control plane (embedded), a data node and {args.trainers + 1} worker daemons")
         with training_cluster(root=root, dataset_dir=dataset, workers=args.trainers + 1) as cluster:
             log(f"control plane at {cluster.plane.base_url}; all daemons online")
+            if args.inference_only:
+                return _inference(cluster, args, model_zip=None, started=started, trained=None)
             spec = diloco_spec(
                 dataset="stdlib", trainers=args.trainers, rounds=args.rounds, inner_steps=args.inner_steps
             )
@@ -137,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"demo: FAILED: the job is {job['status']}: {job['status_reason']}", file=sys.stderr)
                 print(cluster.logs(), file=sys.stderr)
+            if args.inference and model is not None:
+                return _inference(
+                    cluster, args, model_zip=model, started=started, trained=summary(job, model=model)
+                )
         print(dump(summary(job, model=model)), flush=True)
         return 0 if job["status"] == "completed" else 1
     finally:
@@ -146,6 +167,32 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _inference(cluster, args, *, model_zip: Path | None, started: float, trained: dict | None) -> int:
+    """Run the demo's inference job and print the JSON line (the training's, if any, with ``inference``)."""
+    try:
+        result = _demo_inference.run(
+            cluster,
+            model_zip=model_zip,
+            dataset="stdlib",
+            workers=args.trainers,
+            output=args.output,
+            log=log,
+            timeout=args.timeout,
+        )
+    except (TimeoutError, RuntimeError) as error:
+        print(f"demo: FAILED: {error}\n{cluster.logs()}", file=sys.stderr)
+        return 1
+    if result["status"] != "completed":
+        print(
+            f"demo: FAILED: the inference job is {result['status']}: {result.get('reason')}", file=sys.stderr
+        )
+        print(cluster.logs(), file=sys.stderr)
+    log(f"demo done in {time.monotonic() - started:.0f} s")
+    print(dump({**(trained or {}), "inference": result}), flush=True)
+    ok = result["status"] == "completed" and (trained is None or trained["status"] == "completed")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ Accepts the keys the original reads (reference §7.2) and the unambiguous spelli
 and keys of ours marked so below (``model.config``: a model built from a transformers config, as the JSON spec's
 ``config`` source; ``model.upload``: a file the user uploaded, as its ``upload`` source); error paths name the
 TOML keys as the user wrote them. ``examples/`` has a TOML of each kind of job.
+
+A batch inference job (docs/inference.md) is the same job table with ``type = "inference"`` (the table's
+``type`` is Hypha's job kind, ``diloco`` by default): :func:`parse_inference_toml` reads it into an
+:class:`~apps.jobs.spec.inference.InferenceSpec`, with the training form's model sources, dataset spellings and
+``[resources]`` keys (``num_workers``, ``worker``, ``worker_price``), and its own ``[task]`` table.
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ from apps.jobs.spec import (
     TrainingSpec,
     field_errors,
 )
+from apps.jobs.spec import inference as inference_spec
+from apps.jobs.spec.conversions import _renamed
+from apps.jobs.spec.inference import INFERENCE_EXECUTOR, MODEL_TASKS, InferenceSpec
 from hypha_site.parsers import document_depth, toml_nesting
 from worker_daemon.bounded_json import escape_hostile, hostile_strings
 
-_JOB_KEYS = {"model", "dataset", "dataset_name", "rounds", "inner_optimizer", "outer_optimizer", "resources"}
+_JOB_KEYS = {
+    "model", "dataset", "dataset_name", "rounds", "inner_optimizer", "outer_optimizer", "resources", "task"
+}  # fmt: skip
 
 
 def parse_toml(text: str) -> DiLoCoSpec:
@@ -38,7 +48,63 @@ def parse_toml(text: str) -> DiLoCoSpec:
     (``learning_rate``, ``dataset_name``, ``schedule``/``warmup_steps``/``total_steps``, ``[[…worker]]``
     requirement arrays). Error paths name the TOML keys as written. Raises :class:`SpecError`.
     """
-    document = _bounded_document(text)
+    prefix, table = _job_table(_bounded_document(text))
+    if table.get("type") == "inference":
+        raise SpecError(
+            [
+                {
+                    "field": ".".join(filter(None, [prefix, "type"])),
+                    "message": "An inference job: submit it to POST /api/jobs/inference/ (`hypha submit` does).",
+                }
+            ]
+        )
+    translation = _TomlTranslation(prefix)
+    data = translation.job(table)
+    try:
+        spec = DiLoCoSpec.model_validate(data)
+    except ValidationError as error:
+        errors = translation.errors + field_errors(error, translation.rename)
+        raise SpecError(errors) from None
+    if translation.errors:
+        raise SpecError(translation.errors)
+    return spec
+
+
+def parse_inference_toml(text: str) -> InferenceSpec:
+    """Validate a batch inference job's TOML: the job table of :func:`parse_toml` with ``type = "inference"``.
+
+    The table holds ``[model]`` (the training form's sources; no ``type``: the task decides how the model is
+    loaded), ``dataset``, ``[task]`` (``type`` generate, classify or embed and that task's keys, snake or kebab
+    case), ``batch_size``, ``allocation_timeout`` and ``[resources]`` (``num_workers`` the spec's ``workers``,
+    ``worker``, ``worker_price``, ``worker_min_reliability``) and ``[verification]``. Raises :class:`SpecError`, paths as written.
+    """
+    prefix, table = _job_table(_bounded_document(text))
+    if table.get("type") != "inference":
+        raise SpecError(
+            [
+                {
+                    "field": ".".join(filter(None, [prefix, "type"])),
+                    "message": 'An inference job needs type = "inference" in its job table.',
+                }
+            ]
+        )
+    translation = _InferenceTranslation(prefix)
+    data = translation.inference_job(table)
+    try:
+        spec = inference_spec.parse_json(data)
+    except SpecError as error:
+        renamed = [
+            {"field": _renamed(item["field"], translation.rename), "message": item["message"]}
+            for item in error.errors
+        ]
+        raise SpecError(translation.errors + renamed) from None
+    if translation.errors:
+        raise SpecError(translation.errors)
+    return spec
+
+
+def _job_table(document: dict[str, Any]) -> tuple[str, dict]:
+    """The job table (``[scheduler.job]``, ``[job]`` or the document itself) and its TOML path."""
     candidates = []
     scheduler = document.get("scheduler")
     if isinstance(scheduler, dict) and isinstance(scheduler.get("job"), dict):
@@ -53,17 +119,7 @@ def parse_toml(text: str) -> DiLoCoSpec:
         raise SpecError(
             [{"field": "", "message": "Ambiguous: both [scheduler.job] and [job] are present; keep one."}]
         )
-    prefix, table = candidates[0]
-    translation = _TomlTranslation(prefix)
-    data = translation.job(table)
-    try:
-        spec = DiLoCoSpec.model_validate(data)
-    except ValidationError as error:
-        errors = translation.errors + field_errors(error, translation.rename)
-        raise SpecError(errors) from None
-    if translation.errors:
-        raise SpecError(translation.errors)
-    return spec
+    return candidates[0]
 
 
 def _bounded_document(text: str) -> dict[str, Any]:
@@ -414,7 +470,9 @@ class _TomlTranslation:
     def requirement_list(self, entries: list, keys: tuple[str, ...], role: str) -> dict:
         """The docs' ``[[resources.worker]]`` arrays: ``{type = "GPU", min = 10.0}`` or ``{kind = <executor>}``."""
         resources: dict[str, Any] = {}
-        executor = TRAINER_EXECUTOR if role == "trainer" else PARAMETER_SERVER_EXECUTOR
+        executor = {"trainer": TRAINER_EXECUTOR, "worker": INFERENCE_EXECUTOR}.get(
+            role, PARAMETER_SERVER_EXECUTOR
+        )
         for index, entry in enumerate(entries):
             where = self.path(*keys) + f".{index}"
             if not isinstance(entry, dict):
@@ -429,6 +487,79 @@ class _TomlTranslation:
             else:
                 self.error(where, "Expected {type = GPU|CPU|Memory|Storage, min = number} or {kind = ...}.")
         return resources
+
+
+class _InferenceTranslation(_TomlTranslation):
+    """Rewrites an inference job table (``type = "inference"``) into the JSON shape of :class:`InferenceSpec`."""
+
+    def inference_job(self, table: dict) -> dict:
+        table = dict(table)
+        table.pop("type")
+        data: dict[str, Any] = {}
+        model = self.subtable(table, "model", ())
+        if model is not None:
+            self.rename["model"] = self.path("model")
+            if "type" in model:
+                model.pop("type")
+                tasks = ", ".join(f"{task}: {loaded}" for task, loaded in MODEL_TASKS.items())
+                self.error(self.path("model", "type"), f"The task decides how the model is loaded ({tasks}).")
+            data["model"] = self.artifact(model, "model")
+        self.dataset(table, data)
+        task = self.subtable(table, "task", ())
+        if task is not None:
+            self.rename["task"] = self.path("task")
+            data["task"] = {}
+            for key in ("type", "max_new_tokens", "temperature", "seed", "top_k"):
+                spellings = tuple(dict.fromkeys((key, key.replace("_", "-"))))
+                value = self.take(task, ("task",), spellings, f"task.{key}")
+                if value is not None:
+                    data["task"][key] = value
+            data["task"].update(task)  # unknown keys: the spec names them
+        for key in ("batch_size", "allocation_timeout"):
+            if key in table:
+                data[key] = self.take(table, (), (key,), key)
+        verification = self.subtable(table, "verification", ())
+        if verification is not None:
+            # A share of the slices computed twice and compared (docs/inference.md, "Verification").
+            self.rename["verification"] = self.path("verification")
+            data["verification"] = verification
+        resources = self.subtable(table, "resources", ())
+        if resources is not None:
+            self.inference_resources(resources, data)
+        self.unknown(table, ())
+        return data
+
+    def inference_resources(self, table: dict, data: dict) -> None:
+        keys = ("resources",)
+        count = self.take(table, keys, ("num_workers",), "workers")
+        if count is not None:
+            data["workers"] = count
+        block: dict[str, Any] = {}
+        value = table.pop("worker", None)
+        if isinstance(value, dict):
+            self.rename["worker.resources"] = self.path(*keys, "worker")
+            block["resources"] = dict(value)
+        elif isinstance(value, list):
+            block["resources"] = self.requirement_list(value, (*keys, "worker"), "worker")
+        elif value is not None:
+            self.error(self.path(*keys, "worker"), "Must be a table.")
+        price = table.pop("worker_price", None)
+        if isinstance(price, dict):
+            self.rename["worker.price"] = self.path(*keys, "worker_price")
+            block["price"] = dict(price)
+        elif price is not None:
+            self.error(self.path(*keys, "worker_price"), "Must be a table.")
+        reliability = table.pop("worker_min_reliability", None)
+        if reliability is not None:
+            self.rename["worker.min_reliability"] = self.path(*keys, "worker_min_reliability")
+            block["min_reliability"] = reliability
+        if block:
+            data["worker"] = block
+        for key in list(table):
+            if key.startswith("parameter_server"):
+                table.pop(key)
+                self.error(self.path(*keys, key), "An inference job has no parameter server.")
+        self.unknown(table, keys)
 
 
 def _dates_and_times(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:

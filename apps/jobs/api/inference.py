@@ -9,20 +9,23 @@ from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiRespo
 from pydantic import Field
 from rest_framework import status
 from rest_framework.decorators import api_view
+from rest_framework.exceptions import ParseError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.jobs import inference, services
 from apps.jobs.api.serializers import JobSubmittedSerializer
-from apps.jobs.api.views import _bearer, _declared_size, _refused, _submitted, spec_error_body
-from apps.jobs.exceptions import SpecError, TransferRefused
+from apps.jobs.api.views import TomlParser, _bearer, _declared_size, _refused, _submitted, spec_error_body
+from apps.jobs.exceptions import SpecError, SpecUnreadable, TransferRefused
 from apps.jobs.inference import submission
 from apps.jobs.models import Job
 from apps.jobs.spec import inference as inference_spec
+from apps.jobs.spec_toml import parse_inference_toml
 from hypha_site.api import error_responses
 from hypha_site.parsers import BoundedJSONParser
 from hypha_site.streaming import file_response, request_chunks
+from worker_daemon.bounded_json import hostile_string_problem
 
 NAME_MAX_LENGTH = 200
 #: The route takes any digits; a slice index beyond the database's integers names no slice.
@@ -56,7 +59,7 @@ INFERENCE_EXAMPLE = {
 class InferenceJobView(APIView):
     """Submit a batch inference job."""
 
-    parser_classes = [BoundedJSONParser]
+    parser_classes = [BoundedJSONParser, TomlParser]
 
     @extend_schema(
         operation_id="jobs_inference_create",
@@ -68,9 +71,12 @@ class InferenceJobView(APIView):
             "and an optional `name`. Every mistake is reported at once, keyed by its dotted field path. The job "
             "gets one slice per slice of the dataset; its `workers` are advertised as role `inference` "
             "(executor class `inference`) and dispatched once leased. Each slice's result is uploaded to "
-            "`PUT /api/jobs/{id}/results/{index}/`; the job completes when every slice has its result."
+            "`PUT /api/jobs/{id}/results/{index}/`; the job completes when every slice has its result. "
+            "The body may also be the job's TOML (`Content-Type: application/toml`: the job table with "
+            '`type = "inference"`, docs/inference.md; the name then comes from `?name=`).'
         ),
-        request={"application/json": InferenceSubmission},
+        parameters=[OpenApiParameter("name", OpenApiTypes.STR, description="job name, for a TOML body")],
+        request={"application/json": InferenceSubmission, "application/toml": OpenApiTypes.STR},
         responses={201: JobSubmittedSerializer, **error_responses(400, 401, 413, 415)},
         examples=[OpenApiExample("embed a corpus", value=INFERENCE_EXAMPLE, request_only=True)],
     )
@@ -79,10 +85,17 @@ class InferenceJobView(APIView):
         if isinstance(body, dict):
             body = dict(body)
             name = body.pop("name", "")
+        elif isinstance(body, str):
+            name = request.query_params.get("name", "")
+            if problem := hostile_string_problem(name):
+                return Response({"name": [problem]}, status=status.HTTP_400_BAD_REQUEST)
         else:
             name = ""
         try:
-            parsed = inference_spec.parse_json(body)
+            parsed = parse_inference_toml(body) if isinstance(body, str) else inference_spec.parse_json(body)
+        except SpecUnreadable as error:
+            # A TOML that cannot be read at all is answered as malformed JSON is: ``{"detail": ...}``.
+            raise ParseError(error.message) from None
         except SpecError as error:
             return Response(spec_error_body(error), status=status.HTTP_400_BAD_REQUEST)
         if not isinstance(name, str) or len(name) > NAME_MAX_LENGTH:
@@ -103,25 +116,30 @@ def _visible_job(request: Request, pk) -> Job | None:
 
 def _authenticated_user(request: Request):
     """The user of a ``Token`` header or a session, else ``None`` (the view takes transfer tokens too)."""
-    from rest_framework.authentication import SessionAuthentication
+    from django.contrib.auth import get_user
     from rest_framework.exceptions import APIException
 
     from hypha_site.api import UserTokenAuthentication
 
-    for authenticator in (UserTokenAuthentication(), SessionAuthentication()):
-        try:
-            found = authenticator.authenticate(request)
-        except APIException:  # a bad token is simply no user
-            found = None
-        if found is not None:
-            return found[0]
-    return None
+    try:
+        found = UserTokenAuthentication().authenticate(request)
+    except APIException:  # a bad token is simply no user
+        found = None
+    if found is not None:
+        return found[0]
+    # The session's user, read from the session itself: with no authenticators on the view, DRF has set the
+    # request's user to anonymous already (the dashboard's per-slice links take the session).
+    user = get_user(request._request)
+    return user if user.is_authenticated and user.is_active else None
 
 
 INDEX_PARAMETER = OpenApiParameter(
     "index", OpenApiTypes.INT, OpenApiParameter.PATH, description="the slice's index in the dataset"
 )
-RESULT_ENTRY = OpenApiResponse(description="`{index, sha256, size}` of the stored result")
+RESULT_ENTRY = OpenApiResponse(
+    description="`{index, sha256, size, status}` of the stored result; `status` is `accepted`, or for a "
+    "verified slice `pending` (another worker computes it too), `disputed` or `rejected`"
+)
 
 
 class JobResultView(APIView):
@@ -137,7 +155,8 @@ class JobResultView(APIView):
             "Called by an inference worker of the job with its task's transfer token (`Authorization: Bearer "
             "<token>`), for a slice assigned to it. The body is the result file; `X-Content-SHA256` its SHA-256 "
             "(hex; a body that differs is a 400) and `X-Result-Format` `safetensors` or `jsonl`. At most "
-            "`HYPHA_MAX_RESULT_BYTES` (413 above). Stored, the slice is USED (201); the same result sent again "
+            "`HYPHA_MAX_RESULT_BYTES` (413 above). Stored, the slice is USED (201) — for a slice the spec's "
+            "`verification` picks, once two workers' results agree; the same result sent again "
             "by the same worker is a 200 and changes nothing; a slice not assigned to the sender is a 409. The "
             "job completes with its last slice's result."
         ),
@@ -183,7 +202,7 @@ class JobResultView(APIView):
     @extend_schema(
         operation_id="jobs_result_retrieve",
         summary="Download the result of one slice",
-        description="The job's owner (or staff) downloads the stored result of slice `index` "
+        description="The job's owner (or staff) downloads the accepted result of slice `index` "
         "(`<index>.safetensors` or `<index>.jsonl`); 404 while it has none.",
         parameters=[INDEX_PARAMETER],
         responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **error_responses(401, 404)},
@@ -206,8 +225,8 @@ class JobResultView(APIView):
 @extend_schema(
     operation_id="jobs_results_archive",
     summary="Download every result of an inference job",
-    description="A zip of the job's stored results, `<index>.safetensors` or `<index>.jsonl` each, and "
-    "`manifest.json` (`{job, slices_done, slices_total, results: [{index, file, format, sha256, size, "
+    description="A zip of the job's accepted results (one per slice), `<index>.safetensors` or "
+    "`<index>.jsonl` each, and `manifest.json` (`{job, slices_done, slices_total, results: [{index, file, format, sha256, size, "
     "worker}]}`); while the job runs, those stored so far. 409 for a training job.",
     responses={(200, "application/zip"): OpenApiTypes.BINARY, **error_responses(401, 404, 409)},
 )

@@ -635,10 +635,16 @@ class TaskSerializer(serializers.ModelSerializer):
 
 
 class InferenceProgressSerializer(serializers.Serializer):
-    """An inference job's slices with a stored result, of all its slices."""
+    """An inference job's slices with an accepted result, of all its slices, and its verification
+    (docs/inference.md, "Verification")."""
 
     slices_done = serializers.IntegerField()
     slices_total = serializers.IntegerField()
+    verified = serializers.IntegerField(help_text="slices settled by two workers' agreeing results")
+    disputed = serializers.IntegerField(
+        help_text="slices whose computations disagree, awaiting another worker"
+    )
+    rejected = serializers.IntegerField(help_text="results that lost a verification")
 
 
 class JobDetailSerializer(JobSerializer):
