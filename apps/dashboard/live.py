@@ -111,6 +111,7 @@ def _send_job(job_id, owner_id) -> None:
             "data": dataset_services.progress(job),
             "progress": run_progress(job),
             "cost": snapshots.job_cost(job),
+            "inference": snapshots.inference_section(job),
         },
     )
     summary = {"type": "job", "job": {key: state[key] for key in ("id", "name", "status", "status_reason")}}
@@ -159,5 +160,7 @@ def _send_progress(job_id) -> None:
             "data": dataset_services.progress(job),
             "progress": run_progress(job),
             "cost": snapshots.job_cost(job),
+            # An inference job's workers and newest results: a stored result sends this event (not throttled).
+            "inference": snapshots.inference_section(job),
         },
     )

@@ -32,6 +32,11 @@ def run_progress(job: Job, *, now: datetime | None = None) -> dict:
 
     ``fraction`` is ``None`` when the spec gives no round count; a COMPLETED job is 1.0. Times are datetimes,
     durations whole seconds (floats rounded to 0.1 s)."""
+    # An inference job counts slices with a stored result, not rounds (apps/dashboard/inference.py).
+    if job.kind == Job.Kind.INFERENCE:
+        from apps.dashboard.inference import inference_progress
+
+        return inference_progress(job, now=now)
     now = now or timezone.now()
     rounds_spec = _rounds_spec(job)
     rounds_total = _positive_int(rounds_spec.get("update_rounds"))

@@ -21,6 +21,14 @@ def submit(*, owner, name: str, parsed: job_spec.DiLoCoSpec) -> Job:
     )
 
 
+def submit_inference(*, owner, name: str, parsed) -> Job:
+    """Create the inference job of a spec that passed ``apps.jobs.inference.submission.problems``, as
+    ``POST /api/jobs/inference/`` does (its slices made, its allocation queued on commit)."""
+    from apps.jobs.inference import submission
+
+    return submission.submit(owner=owner, name=name, parsed=parsed)
+
+
 def cancel(job: Job, *, by) -> Job:
     """Cancel ``job`` on behalf of ``by`` (its owner or staff); raises ``JobNotCancellable`` once it ended."""
     reason = "cancelled by its owner" if job.owner_id == by.pk else f"cancelled by {by}"

@@ -20,11 +20,12 @@ from django.db.models import Count, Prefetch, Q, QuerySet
 from django.utils import timezone
 
 from apps.accounting import services as accounting
+from apps.dashboard.inference import section as inference_section
 from apps.dashboard.progress import run_progress
 from apps.datasets import services as dataset_services
 from apps.jobs import budgets
 from apps.jobs.api.serializers import JobEventSerializer, JobLeaseSerializer, RoundSerializer, TaskSerializer
-from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, ROLES, TRAINER, Job, Task
+from apps.jobs.models import PARAMETER_SERVER, ROLE_LABELS, TRAINER, Job, Task
 from apps.leases.models import Lease
 from apps.market.models import Advertisement, Offer
 from apps.workers.models import Worker
@@ -74,6 +75,7 @@ def job_state(job: Job) -> dict:
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "model_ready": job.status == Job.Status.COMPLETED and bool(job.model_files),
+        "kind": job.kind,
         "update_rounds": _update_rounds(job),
     }
 
@@ -161,6 +163,8 @@ def job_snapshot(job: Job) -> dict:
         "progress": run_progress(job),
         "events": job_events(job),
         "cost": job_cost(job),
+        # An inference job's task, workers and stored results (None for training: apps/dashboard/inference.py).
+        "inference": inference_section(job),
     }
 
 
@@ -182,9 +186,9 @@ def job_page(job: Job) -> dict:
     transfer problems, the spec."""
     leases = job_leases(job)
     roles = []
-    for role in ROLES:
+    for role in job.roles:  # an inference job's one role, inference
         singular, plural = ROLE_LABELS[role]
-        wanted = job.num_trainers if role == TRAINER else 1
+        wanted = 1 if role == PARAMETER_SERVER else job.num_trainers  # trainers, or inference workers
         requirement = job.requirements.get(role) or {}
         roles.append(
             {

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from apps.dashboard import clone, compare, job_list, services, snapshots
 from apps.dashboard.forms import DiLoCoJobForm, TomlJobForm
+from apps.dashboard.inference import InferenceJobForm
 from apps.dashboard.login import ThrottledAuthenticationForm
 from apps.jobs.exceptions import JobNotCancellable
 from apps.jobs.models import Job
@@ -77,9 +78,13 @@ def submit_job(request: HttpRequest) -> HttpResponse:
         owner=request.user,
         prefix="toml",
     )
-    form = toml_form if source == "toml" else fields_form
+    inference_form = InferenceJobForm(
+        request.POST if source == "inference" else None, owner=request.user, prefix="inference"
+    )
+    form = {"toml": toml_form, "inference": inference_form}.get(source, fields_form)
     if request.method == "POST" and form.is_valid():
-        job = services.submit(owner=request.user, name=form.cleaned_data["name"], parsed=form.parsed)
+        submit = services.submit_inference if form is inference_form else services.submit
+        job = submit(owner=request.user, name=form.cleaned_data["name"], parsed=form.parsed)
         messages.success(
             request, f"Job {job.name or job.pk} submitted: it is being advertised to the market."
         )
@@ -90,7 +95,14 @@ def submit_job(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "dashboard/submit.html",
-        {"form": fields_form, "toml_form": toml_form, "source": source, "cloned": cloned, "lost": lost},
+        {
+            "form": fields_form,
+            "toml_form": toml_form,
+            "inference_form": inference_form,
+            "source": source,
+            "cloned": cloned,
+            "lost": lost,
+        },
         status=status,
     )
 
@@ -116,6 +128,8 @@ def job_detail(request: HttpRequest, job_id) -> HttpResponse:
         "discard_round": _discardable_round(snapshot) if owner else None,
         "websocket_path": f"/ws/dashboard/jobs/{job.pk}/",
         "model_url": reverse("job-model", kwargs={"pk": job.pk}),
+        # An inference job shows its slices, workers and results instead of rounds, trainers and loss charts.
+        "inference": snapshot["inference"],
         # The page's script links each worker to its page: this URL with the worker's id for the zero UUID.
         "worker_url_template": reverse("dashboard:worker", kwargs={"worker_id": WORKER_URL_PLACEHOLDER}),
         **snapshots.job_page(job),

@@ -168,7 +168,8 @@
       status.className = "badge big status-" + job.status;
       document.getElementById("job-reason").textContent = job.status_reason;
       document.getElementById("cancel-form").hidden = job.final;
-      document.getElementById("model-link").hidden = !job.model_ready;
+      var modelLink = document.getElementById("model-link");  // a training job's (an inference job has results)
+      if (modelLink) { modelLink.hidden = !job.model_ready; }
       var indicator = document.getElementById("live-indicator");
       if (indicator && job.final) {
         indicator.dataset.state = "finished";
@@ -461,6 +462,7 @@
     }
 
     function renderChart() {
+      if (!canvas) { return; }  // an inference job's page has no loss chart
       var data = chartData();
       canvas.dataset.points = String(data.labels.length);
       document.getElementById("chart-empty").hidden = data.labels.length > 0;
@@ -488,6 +490,36 @@
       chart.update("none");
     }
 
+    // An inference job's workers and newest stored results (#inference-card), each result a download link:
+    // the snapshot, job and progress events carry the whole section ("inference"; null for training).
+    function renderInference() {
+      var card = document.getElementById("inference-card");
+      var section = state.inference;
+      if (!card || !section) { return; }
+      replaceRows(document.getElementById("inference-workers"), (section.workers || []).map(function (worker) {
+        return row([workerLink(worker.worker, worker.worker_id), worker.status, num(worker.results),
+          num(worker.samples_total), fixed(worker.samples_per_second, 2)]);
+      }), "No worker dispatched yet.", 5);
+      var results = section.results || [];
+      replaceRows(document.getElementById("inference-results"), results.map(function (result) {
+        var file = result.index + "." + result.format;
+        var link = element("a", file, "result-link");
+        link.href = result.url;
+        link.setAttribute("download", file);
+        var sha = element("span", String(result.sha256).slice(0, 12) + "\u2026");
+        sha.title = result.sha256;
+        var tr = row([num(result.index), link, result.status, bytes(result.size), result.worker || "\u2014",
+          { node: sha, className: "mono small" }, { node: when(result.created_at), className: "mono small" }]);
+        tr.dataset.index = result.index;
+        return tr;
+      }), "No result stored yet.", 7);
+      var count = document.getElementById("results-count");
+      if (count) {
+        count.textContent = section.results_stored + " stored" + (section.results_stored > results.length ?
+          "; the newest " + results.length + " below, every one in the zip" : "");
+      }
+    }
+
     function upsertRound(round) {
       var rounds = state.rounds || (state.rounds = []);
       for (var index = 0; index < rounds.length; index += 1) {
@@ -500,7 +532,7 @@
       if (event.type === "snapshot") {
         state = event;
         renderHead(); renderLeases(); renderProblems(); renderLogs(); renderTrainers(); renderData(); renderRounds();
-        renderHistory(); renderChart();
+        renderHistory(); renderChart(); renderInference();
       } else if (event.type === "job") {
         // A job event carries every section it may have changed, read after the change's commit: the page
         // re-renders them whole (as the snapshot), so several transitions in one commit, or a task's end,
@@ -509,7 +541,9 @@
         if (event.trainers) { state.trainers = event.trainers; }
         if (event.events) { state.events = event.events; }
         state.workers = Object.assign(state.workers || {}, event.workers || {});
+        if (event.inference) { state.inference = event.inference; }
         renderHead(); renderLeases(); renderProblems(); renderLogs(); renderTrainers(); renderData(); renderHistory();
+        renderInference();
         if (discardUrl) { renderRounds(); }  // the Discard button is on a running job's rounds only
       } else if (event.type === "round") {
         upsertRound(event.round);
@@ -517,7 +551,8 @@
         renderRounds(); renderChart(); renderTrainers(); renderData();
       } else if (event.type === "progress") {
         state.trainers = event.trainers; state.data = event.data;
-        renderTrainers(); renderData();
+        if (event.inference) { state.inference = event.inference; }
+        renderTrainers(); renderData(); renderInference();
       }
       if (event.cost) { renderCost(event.cost); }
       // Other scripts of the page (progress.js) follow the same events.
