@@ -159,7 +159,7 @@ def _drive(page, cluster) -> None:
 
     # The overview lists it with its status.
     page.goto(f"{base}/")
-    expect(page.locator(f"tr[data-job='{job_id}'] .badge")).to_have_text("cancelled")
+    expect(page.locator(f"tr[data-job='{job_id}'] .badge[class*='status-']")).to_have_text("cancelled")
     expect(page.locator("#workers tbody tr")).to_have_count(3)
 
 
