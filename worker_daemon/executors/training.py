@@ -398,5 +398,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def exit_now_if_a_group_is_left(code: int) -> None:
+    """Exit with ``code`` at once when this process is a rank still in its process group: a rank that failed
+    leaves its gloo group as is (``Ranks.close``), and tearing it down as the interpreter exits can abort the
+    process (SIGABRT, "terminate called without an active exception": exit -6 instead of ``code``; a CI run
+    saw it)."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as distributed
+
+    if distributed.is_available() and distributed.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    exit_now_if_a_group_is_left(exit_code)
+    sys.exit(exit_code)
