@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -45,6 +44,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker_daemon.executors.setup import launch_arguments
 from worker_daemon.executors.training import EXIT_ERROR, EXIT_OK, EXIT_TERMINATED, configure_logging
 
 if TYPE_CHECKING:
@@ -54,37 +54,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("worker_daemon.executors.inference")
 
 RESULTS_DIR = "results"
-TRUST_REMOTE_CODE_ENV = "HYPHA_TRUST_REMOTE_CODE"
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
-    """The trainer's command line: ``--socket``, ``--work-dir`` and ``--job`` default to the environment
-    variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON``."""
-    parser = argparse.ArgumentParser(
+    """The command line (:func:`~worker_daemon.executors.setup.launch_arguments`)."""
+    return launch_arguments(
+        argv,
         prog="python -m worker_daemon.executors.inference",
         description="Hypha's built-in batch inference executor: talks to the job bridge on --socket.",
+        log_help="INFO (one line per slice) or DEBUG",
     )
-    parser.add_argument(
-        "--socket", default=os.environ.get("SOCKET_PATH"), help="bridge socket [$SOCKET_PATH]"
-    )
-    parser.add_argument("--work-dir", default=os.environ.get("WORK_DIR"), help="job work dir [$WORK_DIR]")
-    parser.add_argument("--job", default=os.environ.get("JOB_JSON"), help="the job JSON [$JOB_JSON]")
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        default=os.environ.get(TRUST_REMOTE_CODE_ENV, "").lower() in {"1", "true", "yes"},
-        help=f"let transformers run model code shipped with the artifact [${TRUST_REMOTE_CODE_ENV}=1]",
-    )
-    parser.add_argument("--log-level", default="INFO", help="INFO (one line per slice) or DEBUG")
-    arguments = parser.parse_args(argv)
-    for option, value in (
-        ("--socket", arguments.socket),
-        ("--work-dir", arguments.work_dir),
-        ("--job", arguments.job),
-    ):
-        if not value:
-            parser.error(f"{option} is required (or its environment variable)")
-    return arguments
 
 
 def _terminate(signal_number: int, frame: Any) -> None:

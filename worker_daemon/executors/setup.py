@@ -4,7 +4,9 @@ schedule of a job, as :mod:`worker_daemon.executors.training` makes them before 
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -235,3 +237,36 @@ def make_lr_schedule(
         num_stable_steps=stable_steps,
         last_epoch=last_epoch,
     )
+
+
+#: Set to 1, true or yes: transformers may run model code shipped with the artifact.
+TRUST_REMOTE_CODE_ENV = "HYPHA_TRUST_REMOTE_CODE"
+
+
+def launch_arguments(
+    argv: list[str] | None, *, prog: str, description: str, log_help: str
+) -> argparse.Namespace:
+    """A built-in executor's command line: ``--socket``, ``--work-dir`` and ``--job`` default to the
+    environment variables ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON`` (Hypha's launch contract sets both)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument(
+        "--socket", default=os.environ.get("SOCKET_PATH"), help="bridge socket [$SOCKET_PATH]"
+    )
+    parser.add_argument("--work-dir", default=os.environ.get("WORK_DIR"), help="job work dir [$WORK_DIR]")
+    parser.add_argument("--job", default=os.environ.get("JOB_JSON"), help="the job JSON [$JOB_JSON]")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=os.environ.get(TRUST_REMOTE_CODE_ENV, "").lower() in {"1", "true", "yes"},
+        help=f"let transformers run model code shipped with the artifact [${TRUST_REMOTE_CODE_ENV}=1]",
+    )
+    parser.add_argument("--log-level", default="INFO", help=log_help)
+    arguments = parser.parse_args(argv)
+    for option, value in (
+        ("--socket", arguments.socket),
+        ("--work-dir", arguments.work_dir),
+        ("--job", arguments.job),
+    ):
+        if not value:
+            parser.error(f"{option} is required (or its environment variable)")
+    return arguments

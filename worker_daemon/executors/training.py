@@ -80,6 +80,7 @@ from worker_daemon.executors.setup import (
     _own_memory,
     get_dataloaders,
     job_step,
+    launch_arguments,
     load_model,
     load_preprocessor,
     make_lr_schedule,
@@ -123,7 +124,6 @@ EXIT_USAGE = 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 INCOMING_DIR = "incoming"
-TRUST_REMOTE_CODE_ENV = "HYPHA_TRUST_REMOTE_CODE"
 #: Set by a daemon started with ``--slowdown F`` (an experiment knob): each step then takes F times as long
 #: (the executor sleeps ``(F − 1) ×`` the step's compute time after it; ``step_time`` includes the sleep).
 SLOWDOWN_ENV = "HYPHA_SLOWDOWN"
@@ -143,33 +143,13 @@ def slowdown_factor(environ: dict[str, str] | None = None) -> float:
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line; ``--socket``, ``--work-dir`` and ``--job`` default to the environment variables
-    ``SOCKET_PATH``, ``WORK_DIR`` and ``JOB_JSON`` (Hypha's launch contract sets both)."""
-    parser = argparse.ArgumentParser(
+    """The command line (:func:`~worker_daemon.executors.setup.launch_arguments`)."""
+    return launch_arguments(
+        argv,
         prog="python -m worker_daemon.executors.training",
         description="Hypha's built-in DiLoCo trainer: talks to the job bridge on --socket.",
+        log_help="INFO (one line per round) or DEBUG (per step)",
     )
-    parser.add_argument(
-        "--socket", default=os.environ.get("SOCKET_PATH"), help="bridge socket [$SOCKET_PATH]"
-    )
-    parser.add_argument("--work-dir", default=os.environ.get("WORK_DIR"), help="job work dir [$WORK_DIR]")
-    parser.add_argument("--job", default=os.environ.get("JOB_JSON"), help="the job JSON [$JOB_JSON]")
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        default=os.environ.get(TRUST_REMOTE_CODE_ENV, "").lower() in {"1", "true", "yes"},
-        help=f"let transformers run model code shipped with the artifact [${TRUST_REMOTE_CODE_ENV}=1]",
-    )
-    parser.add_argument("--log-level", default="INFO", help="INFO (one line per round) or DEBUG (per step)")
-    arguments = parser.parse_args(argv)
-    for option, value in (
-        ("--socket", arguments.socket),
-        ("--work-dir", arguments.work_dir),
-        ("--job", arguments.job),
-    ):
-        if not value:
-            parser.error(f"{option} is required (or its environment variable)")
-    return arguments
 
 
 def configure_logging(level: str) -> None:

@@ -28,10 +28,9 @@ from apps.jobs.inference import verification
 from apps.jobs.inference.dispatch import EPOCH, slice_counts, spec_of
 from apps.jobs.models import INFERENCE, InferenceResult, Job, Task
 from apps.jobs.training.storage import write_stream
-from apps.jobs.training.tokens import transfer_key
+from apps.jobs.training.tokens import token_task
 from apps.leases.models import Lease
 from apps.workers import reputation
-from worker_daemon import protocol
 
 FORMATS = tuple(InferenceResult.Format.values)
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -63,20 +62,7 @@ class Received:
 def inference_task(job: Job, token: str | None) -> Task:
     """The inference task of ``job`` whose transfer token ``token`` is; :class:`TransferRefused` otherwise
     (401 for a missing or bad token, 403 for another role's)."""
-    if not token:
-        raise TransferRefused("a transfer token is required (Authorization: Bearer …)", status=401)
-    try:
-        claims = protocol.verify_transfer_token(transfer_key(job.pk), token, job_id=str(job.pk))
-    except protocol.TransferTokenError as error:
-        raise TransferRefused(str(error), status=401) from None
-    task = (
-        Task.objects.select_related("lease")
-        .filter(job=job, role=INFERENCE, lease_id=claims.get("lease"))
-        .first()
-    )
-    if claims.get("role") != INFERENCE or task is None:
-        raise TransferRefused("only the job's inference workers upload results")
-    return task
+    return token_task(job, token, role=INFERENCE, refused="only the job's inference workers upload results")
 
 
 def receive(

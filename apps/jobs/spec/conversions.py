@@ -30,7 +30,9 @@ from apps.jobs.spec.models import (
 _TAGGED_FIELDS = {"source", "schedule"}
 
 
-def _field_path(location: tuple[str | int, ...]) -> str:
+def field_path(location: tuple[str | int, ...], tagged: set[str] = _TAGGED_FIELDS) -> str:
+    """``location`` as a dotted path, without the tag element that follows a field in ``tagged`` (a
+    discriminated union's)."""
     parts: list[str] = []
     skip_next = False
     for element in location:
@@ -38,7 +40,7 @@ def _field_path(location: tuple[str | int, ...]) -> str:
             skip_next = False
             continue
         parts.append(str(element))
-        skip_next = element in _TAGGED_FIELDS
+        skip_next = element in tagged
     return ".".join(parts)
 
 
@@ -46,7 +48,7 @@ def field_errors(error: ValidationError, rename: dict[str, str] | None = None) -
     """Every error of ``error`` as ``{"field", "message"}``; ``rename`` maps spec paths to source paths."""
     found = []
     for line in error.errors(include_url=False):
-        path = _field_path(tuple(line["loc"]))
+        path = field_path(tuple(line["loc"]))
         if rename:
             path = _renamed(path, rename)
         message = line["msg"]

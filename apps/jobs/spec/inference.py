@@ -26,7 +26,7 @@ from apps.jobs.spec.base import (
     NonEmptyString,
     _Spec,
 )
-from apps.jobs.spec.conversions import _requirement
+from apps.jobs.spec.conversions import _requirement, field_path
 from apps.jobs.spec.models import DatasetSpec, ModelSource, RoleSpec
 
 INFERENCE_EXECUTOR = {"class": "inference", "name": "batch-inference"}
@@ -113,18 +113,6 @@ class InferenceSpec(_Spec):
 _TAGGED_FIELDS = {"source", "task"}
 
 
-def _field_path(location: tuple[str | int, ...]) -> str:
-    parts: list[str] = []
-    skip_next = False
-    for element in location:
-        if skip_next:
-            skip_next = False
-            continue
-        parts.append(str(element))
-        skip_next = element in _TAGGED_FIELDS
-    return ".".join(parts)
-
-
 def parse_json(data: Any) -> InferenceSpec:
     """Validate a JSON inference specification; raise :class:`SpecError` with every error at once."""
     if not isinstance(data, dict):
@@ -135,7 +123,7 @@ def parse_json(data: Any) -> InferenceSpec:
         errors = []
         for line in error.errors(include_url=False):
             message = "Unknown key." if line["type"] == "extra_forbidden" else line["msg"]
-            errors.append({"field": _field_path(tuple(line["loc"])), "message": message})
+            errors.append({"field": field_path(tuple(line["loc"]), _TAGGED_FIELDS), "message": message})
         raise SpecError(errors) from None
     # A verified slice needs a second worker to compute it (and a third to settle a disagreement).
     if parsed.verification.fraction > 0 and parsed.workers < 2:

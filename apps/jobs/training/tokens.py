@@ -61,9 +61,9 @@ def fresh_tokens(leases: list[Lease]) -> list[FreshToken]:
     ]
 
 
-def server_task(job: Job, token: str | None, *, action: str) -> Task:
-    """The live parameter-server task of ``job`` whose transfer token ``token`` is; :class:`TransferRefused`
-    (401 for a missing or bad token, 403 for another role or an ended server, 409 once the job ended)."""
+def token_task(job: Job, token: str | None, *, role: str, refused: str) -> Task:
+    """The ``role`` task of ``job`` whose transfer token ``token`` is; :class:`TransferRefused` otherwise (401
+    for a missing or bad token, 403 with ``refused`` for a token of another role or of no task of the job)."""
     if not token:
         raise TransferRefused("a transfer token is required (Authorization: Bearer …)", status=401)
     try:
@@ -71,12 +71,17 @@ def server_task(job: Job, token: str | None, *, action: str) -> Task:
     except protocol.TransferTokenError as error:
         raise TransferRefused(str(error), status=401) from None
     task = (
-        Task.objects.select_related("lease")
-        .filter(job=job, role=PARAMETER_SERVER, lease_id=claims.get("lease"))
-        .first()
+        Task.objects.select_related("lease").filter(job=job, role=role, lease_id=claims.get("lease")).first()
     )
-    if claims.get("role") != PARAMETER_SERVER or task is None:
-        raise TransferRefused(f"only the job's parameter server {action}")
+    if claims.get("role") != role or task is None:
+        raise TransferRefused(refused)
+    return task
+
+
+def server_task(job: Job, token: str | None, *, action: str) -> Task:
+    """The live parameter-server task of ``job`` whose transfer token ``token`` is; :class:`TransferRefused`
+    (401 for a missing or bad token, 403 for another role or an ended server, 409 once the job ended)."""
+    task = token_task(job, token, role=PARAMETER_SERVER, refused=f"only the job's parameter server {action}")
     if job.status != Job.Status.RUNNING:
         raise TransferRefused(f"job {job.pk} is {job.status}", status=409)
     if not task.is_live:
